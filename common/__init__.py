@@ -1,0 +1,1 @@
+"""worldloop common: config, message schemas, Redis-stream transport, ZeroMQ weights, metrics."""

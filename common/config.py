@@ -1,0 +1,537 @@
+"""One typed configuration tree for every worldloop process.
+
+Loaded from YAML (``load_config(path, overrides)``), with ``key.sub=value``
+overrides from the command line (the value is parsed as YAML, so
+``actor.envs=[{id: worldloop/Sokoban-v0}]`` and ``judge.base_url=null`` work).
+Every key is checked against the dataclasses below: an unknown key or a value
+of the wrong type raises :class:`ConfigError` naming the dotted key and the
+reason, so a bad config fails at start-up, never an hour into a run.
+
+Each section belongs to one role; a role adds its own keys to its own
+dataclass only. Defaults follow Table 22 of the VAGEN paper unless noted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown or its value is invalid."""
+
+    def __init__(self, key: str, reason: str):
+        self.key = key
+        self.reason = reason
+        super().__init__(f"config key '{key}': {reason}")
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class RunConfig:
+    name: str = "worldloop"
+    # where metrics.jsonl, plots, checkpoints and logs go; null = runs/<config>-<time>
+    run_dir: str | None = None
+    seed: int = 0
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+
+@dataclass
+class RedisConfig:
+    # redis://[user:password@]host:port/db or rediss://...; null = `worldloop up` starts a local server
+    url: str | None = None
+    # every key and stream of a run is prefixed with this, so several runs can share one Redis
+    namespace: str = "worldloop"
+    # backpressure: a producer waits while a stream holds this many undelivered+pending entries
+    max_backlog: int = 512
+    block_ms: int = 1000  # XREADGROUP block time
+    claim_idle_ms: int = 60_000  # reclaim messages pending longer than this from dead consumers
+    reconnect_max_s: float = 30.0  # backoff cap while Redis is unreachable
+    socket_timeout_s: float = 10.0
+
+
+@dataclass
+class WeightsConfig:
+    host: str = "127.0.0.1"  # where actors reach the learner
+    bind: str = "127.0.0.1"  # where the learner binds its sockets ("0.0.0.0" across machines)
+    pub_port: int = 5555  # PUB: version announcements
+    fetch_port: int = 5556  # ROUTER: chunked fetch of the latest version
+    chunk_bytes: int = 4 * 1024 * 1024
+    # ZeroMQ CURVE (paths to key files made by `zmq.auth.create_certificates`); all null = plaintext
+    curve_server_public: str | None = None  # server .key (actors)
+    curve_server_secret: str | None = None  # server .key_secret (learner)
+    curve_client_public: str | None = None  # learner: the only client .key (or folder of them) it admits; null = any
+    curve_client_secret: str | None = None  # client .key_secret (actors); null = an ephemeral client key
+    fetch_timeout_s: float = 30.0  # an actor gives up when the learner has not answered for this long
+
+
+@dataclass
+class MetricsConfig:
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = an ephemeral port, announced in the log and in Redis
+
+
+@dataclass
+class ModelConfig:
+    # a local HF model directory (Qwen2.5-VL family or a text-only causal LM); no hub downloads
+    path: str = "models/tiny-qwen2.5-vl"
+    # build the embedded tiny model (local tokenizer + small Qwen2.5-VL config) if `path` is missing
+    make_tiny_if_missing: bool = True
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int = 4096
+    # images are resized so that neither side exceeds this (pixels) before the vision tower
+    max_image_side: int = 224
+
+
+@dataclass
+class EnvSpec:
+    id: str = "worldloop/Sokoban-v0"  # a registered gymnasium id
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    weight: float = 1.0  # sampling weight among envs of an actor
+    name: str | None = None  # label in metrics; default: id without prefix/version
+
+
+@dataclass
+class ActorConfig:
+    num_envs: int = 8
+    envs: list[EnvSpec] = field(default_factory=lambda: [EnvSpec()])
+    max_turns: int = 3
+    n_samples_per_seed: int = 1
+    backend: Literal["hf", "vllm"] = "hf"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    temperature: float = 0.7
+    top_p: float = 0.95
+    max_new_tokens: int = 200
+    # training seeds are drawn from [seed_start, seed_end); eval uses seeds >= eval.seed_start
+    seed_start: int = 0
+    seed_end: int = 1_000_000
+    vllm_gpu_memory_utilization: float = 0.5
+    vllm_enforce_eager: bool = True
+    # vLLM KV-cache size in GiB; null = from vllm_gpu_memory_utilization on GPU, 1 GiB on CPU
+    vllm_kv_cache_gib: float | None = None
+    actor_id: str | None = None  # default: <hostname>-<pid>
+
+
+@dataclass
+class JudgeConfig:
+    enabled: bool = True
+    # scorer names per env name ("default" applies to envs not listed): rule | llm | hybrid
+    scorers: dict[str, list[str]] = field(default_factory=lambda: {"default": ["rule"]})
+    beta_grounding: float = 0.5
+    beta_worldmodeling: float = 0.5
+    concurrency: int = 16
+    timeout_s: float = 30.0
+    max_retries: int = 3
+    backoff_s: float = 0.5
+    base_url: str | None = None  # any OpenAI-compatible endpoint
+    model: str = "gpt-4o-mini"
+    api_key_env: str = "OPENAI_API_KEY"  # the key is read from this variable, never logged
+    cache_size: int = 10_000
+    repetition_top_k: int = 5
+    repetition_f1_threshold: float = 0.7
+    repetition_penalty: float = 0.1
+    fallback_score: float = 0.0
+    batch_size: int = 8  # trajectories read per XREADGROUP (and held in flight at most)
+    # Argos Eq. 9 gate when several scorers apply: the first listed is the gate; below the threshold
+    # the gate's score stands alone, at or above it the weighted mean of all applicable scorers
+    gate_threshold: float = 0.5
+    scorer_weights: dict[str, float] = field(default_factory=lambda: {"rule": 1.0, "llm": 1.0, "hybrid": 1.0})
+    max_tokens: int = 512  # judge reply length (llm: think + verdict; hybrid: the JSON list)
+    dedup_window_s: float = 86400.0  # trajectory ids already forwarded to `scored` are remembered this long
+
+
+@dataclass
+class TrainerConfig:
+    estimator: Literal["masked_gae", "bilevel_gae", "turn_ppo", "grpo", "vanilla_ppo"] = "bilevel_gae"
+    total_steps: int = 100
+    train_batch_size: int = 128  # trajectories per update
+    ppo_mini_batch_size: int = 32
+    micro_batch_size: int = 4  # sequences per forward; accumulation = mini / micro
+    ppo_epochs: int = 1
+    actor_lr: float = 1e-6
+    critic_lr: float = 1e-5
+    kl_coef: float = 0.001
+    clip_ratio: float = 0.2
+    value_clip: float = 0.2
+    entropy_coef: float = 0.0
+    max_grad_norm: float = 1.0
+    gamma: float = 1.0  # masked_gae / vanilla_ppo
+    lam: float = 1.0
+    gamma_token: float = 1.0
+    lam_token: float = 1.0
+    gamma_turn: float = 0.95
+    lam_turn: float = 1.0
+    whiten_advantages: bool = True
+    max_staleness: int = 4  # drop trajectories whose oldest turn is further behind than this
+    importance_weight_cap: float = 2.0  # truncation of pi_prox / pi_behaviour
+    wmact_rescale: bool = False  # WMAct Eq. 4: R * N_eff / N
+    anneal_max_turns: bool = False  # WMAct Eq. 5
+    anneal_every: int = 10  # tau
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto = bf16 on GPU, fp32 on CPU
+    gradient_checkpointing: bool = False
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 3
+    resume: bool = False
+    use_critic: bool = True  # false for grpo
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto = cuda:<LOCAL_RANK> when visible, else cpu
+    # KL to the frozen reference: -kl_coef * KL as a per-token reward (VAGEN), or a loss term
+    kl_in_reward: bool = True
+    kl_estimator: Literal["kl", "abs", "mse", "low_var_kl"] = "kl"
+    # stream entries are acked only after a checkpoint holds their update; when the payload bytes
+    # held pending pass this, the learner checkpoints early (see learner/data.py)
+    max_pending_mb: int = 1024
+
+
+@dataclass
+class SFTConfig:
+    # warm start on solver demonstrations, only when `worldloop up` has just made the embedded tiny
+    # model (a real checkpoint is never touched); the defaults are sized for that tiny model:
+    # 64 Sokoban episodes x 20 epochs take ~80 s on 2 CPU cores and reach 100% well-formed answers
+    enabled: bool = True
+    episodes: int = 64
+    epochs: int = 20
+    lr: float = 5e-3
+    batch_size: int = 8
+
+
+@dataclass
+class UpConfig:
+    num_actors: int = 2
+    num_judges: int = 1
+    progress_interval_s: float = 2.0
+
+
+@dataclass
+class EvalConfig:
+    episodes: int = 32
+    seed_start: int = 10_000_000  # held-out seeds, disjoint from actor.seed_start..seed_end
+    concurrency: int = 8
+    max_tokens: int = 400  # Table 21: 150/400
+    temperature: float = 0.7
+    single_turn: bool = False  # WMAct protocol
+    output: str | None = None
+    # turns per episode; null = the paper's value per env (VAGEN Tables 7-15; actor.max_turns otherwise)
+    max_turns: int | None = None
+    top_p: float = 1.0  # the APIs' default; the same for local and remote models
+    prompt_format: str | None = None  # reasoning strategy; null = the env's default
+    state_format: str | None = None  # state representation; null = the env's default
+    render_mode: Literal["vision", "text"] = "vision"
+    timeout_s: float = 120.0  # per request to an OpenAI-compatible endpoint
+    max_retries: int = 4  # on 429 / 5xx / timeouts / connection errors, exponential backoff
+    backoff_s: float = 1.0
+    api_key_env: str = "OPENAI_API_KEY"  # the key is read from this variable, never logged
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    up: UpConfig = field(default_factory=UpConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    # set by the loader: the file the config came from (not a key in YAML)
+    source: str | None = field(default=None, metadata={"internal": True})
+
+
+# --------------------------------------------------------------------------- checks
+
+# value checks beyond types: dotted key -> (predicate, reason)
+_CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
+    "redis.max_backlog": (lambda v: v >= 1, "must be >= 1"),
+    "redis.url": (
+        lambda v: v is None or v.startswith(("redis://", "rediss://", "unix://")),
+        "must start with redis://, rediss:// or unix://",
+    ),
+    "weights.chunk_bytes": (lambda v: v >= 1024, "must be >= 1024"),
+    "weights.pub_port": (lambda v: 0 <= v < 65536, "must be a TCP port"),
+    "weights.fetch_port": (lambda v: 0 <= v < 65536, "must be a TCP port"),
+    "weights.fetch_timeout_s": (lambda v: v > 0, "must be > 0"),
+    "metrics.port": (lambda v: 0 <= v < 65536, "must be a TCP port (0 = ephemeral)"),
+    "actor.num_envs": (lambda v: v >= 1, "must be >= 1"),
+    "actor.envs": (lambda v: len(v) >= 1, "must list at least one env"),
+    "actor.max_turns": (lambda v: v >= 1, "must be >= 1"),
+    "actor.n_samples_per_seed": (lambda v: v >= 1, "must be >= 1"),
+    "actor.temperature": (lambda v: v >= 0, "must be >= 0"),
+    "actor.top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    "actor.max_new_tokens": (lambda v: v >= 1, "must be >= 1"),
+    "actor.vllm_kv_cache_gib": (lambda v: v is None or v > 0, "must be > 0 or null"),
+    "judge.concurrency": (lambda v: v >= 1, "must be >= 1"),
+    "judge.timeout_s": (lambda v: v > 0, "must be > 0"),
+    "judge.max_retries": (lambda v: v >= 0, "must be >= 0"),
+    "judge.backoff_s": (lambda v: v >= 0, "must be >= 0"),
+    "judge.cache_size": (lambda v: v >= 0, "must be >= 0 (0 = no cache)"),
+    "judge.batch_size": (lambda v: v >= 1, "must be >= 1"),
+    "judge.gate_threshold": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    "judge.scorer_weights": (lambda v: all(k in ("rule", "llm", "hybrid") and w > 0 for k, w in v.items()),
+                             "keys must be rule/llm/hybrid with weights > 0"),
+    "judge.max_tokens": (lambda v: v >= 1, "must be >= 1"),
+    "judge.dedup_window_s": (lambda v: v > 0, "must be > 0"),
+    "judge.repetition_top_k": (lambda v: v >= 0, "must be >= 0 (0 = no repetition penalty)"),
+    "trainer.train_batch_size": (lambda v: v >= 1, "must be >= 1"),
+    "trainer.ppo_mini_batch_size": (lambda v: v >= 1, "must be >= 1"),
+    "trainer.micro_batch_size": (lambda v: v >= 1, "must be >= 1"),
+    "trainer.clip_ratio": (lambda v: v > 0, "must be > 0"),
+    "trainer.max_staleness": (lambda v: v >= 0, "must be >= 0"),
+    "trainer.importance_weight_cap": (lambda v: v >= 1.0, "must be >= 1"),
+    "trainer.gamma": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    "trainer.lam": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    "trainer.gamma_token": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    "trainer.lam_token": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    "trainer.gamma_turn": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    "trainer.lam_turn": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    "trainer.anneal_every": (lambda v: v >= 1, "must be >= 1"),
+    "trainer.checkpoint_every": (lambda v: v >= 1, "must be >= 1"),
+    "trainer.keep_checkpoints": (lambda v: v >= 1, "must be >= 1"),
+    "trainer.max_pending_mb": (lambda v: v >= 1, "must be >= 1"),
+    "trainer.total_steps": (lambda v: v >= 1, "must be >= 1"),
+    "trainer.ppo_epochs": (lambda v: v >= 1, "must be >= 1"),
+    "up.num_actors": (lambda v: v >= 0, "must be >= 0"),
+    "up.num_judges": (lambda v: v >= 0, "must be >= 0"),
+    "eval.episodes": (lambda v: v >= 1, "must be >= 1"),
+    "sft.episodes": (lambda v: v >= 1, "must be >= 1"),
+    "sft.epochs": (lambda v: v >= 0, "must be >= 0"),
+    "sft.lr": (lambda v: v > 0, "must be > 0"),
+    "sft.batch_size": (lambda v: v >= 1, "must be >= 1"),
+    "eval.concurrency": (lambda v: v >= 1, "must be >= 1"),
+    "eval.max_tokens": (lambda v: v >= 1, "must be >= 1"),
+    "eval.temperature": (lambda v: v >= 0, "must be >= 0"),
+    "eval.top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    "eval.max_turns": (lambda v: v is None or v >= 1, "must be >= 1 or null"),
+    "eval.timeout_s": (lambda v: v > 0, "must be > 0"),
+    "eval.max_retries": (lambda v: v >= 0, "must be >= 0"),
+    "eval.backoff_s": (lambda v: v >= 0, "must be >= 0"),
+}
+
+
+def _cross_checks(cfg: Config) -> None:
+    t = cfg.trainer
+    if t.train_batch_size % t.ppo_mini_batch_size:
+        raise ConfigError(
+            "trainer.ppo_mini_batch_size",
+            f"must divide trainer.train_batch_size ({t.train_batch_size}), got {t.ppo_mini_batch_size}",
+        )
+    if t.ppo_mini_batch_size % t.micro_batch_size:
+        raise ConfigError(
+            "trainer.micro_batch_size",
+            f"must divide trainer.ppo_mini_batch_size ({t.ppo_mini_batch_size}), got {t.micro_batch_size}",
+        )
+    if cfg.actor.seed_end <= cfg.actor.seed_start:
+        raise ConfigError("actor.seed_end", "must be greater than actor.seed_start")
+    if cfg.actor.seed_start <= cfg.eval.seed_start < cfg.actor.seed_end:
+        raise ConfigError("eval.seed_start", "must lie outside the training seed range [actor.seed_start, actor.seed_end)")
+    for name in cfg.judge.scorers.values():
+        for s in name:
+            if s not in ("rule", "llm", "hybrid"):
+                raise ConfigError("judge.scorers", f"unknown scorer '{s}' (known: rule, llm, hybrid)")
+    # CURVE: the learner holds the server's secret key file (and optionally the client keys it
+    # admits); an actor holds only the server's public key file (and optionally its own client key)
+    w = cfg.weights
+    if w.curve_client_secret and not w.curve_server_public:
+        raise ConfigError("weights.curve_server_public", "an actor's CURVE client key needs the server's public key file")
+    if w.curve_client_public and not w.curve_server_secret:
+        raise ConfigError("weights.curve_server_secret", "admitting CURVE client keys needs the server's secret key file")
+
+
+# --------------------------------------------------------------------------- coercion
+
+
+_FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(key: str, tp: Any, value: Any) -> Any:
+    """Check ``value`` against the annotation ``tp``; return the typed value."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(key, a, value)
+            except ConfigError as e:
+                errors.append(e.reason)
+        raise ConfigError(key, "; ".join(errors) if errors else f"got {value!r}")
+    if origin is Literal:
+        if value in args:
+            return value
+        raise ConfigError(key, f"must be one of {list(args)}, got {value!r}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(key, f"expected a list, got {type(value).__name__} {value!r}")
+        return [_coerce(f"{key}[{i}]", args[0], v) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"expected a mapping, got {type(value).__name__} {value!r}")
+        return {_coerce(f"{key}.<key>", args[0], k): _coerce(f"{key}.{k}", args[1], v) for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"expected a mapping for section {tp.__name__}, got {value!r}")
+        return _build(tp, value, key)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(key, f"expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(key, f"expected an integer, got {type(value).__name__} {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):
+            return float(value)  # YAML 1.1 reads 1e-6 (no dot) as a string
+        raise ConfigError(key, f"expected a number, got {type(value).__name__} {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(key, f"expected a string, got {type(value).__name__} {value!r}")
+    raise ConfigError(key, f"unsupported type {_type_name(tp)}")
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _build(cls: type, data: dict, prefix: str = "") -> Any:
+    hints = _hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+    kwargs = {}
+    for k, v in data.items():
+        dotted = f"{prefix}.{k}" if prefix else str(k)
+        if k not in known:
+            raise ConfigError(dotted, f"unknown key (known keys here: {', '.join(sorted(known))})")
+        kwargs[k] = _coerce(dotted, hints[k], v)
+        if dotted in _CHECKS:
+            ok, reason = _CHECKS[dotted]
+            if not ok(kwargs[k]):
+                raise ConfigError(dotted, f"{reason}, got {v!r}")
+    return cls(**kwargs)
+
+
+def _validate_defaults(cfg: Config) -> None:
+    """Run value checks on every key, including defaults and values set in code."""
+    for dotted, (ok, reason) in _CHECKS.items():
+        value = get_key(cfg, dotted)
+        if not ok(value):
+            raise ConfigError(dotted, f"{reason}, got {value!r}")
+    _cross_checks(cfg)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def get_key(cfg: Any, dotted: str) -> Any:
+    obj = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise ConfigError(text, "an override must look like key.sub=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(text, "an override must name a key before '='")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(key, f"value {raw!r} is not valid YAML: {e}") from None
+    return key, value
+
+
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for i, p in enumerate(parts[:-1]):
+        nxt = node.get(p)
+        if nxt is None:
+            nxt = node[p] = {}
+        elif not isinstance(nxt, dict):
+            raise ConfigError(".".join(parts[: i + 1]), "is a value, not a section; cannot set a sub-key")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def config_from_dict(data: dict | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    tree: dict = dict(data or {})
+    if not isinstance(tree, dict):
+        raise ConfigError("<root>", "the config file must be a mapping of sections")
+    tree = _deep_copy(tree)
+    for ov in overrides:
+        k, v = parse_override(ov)
+        _set_dotted(tree, k, v)
+    cfg = _build(Config, tree)
+    _validate_defaults(cfg)
+    return cfg
+
+
+def _deep_copy(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _deep_copy(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_deep_copy(v) for v in x]
+    return x
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a YAML file (or only defaults when ``path`` is None) and apply overrides."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError("<file>", f"config file {str(p)!r} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError("<file>", f"{p} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError("<root>", f"{p} must hold a mapping of sections, got {type(data).__name__}")
+    cfg = config_from_dict(data, overrides)
+    cfg.source = str(path) if path is not None else None
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict:
+    """The config as plain data (for logs, the run directory and child processes)."""
+    out = dataclasses.asdict(cfg)
+    out.pop("source", None)
+    return out
+
+
+def env_label(spec: EnvSpec) -> str:
+    """Short env name used in metrics labels: worldloop/Sokoban-v0 -> sokoban."""
+    if spec.name:
+        return spec.name
+    base = spec.id.split("/")[-1]
+    return base.split("-v")[0].lower()

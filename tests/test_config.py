@@ -1,0 +1,115 @@
+"""The typed config tree: unknown keys, bad types and cross checks name the key; presets load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.config import Config, ConfigError, config_from_dict, load_config, parse_override, to_dict
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _error(data: dict | None = None, overrides: tuple[str, ...] = ()) -> ConfigError:
+    with pytest.raises(ConfigError) as ei:
+        config_from_dict(data or {}, list(overrides))
+    return ei.value
+
+
+def test_defaults_load() -> None:
+    cfg = load_config(None)
+    assert isinstance(cfg, Config) and cfg.redis.max_backlog == 512 and cfg.source is None
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_preset_loads(path: Path) -> None:
+    cfg = load_config(path)
+    assert cfg.source == str(path)
+    assert to_dict(cfg)["redis"]["namespace"] == cfg.redis.namespace
+
+
+def test_unknown_key_is_named() -> None:
+    e = _error({"redis": {"max_backlogg": 3}})
+    assert e.key == "redis.max_backlogg" and "unknown key" in e.reason and "max_backlog" in e.reason
+    assert _error({"nosuchsection": {}}).key == "nosuchsection"
+    assert _error(overrides=("trainer.lr=0.1",)).key == "trainer.lr"
+
+
+@pytest.mark.parametrize("override,key,words", [
+    ("redis.max_backlog=lots", "redis.max_backlog", "expected an integer"),
+    ("redis.max_backlog=1.5", "redis.max_backlog", "expected an integer"),
+    ("actor.temperature=hot", "actor.temperature", "expected a number"),
+    ("judge.enabled=1", "judge.enabled", "expected true/false"),
+    ("actor.backend=tpu", "actor.backend", "must be one of"),
+    ("actor.envs=notalist", "actor.envs", "expected a list"),
+    ("actor.envs=[{id: x, weight: heavy}]", "actor.envs[0].weight", "expected a number"),
+    ("redis.url=http://x", "redis.url", "must start with redis://"),
+    ("redis.max_backlog=0", "redis.max_backlog", "must be >= 1"),
+    ("actor.top_p=1.5", "actor.top_p", "(0, 1]"),
+])
+def test_bad_value_is_named(override: str, key: str, words: str) -> None:
+    e = _error(overrides=(override,))
+    assert e.key == key and words in e.reason
+    assert key in str(e)
+
+
+def test_override_parsing() -> None:
+    assert parse_override("a.b=3") == ("a.b", 3)
+    assert parse_override("a.b=null") == ("a.b", None)
+    assert parse_override("a.b=") == ("a.b", "")
+    assert parse_override("a.b=x=y") == ("a.b", "x=y")
+    assert parse_override("a.b=[1, 2]") == ("a.b", [1, 2])
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        parse_override("novalue")
+    with pytest.raises(ConfigError):
+        parse_override("=3")
+    with pytest.raises(ConfigError) as ei:
+        parse_override("a.b=[unclosed")
+    assert ei.value.key == "a.b"
+
+
+def test_overrides_apply_on_top_of_file(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("redis:\n  namespace: fromfile\n  max_backlog: 7\n")
+    cfg = load_config(f, ["redis.max_backlog=9", "redis.url=rediss://:pw@h:1/0",
+                          "actor.envs=[{id: worldloop/FrozenLake-v0, kwargs: {size: 4}}]", "judge.base_url=null"])
+    assert (cfg.redis.namespace, cfg.redis.max_backlog, cfg.redis.url) == ("fromfile", 9, "rediss://:pw@h:1/0")
+    assert cfg.actor.envs[0].id == "worldloop/FrozenLake-v0" and cfg.actor.envs[0].kwargs == {"size": 4}
+    assert cfg.judge.base_url is None
+    assert isinstance(load_config(None, ["trainer.kl_coef=1"]).trainer.kl_coef, float)
+    # YAML 1.1 reads 1e-6 (no dot) as a string; a float key still takes it
+    assert load_config(None, ["trainer.actor_lr=1e-6"]).trainer.actor_lr == 1e-6
+    assert _error(overrides=("trainer.actor_lr=1e-6x",)).key == "trainer.actor_lr"
+    assert _error(overrides=("trainer.total_steps=1e3",)).key == "trainer.total_steps"  # not for ints
+    assert _error(overrides=("redis.max_backlog.x=1",)).key == "redis.max_backlog"
+
+
+def test_cross_checks() -> None:
+    e = _error(overrides=("trainer.train_batch_size=10", "trainer.ppo_mini_batch_size=4"))
+    assert e.key == "trainer.ppo_mini_batch_size" and "divide" in e.reason
+    e = _error(overrides=("trainer.ppo_mini_batch_size=8", "trainer.micro_batch_size=3"))
+    assert e.key == "trainer.micro_batch_size"
+    assert _error(overrides=("actor.seed_start=5", "actor.seed_end=5")).key == "actor.seed_end"
+    assert _error(overrides=("eval.seed_start=10",)).key == "eval.seed_start"
+    assert _error(overrides=("eval.seed_start=0",)).key == "eval.seed_start"  # the first training seed too
+    assert load_config(None, ["eval.seed_start=1000000"]).eval.seed_start == 1_000_000  # = actor.seed_end: held out
+    e = _error(overrides=("judge.scorers={default: [magic]}",))
+    assert e.key == "judge.scorers" and "magic" in e.reason
+    assert _error(overrides=("weights.curve_client_secret=/c.key_secret",)).key == "weights.curve_server_public"
+    assert _error(overrides=("weights.curve_client_public=/c.key",)).key == "weights.curve_server_secret"
+    # each side names only its own files: an actor never needs the server's secret key
+    assert load_config(None, ["weights.curve_server_public=/s.key"]).weights.curve_server_secret is None
+
+
+def test_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("redis: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("just a string\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(scalar)

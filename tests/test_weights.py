@@ -1,0 +1,459 @@
+"""The ZeroMQ weight channel over real sockets on loopback: delivery, late joiners, no mixed
+versions, corrupted and lost chunks through a real ZeroMQ hop, CURVE, the safetensors-style codec."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import struct
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+import safetensors.torch
+import torch
+import zmq
+import zmq.auth
+from prometheus_client import REGISTRY
+
+from common.config import ConfigError, config_from_dict
+from common.metrics import free_port
+from common.weights import (
+    DTYPES,
+    WeightPublisher,
+    WeightsError,
+    WeightSubscriber,
+    WeightsTimeout,
+    decode_tensors,
+    encode_tensors,
+    publisher_from_config,
+    subscriber_from_config,
+)
+
+HOST = "127.0.0.1"
+
+
+def weight_set(version: int, scale: int = 1 << 20) -> dict[str, torch.Tensor]:
+    """A deterministic set of mixed dtypes, about 25*scale bytes (scale=4 MiB: ~100 MiB); differs per version."""
+    g = torch.Generator().manual_seed(1000 + version)
+    return {
+        "model.embed.weight": torch.randn(scale * 5 // 4, 4, generator=g),  # f32, 20*scale bytes
+        "model.layers.0.mlp.weight": torch.randn(scale, 2, generator=g).to(torch.bfloat16),  # 4*scale
+        "model.layers.0.norm.weight": torch.randn(scale // 4, generator=g).to(torch.float16),
+        "model.layers.0.bias": torch.randint(-(2**40), 2**40, (scale // 16,), generator=g),  # int64
+        "model.mask": torch.rand(scale // 8, generator=g) > 0.5,  # bool
+        "model.step": torch.tensor(version, dtype=torch.int32),  # 0-dim
+    }
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for k, w in want.items():
+        g = got[k]
+        assert g.dtype == w.dtype and g.shape == w.shape, k
+        # compare the raw bytes: exact, and NaN-safe
+        assert torch.equal(g.contiguous().reshape(-1).view(torch.uint8), w.contiguous().reshape(-1).view(torch.uint8)), k
+
+
+def counter(name: str) -> float:
+    return REGISTRY.get_sample_value(name) or 0.0
+
+
+class Tap:
+    """A real ZeroMQ hop between subscriber and publisher (ROUTER in front, DEALER behind).
+
+    Requests pass unchanged; each CHUNK reply goes through ``on_chunk(n, header, frames)``
+    (n counts CHUNK replies from 0), which returns the frames to forward or None to drop them;
+    MANIFEST replies through ``on_manifest(frames)`` the same way.
+    """
+
+    def __init__(self, fetch_port: int, on_chunk: Callable[[int, dict, list[bytes]], list[bytes] | None],
+                 on_manifest: Callable[[list[bytes]], list[bytes]] = lambda frames: frames):
+        self.on_chunk = on_chunk
+        self.on_manifest = on_manifest
+        self.chunks: list[tuple[str, int]] = []  # (version sha256, index) of every CHUNK reply seen
+        self.ctx = zmq.Context()
+        self.front = self.ctx.socket(zmq.ROUTER)
+        self.port = self.front.bind_to_random_port(f"tcp://{HOST}")
+        self.back = self.ctx.socket(zmq.DEALER)
+        self.back.connect(f"tcp://{HOST}:{fetch_port}")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.front, zmq.POLLIN)
+        poller.register(self.back, zmq.POLLIN)
+        while not self._stop.is_set():
+            events = dict(poller.poll(50))
+            if self.front in events:
+                self.back.send_multipart(self.front.recv_multipart())
+            if self.back in events:
+                frames = self.back.recv_multipart()  # [subscriber id, b"", kind, header, payload...]
+                if frames[2] == b"CHUNK":
+                    hdr = json.loads(frames[3])
+                    self.chunks.append((hdr["sha256"], hdr["index"]))
+                    frames = self.on_chunk(len(self.chunks) - 1, hdr, frames)
+                elif frames[2] == b"MANIFEST":
+                    frames = self.on_manifest(frames)
+                if frames is not None:
+                    self.front.send_multipart(frames)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.front.close(0)
+        self.back.close(0)
+        self.ctx.term()
+
+
+def flip_byte(frames: list[bytes]) -> list[bytes]:
+    data = bytearray(frames[4])
+    data[len(data) // 2] ^= 0x01
+    return frames[:4] + [bytes(data)]
+
+
+@contextlib.contextmanager
+def tapped(publisher: WeightPublisher, on_chunk: Callable, on_manifest: Callable | None = None,
+           **kwargs) -> Iterator[tuple[WeightSubscriber, Tap]]:
+    """A subscriber that fetches through a Tap in front of ``publisher``; both closed afterwards."""
+    tap = Tap(publisher.fetch_port, on_chunk, *([on_manifest] if on_manifest else []))
+    sub = WeightSubscriber(HOST, publisher.pub_port, tap.port, fetch_timeout_s=10, **kwargs)
+    try:
+        yield sub, tap
+    finally:
+        sub.close()
+        tap.close()
+
+
+def assert_fetched(got: tuple[int, dict[str, torch.Tensor]] | None, version: int, want: dict[str, torch.Tensor]) -> None:
+    assert got is not None and got[0] == version
+    assert_same(got[1], want)
+
+
+@pytest.fixture
+def publisher():
+    pub = WeightPublisher(HOST, chunk_bytes=256 * 1024, announce_interval_s=0.2)
+    yield pub
+    pub.close()
+
+
+# --------------------------------------------------------------------------- delivery
+
+
+def test_three_subscribers_get_versions_1_to_3_and_a_late_joiner_gets_3() -> None:
+    pub = WeightPublisher(HOST, announce_interval_s=0.2)  # default 4 MiB chunks
+    subs = [WeightSubscriber(HOST, pub.pub_port, pub.fetch_port, fetch_timeout_s=20) for _ in range(3)]
+    late = None
+    try:
+        assert all(s.fetch() is None for s in subs)  # nothing published yet
+        with ThreadPoolExecutor(3) as pool:
+            for v in (1, 2, 3):
+                want = weight_set(v, scale=4 << 20)
+                assert sum(t.numel() * t.element_size() for t in want.values()) > 100e6
+                pub.publish(want, v)
+                results = list(pool.map(lambda s: s.fetch(min_version=v - 1), subs))  # concurrently
+                for got in results:
+                    assert_fetched(got, v, want)
+                del results
+        assert all(s.fetch(min_version=3) is None for s in subs)  # nothing newer than 3
+        deadline = time.monotonic() + 10
+        while subs[0].latest_announced() != 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert subs[0].latest_announced() == 3
+
+        late = WeightSubscriber(HOST, pub.pub_port, pub.fetch_port, fetch_timeout_s=20)
+        assert_fetched(late.fetch(), 3, weight_set(3, scale=4 << 20))  # asks the ROUTER: no announcement needed
+        assert late.stats["rejected_chunks"] == 0 and late.stats["restarts"] == 0
+    finally:
+        for s in subs + ([late] if late else []):
+            s.close()
+        pub.close()
+
+
+def test_publish_mid_fetch_restarts_on_the_new_version_never_a_mix(publisher: WeightPublisher) -> None:
+    v1, v2 = weight_set(1, scale=1 << 18), weight_set(2, scale=1 << 18)  # ~6.5 MiB: 26 chunks of 256 KiB
+    for k in v1:
+        if v1[k].numel() > 1:
+            assert not torch.equal(v1[k], v2[k]), k  # every chunk differs between versions: a mix would show
+    publisher.publish(v1, 1)
+
+    def publish_v2_at_third_chunk(n: int, hdr: dict, frames: list[bytes]) -> list[bytes]:
+        if n == 2:  # v1 is mid-fetch: the subscriber has 2 chunks, asked for 2 more
+            publisher.publish(v2, 2)
+        return frames
+
+    # window of 2 chunks: the subscriber cannot have asked for all of v1 before the switch
+    with tapped(publisher, publish_v2_at_third_chunk, window_bytes=512 * 1024) as (sub, tap):
+        assert_fetched(sub.fetch(), 2, v2)
+    assert sub.stats["restarts"] == 1
+    shas = [sha for sha, _ in tap.chunks]
+    v1_chunks = shas.count(shas[0])
+    assert 3 <= v1_chunks < 26  # part of v1 was received, then dropped
+    assert len(set(shas)) == 2 and len(shas) - v1_chunks == 26  # then all of v2
+
+
+def test_corrupted_chunk_is_rejected_and_fetched_again(publisher: WeightPublisher) -> None:
+    want = weight_set(7, scale=1 << 18)
+    publisher.publish(want, 7)
+    rejected_before = counter("worldloop_weights_rejected_chunks_total")
+    with tapped(publisher, lambda n, hdr, frames: flip_byte(frames) if n == 3 else frames) as (sub, tap):
+        assert_fetched(sub.fetch(), 7, want)
+    assert counter("worldloop_weights_rejected_chunks_total") - rejected_before == 1
+    assert sub.stats["rejected_chunks"] == 1
+    corrupted = tap.chunks[3][1]
+    assert [i for _, i in tap.chunks].count(corrupted) == 2  # that chunk, and only it, came twice
+    assert len(tap.chunks) == 26 + 1
+
+
+def test_a_chunk_that_keeps_failing_gives_a_clear_error_then_a_clean_fetch_works(publisher: WeightPublisher) -> None:
+    want = weight_set(3, scale=1 << 16)
+    publisher.publish(want, 3)
+    corrupt = [True]
+
+    def corrupt_chunk_1(n: int, hdr: dict, frames: list[bytes]) -> list[bytes]:
+        return flip_byte(frames) if corrupt[0] and hdr["index"] == 1 else frames
+
+    with tapped(publisher, corrupt_chunk_1, max_chunk_retries=2) as (sub, _):
+        with pytest.raises(WeightsError, match=r"chunk 1 of v3 failed its CRC-32 check 3 times"):
+            sub.fetch()
+        assert sub.stats["rejected_chunks"] == 3
+        corrupt[0] = False
+        assert_fetched(sub.fetch(), 3, want)
+
+
+def test_a_chunk_altered_to_pass_its_crc_is_caught_by_the_whole_sha256(publisher: WeightPublisher) -> None:
+    want = weight_set(5, scale=1 << 16)
+    publisher.publish(want, 5)
+    cb = publisher.chunk_bytes
+    chunk2 = bytearray(encode_tensors(want, 5)[2 * cb:3 * cb])  # the encoding is deterministic
+    chunk2[100] ^= 0x01
+    forged_crc = zlib.crc32(chunk2)
+    tamper = [True]
+
+    def forge_crc(frames: list[bytes]) -> list[bytes]:  # the manifest now vouches for the altered chunk
+        crcs = bytearray(frames[4])
+        crcs[8:12] = struct.pack(">I", forged_crc)
+        return frames[:4] + [bytes(crcs)] if tamper[0] else frames
+
+    def alter(n: int, hdr: dict, frames: list[bytes]) -> list[bytes]:
+        return frames[:4] + [bytes(chunk2)] if tamper[0] and hdr["index"] == 2 else frames
+
+    rejected_before = counter("worldloop_weights_rejected_chunks_total")
+    with tapped(publisher, alter, forge_crc) as (sub, _):
+        with pytest.raises(WeightsError, match="does not match the manifest sha256.*nothing was handed over"):
+            sub.fetch()
+        assert counter("worldloop_weights_rejected_chunks_total") - rejected_before == 1
+        tamper[0] = False
+        assert_fetched(sub.fetch(), 5, want)
+
+
+def test_a_lost_reply_is_requested_again(publisher: WeightPublisher) -> None:
+    want = weight_set(4, scale=1 << 16)
+    publisher.publish(want, 4)
+    with tapped(publisher, lambda n, hdr, frames: None if n == 1 else frames, resend_s=0.3) as (sub, _):  # drop one
+        assert_fetched(sub.fetch(), 4, want)
+    assert sub.stats["resent_requests"] >= 1
+
+
+def test_timeouts_and_bad_publishes_give_clear_errors(publisher: WeightPublisher) -> None:
+    nobody = WeightSubscriber(HOST, free_port(), free_port(), fetch_timeout_s=0.5)
+    try:
+        with pytest.raises(WeightsTimeout, match="no TCP connection was made"):
+            nobody.fetch()
+    finally:
+        nobody.close()
+    publisher.publish({"w": torch.ones(3)}, 5)
+    with pytest.raises(ValueError, match="not newer than the published version 5"):
+        publisher.publish({"w": torch.ones(3)}, 5)
+    with pytest.raises(ValueError, match="version must be an integer"):
+        publisher.publish({"w": torch.ones(3)}, -1)
+    with pytest.raises(ValueError, match="expected a torch.Tensor"):
+        publisher.publish({"w": [1.0, 2.0]}, 6)  # type: ignore[dict-item]
+    assert publisher.version == 5  # a refused publish changes nothing
+    with WeightSubscriber(HOST, publisher.pub_port, publisher.fetch_port, fetch_timeout_s=5) as sub:
+        assert_fetched(sub.fetch(), 5, {"w": torch.ones(3)})
+
+
+# --------------------------------------------------------------------------- CURVE
+
+
+@pytest.fixture
+def certs(tmp_path: Path) -> Path:
+    for name in ("server", "client", "other", "intruder"):
+        zmq.auth.create_certificates(tmp_path, name)
+    return tmp_path
+
+
+def test_curve_right_key_gets_weights_wrong_keys_time_out(certs: Path) -> None:
+    want = weight_set(1, scale=1 << 14)
+    pub = WeightPublisher(HOST, chunk_bytes=64 * 1024, announce_interval_s=0.2,
+                          curve_secret_key_file=certs / "server.key_secret",
+                          curve_authorized_clients=certs / "client.key")
+    pub.publish(want, 1)
+    ports = (HOST, pub.pub_port, pub.fetch_port)
+    good = WeightSubscriber(*ports, fetch_timeout_s=10, curve_server_public_key_file=certs / "server.key",
+                            curve_client_key_file=certs / "client.key_secret")
+    wrong_server = WeightSubscriber(*ports, fetch_timeout_s=1, curve_server_public_key_file=certs / "other.key",
+                                    curve_client_key_file=certs / "client.key_secret")
+    unknown_client = WeightSubscriber(*ports, fetch_timeout_s=1, curve_server_public_key_file=certs / "server.key",
+                                      curve_client_key_file=certs / "intruder.key_secret")
+    plain = WeightSubscriber(*ports, fetch_timeout_s=1)
+    try:
+        assert_fetched(good.fetch(), 1, want)
+        deadline = time.monotonic() + 10
+        while good.latest_announced() != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert good.latest_announced() == 1  # PUB is a CURVE server too
+        with pytest.raises(WeightsTimeout, match=r"handshake failed.*curve_server_public"):
+            wrong_server.fetch()
+        with pytest.raises(WeightsTimeout, match=r"handshake failed.*refused this client key"):
+            unknown_client.fetch()
+        with pytest.raises(WeightsTimeout, match=r"handshake failed.*no CURVE"):
+            plain.fetch()
+        assert wrong_server.latest_announced() is None and plain.latest_announced() is None
+    finally:
+        for s in (good, wrong_server, unknown_client, plain):
+            s.close()
+        pub.close()
+
+
+def test_from_config_with_curve_and_errors_that_name_the_key(certs: Path) -> None:
+    keys = {
+        "curve_server_public": str(certs / "server.key"),
+        "curve_server_secret": str(certs / "server.key_secret"),
+        "curve_client_public": str(certs),  # a folder: every *.key in it is authorized
+        "curve_client_secret": str(certs / "client.key_secret"),
+    }
+    cfg = config_from_dict({"weights": {"pub_port": 0, "fetch_port": 0, "chunk_bytes": 65536, **keys}})
+    pub = publisher_from_config(cfg)
+    try:
+        assert pub.curve and pub.chunk_bytes == 65536 and pub.pub_port > 0 and pub.fetch_port > 0
+        pub.publish({"w": torch.arange(10)}, 2)
+        actor_cfg = config_from_dict({"weights": {"pub_port": pub.pub_port, "fetch_port": pub.fetch_port,
+                                                  "fetch_timeout_s": 10.0, **keys}})
+        with subscriber_from_config(actor_cfg) as sub:
+            assert_fetched(sub.fetch(), 2, {"w": torch.arange(10)})
+    finally:
+        pub.close()
+
+    missing = config_from_dict({"weights": {"pub_port": 0, "fetch_port": 0, **keys,
+                                            "curve_server_secret": str(certs / "nope.key_secret")}})
+    with pytest.raises(ConfigError, match=r"'weights.curve_server_secret'.*nope.key_secret.*does not exist"):
+        publisher_from_config(missing)
+    public_only = config_from_dict({"weights": {**keys, "curve_client_secret": str(certs / "client.key")}})
+    with pytest.raises(ConfigError, match=r"'weights.curve_client_secret'.*holds no secret key"):
+        subscriber_from_config(public_only)
+    (certs / "garbage.key").write_text("not a certificate\n")
+    garbage = config_from_dict({"weights": {"pub_port": 0, "fetch_port": 0, **keys,
+                                            "curve_client_public": str(certs / "garbage.key")}})
+    with pytest.raises(ConfigError, match=r"'weights.curve_client_public'.*garbage.key"):
+        publisher_from_config(garbage)
+    with pytest.raises(ConfigError, match=r"'weights.curve_server_public'"):  # caught when the config loads
+        config_from_dict({"weights": {"curve_client_secret": keys["curve_client_secret"]}})
+    ephemeral = config_from_dict({"weights": {"pub_port": 0, "fetch_port": 0}})  # fine for the learner only
+    with pytest.raises(ConfigError, match=r"'weights.pub_port'.*give the publisher's actual port"):
+        subscriber_from_config(ephemeral)
+
+
+# --------------------------------------------------------------------------- codec
+
+
+def all_dtype_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(3, 5, generator=g) * 4
+    out = {}
+    for code, dt in DTYPES.items():
+        if dt.is_complex:
+            t = torch.complex(base, -base).to(dt)
+        elif dt == torch.bool:
+            t = base > 0
+        elif dt.is_floating_point:
+            t = base.to(dt)
+        else:  # integers incl. uint16/32/64: through int64
+            t = (base * 10).abs().to(torch.int64).to(dt)
+        out[f"t.{code}"] = t
+    out["scalar"] = torch.tensor(2.5, dtype=torch.bfloat16)
+    out["empty"] = torch.empty(0, 7, dtype=torch.float16)
+    out["transposed"] = torch.arange(12, dtype=torch.int16).reshape(3, 4).t()  # not contiguous
+    out["odd.size.u8"] = torch.arange(7, dtype=torch.uint8)  # 7 bytes: only the size ordering keeps others aligned
+    return out
+
+
+def test_encode_decode_round_trip_for_every_dtype() -> None:
+    want = all_dtype_tensors()
+    assert {"BF16", "F16", "F32", "F64", "BOOL", "U8", "I64", "F8_E4M3", "C64"} <= set(DTYPES)
+    data = encode_tensors(want, 42)
+    version, got = decode_tensors(data)  # read-only bytes: copies
+    assert version == 42
+    assert_same(got, want)
+    version, views = decode_tensors(bytearray(data))  # writable: zero-copy views
+    assert version == 42
+    assert_same(views, want)
+    # safetensors-compatible in both directions (for the dtypes safetensors knows)
+    st_dtypes = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+                 torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64}
+    st_ok = {k: v.contiguous() for k, v in want.items() if v.dtype in st_dtypes}
+    assert len(st_ok) >= 15
+    assert_same(safetensors.torch.load(encode_tensors(st_ok, 1)), st_ok)
+    version, got = decode_tensors(safetensors.torch.save(st_ok, metadata={"version": "9"}))
+    assert version == 9
+    assert_same(got, st_ok)
+
+
+def test_encode_refuses_bad_input() -> None:
+    with pytest.raises(ValueError, match="version must be an integer"):
+        encode_tensors({"a": torch.ones(1)}, True)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not allowed"):
+        encode_tensors({"__metadata__": torch.ones(1)}, 1)
+    with pytest.raises(ValueError, match="only dense tensors"):
+        encode_tensors({"s": torch.eye(3).to_sparse()}, 1)
+    with pytest.raises(ValueError, match="expected a torch.Tensor"):
+        encode_tensors({"n": 3}, 1)  # type: ignore[dict-item]
+
+
+def raw(header: bytes | dict, data_len: int = 0, declared_len: int | None = None) -> bytes:
+    hb = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(hb) if declared_len is None else declared_len) + hb + bytes(data_len)
+
+
+META = {"__metadata__": {"version": "1"}}
+
+
+def f32(offsets: list[int], shape: list[int] | None = None) -> dict:
+    shape = shape if shape is not None else [(offsets[1] - offsets[0]) // 4]
+    return {"dtype": "F32", "shape": shape, "data_offsets": offsets}
+
+
+@pytest.mark.parametrize(
+    "data, reason",
+    [
+        (b"\x01\x02", "too short"),
+        (raw(META, declared_len=10_000), "runs past the end"),
+        (raw(META, declared_len=1 << 40), "exceeds the limit"),
+        (raw(b"{not json"), "not valid JSON"),
+        (raw(b"\xff\xfe{}"), "not valid JSON"),
+        (raw(b'{"__metadata__": {"version": "1"}, "a": {}, "a": {}}'), "duplicate key 'a'"),
+        (raw(b"[1, 2]"), "must be a JSON object"),
+        (raw({"a": f32([0, 4])}, 4), "__metadata__"),
+        (raw({"__metadata__": {"version": "v1"}}), "version must be a decimal integer"),
+        (raw({**META, "a": {"dtype": "F13", "shape": [1], "data_offsets": [0, 4]}}, 4), "unknown dtype 'F13'"),
+        (raw({**META, "a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, 4), "shape must be"),
+        (raw({**META, "a": {"dtype": "F32", "shape": [1], "data_offsets": [0]}}, 4), "data_offsets must be"),
+        (raw({**META, "a": {"dtype": "F32", "shape": [1]}}, 4), "exactly dtype, shape and data_offsets"),
+        (raw({**META, "a": f32([0, 400])}, 16), "out of range"),
+        (raw({**META, "a": f32([8, 4], [1])}, 16), "out of range"),
+        (raw({**META, "a": f32([0, 8]), "b": f32([4, 12])}, 12), "overlap"),
+        (raw({**META, "a": f32([0, 8], [3])}, 8), r"8 bytes for F32 \[3\] which needs 12"),
+        (raw({**META, "a": f32([0, 4]), "b": f32([8, 12])}, 12), r"bytes \[4, 8\) of the data section belong to no tensor"),
+        (raw({**META, "a": f32([0, 4])}, 8), "4 trailing bytes"),
+    ],
+)
+def test_decode_rejects_malformed_data(data: bytes, reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        decode_tensors(data)
