@@ -1,0 +1,727 @@
+"""Base class, response parser and prompt builders shared by every worldloop environment.
+
+Public API (stable; later changes only add)::
+
+    PROMPT_FORMATS = ("no_think", "free_think", "grounding", "worldmodeling", "grounding_worldmodeling")
+    STATE_FORMATS = ("natural_language", "symbolic", "structured")
+    RENDER_MODES = ("vision", "text")
+    IMAGE_PLACEHOLDER = "<image>"          # == common.modeling.IMAGE_PLACEHOLDER
+    FORMAT_REWARD = 0.5                    # VAGEN Tables 16-20
+    MAX_RESPONSE_CHARS = 65536             # longer responses are rejected unread
+
+    parse_response(text, prompt_format) -> ParsedResponse
+        ParsedResponse(format_ok, think, observation, reasoning, prediction, answer, reason)
+    ActionVocab(words, aliases=None)       # canonical action words + extra spellings
+        .parse(answer, max_actions) -> ActionParse
+        .canonical(word) -> str | None
+    parse_actions(answer, vocab, max_actions) -> ActionParse
+        ActionParse(actions, values, unknown, dropped, reason); .ok
+    normalise_action_word(word) -> str     # "Move  Up." -> "moveup"
+    format_prompt(prompt_format, max_actions, sep=",", *, example=None, state_hint="",
+                  action_line=None) -> str
+    build_response(prompt_format, *, answer, think=None, observation=None, reasoning=None,
+                   prediction=None) -> str
+    user_message(slot, *, initial, valid_actions=None, context="", format_text="") -> str
+    relative_position(pos, ref) -> str     # App. D.1 phrase, e.g. "above and on the left side of"
+    relation_sentence(name, pos, ref_name, ref_pos) -> str
+    to_plain(obj)                          # numpy / tuples -> plain msgpack-able Python
+    ActionResult(changed: bool, reward: float = 0.0)
+    class VisualEnv(gymnasium.Env)
+
+Response formats (VAGEN Table 5). Tags are matched exactly (lower case, no spaces inside the
+brackets); the response may have white space around and between the structural tags but no other
+text outside them; every tag of the format must occur exactly once and in order, and no tag of
+another format may appear (in ``free_think`` the ``<think>`` body is free text and may contain any
+tag but think/answer). The answer must be non-empty. Anything else gives ``format_ok=False`` with a
+``reason`` such as ``"missing <answer>"``, ``"duplicated <think>"``, ``"unexpected <prediction>"``,
+``"text outside the tags"``, ``"empty answer"``. The parser is one regex scan over at most
+``MAX_RESPONSE_CHARS`` characters (it stops early once more tags than the format has are seen) and
+never raises on any text (None and bytes included).
+
+Action words: an answer is split on ``,`` / ``;`` / newlines; each item is normalised (lower case,
+everything but letters and digits removed, so ``" move  UP."`` -> ``"moveup"``) and looked up among
+the env's canonical words and aliases. Only the first ``max_actions_per_step`` items are considered
+(the rest are dropped, VAGEN truncates the same way). Any unknown word among them rejects the whole
+turn (see below).
+
+Turn semantics of :class:`VisualEnv.step` (the same for every env; decided from VAGEN Tables 16/17
+and the issue's "invalid or unparsable text gets no format reward and changes nothing"):
+
+* bad format, empty answer or any unknown action word -> nothing is executed, ``env_reward`` 0,
+  ``format_reward`` 0, no step penalty, the step counter does not advance, ``format_ok`` False.
+* otherwise ``format_reward`` = 0.5 and the actions run in order; each executed action earns the
+  env's own reward for it (``ActionResult.reward``, e.g. Sokoban's +1 box on target) plus
+  ``SUCCESS_REWARD`` (+10) if it completes the task, else ``-STEP_PENALTY`` (-0.1: "applied each step
+  when the task is not completed"). Execution stops early when the episode terminates or the step
+  limit is reached.
+* a "step" for ``max_steps`` is one executed action (as in gym-sokoban); ``truncated`` becomes True
+  when ``max_steps`` actions have run without termination.
+* a step after the episode ended executes nothing and earns nothing (``format_ok`` still reports the
+  parse, ``info["reason"] == "episode already ended"``).
+
+Subclass interface (override the ``_`` methods; see :class:`VisualEnv`):
+
+    ACTIONS, ACTION_ALIASES, ACTION_SEP, STATE_FORMATS_SUPPORTED, DEFAULT_MAX_ACTIONS_PER_STEP,
+    DEFAULT_MAX_STEPS, DEFAULT_IMAGE_SIZE, SUCCESS_REWARD, STEP_PENALTY   (class attributes)
+    _generate(rng, options)            new level from the seeded numpy Generator      (required)
+    _apply_action(value) -> ActionResult   one action; say whether the state changed  (required)
+    _get_state() -> dict               {"relations", "symbolic", "structured"}        (required)
+    _is_success() -> bool                                                             (required)
+    _render_image() -> np.ndarray      uint8 HxWx3 (vision mode)                      (required)
+    _render_text() -> str              text observation (text mode); default: state's symbolic
+    _system_intro() -> str             role, rules, symbols, "Actions you can take: ..." (required)
+    _expert_actions() -> list[str]     next actions of a competent plan (canonical strings)
+    _is_terminal() -> bool             default: success; e.g. FrozenLake hole
+    _parse_actions(answer) -> ActionParse   default: ActionVocab over ACTIONS/ACTION_ALIASES;
+                                       override for continuous actions (values = parsed objects)
+    _state_format_hint() -> str        what <observation>/<prediction> should contain
+    _example_fields() -> dict          observation/reasoning/prediction/answer for the prompt example
+    _expert_reasoning(actions) -> str
+    _turn_context() -> str             extra per-turn text (e.g. an instruction); default ""
+    _metrics() -> dict[str, float]     env-specific numbers; default {}
+    _snapshot() / _restore(snap)       used to simulate the expert's prediction; default deepcopy
+    describe_state(state) -> str       state as text in self.state_format
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import gymnasium
+import numpy as np
+
+PROMPT_FORMATS: tuple[str, ...] = ("no_think", "free_think", "grounding", "worldmodeling", "grounding_worldmodeling")
+STATE_FORMATS: tuple[str, ...] = ("natural_language", "symbolic", "structured")
+RENDER_MODES: tuple[str, ...] = ("vision", "text")
+IMAGE_PLACEHOLDER = "<image>"
+FORMAT_REWARD = 0.5
+MAX_RESPONSE_CHARS = 65536
+
+# format -> (description line, format line); wording of VAGEN App. B.1/B.2 and its code
+_FORMAT_TEXT: dict[str, tuple[str, str]] = {
+    "no_think": ("You should provide only your answer.", "<answer>...</answer>"),
+    "free_think": ("You should first give your reasoning, and then your answer.", "<think>...</think><answer>...</answer>"),
+    "grounding": (
+        "You should first give the description of your observation, then your reasoning, and finally your answer.",
+        "<think><observation>...</observation><reasoning>...</reasoning></think><answer>...</answer>",
+    ),
+    "worldmodeling": (
+        "You should first give your reasoning, then predict the next state, and finally your answer.",
+        "<think><reasoning>...</reasoning><prediction>...</prediction></think><answer>...</answer>",
+    ),
+    "grounding_worldmodeling": (
+        "You should first give the description of your observation, then your reasoning, then predict the next "
+        "state, and finally your answer.",
+        "<think><observation>...</observation><reasoning>...</reasoning><prediction>...</prediction></think>"
+        "<answer>...</answer>",
+    ),
+}
+
+# the think-children of each format (None: free text inside <think>; () : no <think> at all)
+_THINK_FIELDS: dict[str, tuple[str, ...] | None] = {
+    "no_think": (),
+    "free_think": None,
+    "grounding": ("observation", "reasoning"),
+    "worldmodeling": ("reasoning", "prediction"),
+    "grounding_worldmodeling": ("observation", "reasoning", "prediction"),
+}
+
+_ALL_TAGS = ("think", "observation", "reasoning", "prediction", "answer")
+_TAG_RE = re.compile(r"<(/?)(think|observation|reasoning|prediction|answer)>")
+_FREE_TAG_RE = re.compile(r"<(/?)(think|answer)>")
+_SPLIT_RE = re.compile(r"[,;\n]")
+_NON_ALNUM_RE = re.compile(r"[^0-9a-z]+")
+
+
+def uses_observation(prompt_format: str) -> bool:
+    """True when the format has an ``<observation>`` field (grounding, grounding_worldmodeling)."""
+    return "observation" in (_THINK_FIELDS.get(prompt_format) or ())
+
+
+def uses_prediction(prompt_format: str) -> bool:
+    """True when the format has a ``<prediction>`` field (worldmodeling, grounding_worldmodeling)."""
+    return "prediction" in (_THINK_FIELDS.get(prompt_format) or ())
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+@dataclass(frozen=True)
+class ParsedResponse:
+    """The fields of one response; ``reason`` says why ``format_ok`` is False ("" when ok)."""
+
+    format_ok: bool
+    think: str | None = None
+    observation: str | None = None
+    reasoning: str | None = None
+    prediction: str | None = None
+    answer: str | None = None
+    reason: str = ""
+
+
+def _expected_tags(prompt_format: str) -> list[str]:
+    children = _THINK_FIELDS[prompt_format]
+    seq: list[str] = []
+    if children is None:
+        seq += ["<think>", "</think>"]
+    elif children:
+        seq.append("<think>")
+        for c in children:
+            seq += [f"<{c}>", f"</{c}>"]
+        seq.append("</think>")
+    return seq + ["<answer>", "</answer>"]
+
+
+def _mismatch_reason(found: list[str], expected: list[str]) -> str:
+    for tag in found:
+        if tag not in expected:
+            return f"unexpected {tag}"
+    for tag in expected:
+        if found.count(tag) > 1:
+            return f"duplicated {tag}"
+    for tag in expected:
+        if tag not in found:
+            return f"missing {tag}"
+    return "tags out of order"
+
+
+def _fail(reason: str) -> ParsedResponse:
+    return ParsedResponse(format_ok=False, reason=reason)
+
+
+def parse_response(text: Any, prompt_format: str) -> ParsedResponse:
+    """Parse a raw model response in ``prompt_format`` (one of PROMPT_FORMATS); never raises on text.
+
+    Raises ValueError only for an unknown ``prompt_format`` (a caller bug, not model output).
+    """
+    if prompt_format not in _FORMAT_TEXT:
+        raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}, got {prompt_format!r}")
+    if isinstance(text, (bytes, bytearray)):
+        text = bytes(text[: MAX_RESPONSE_CHARS * 4 + 4]).decode("utf-8", errors="replace")
+    if not isinstance(text, str):
+        return _fail(f"response is {type(text).__name__}, not text")
+    if len(text) > MAX_RESPONSE_CHARS:
+        return _fail(f"response has {len(text)} characters, more than {MAX_RESPONSE_CHARS}")
+    expected = _expected_tags(prompt_format)
+    tag_re = _FREE_TAG_RE if _THINK_FIELDS[prompt_format] is None else _TAG_RE
+    found: list[str] = []
+    spans: list[tuple[int, int]] = []
+    for m in tag_re.finditer(text):
+        found.append(m.group(0))
+        spans.append(m.span())
+        if len(found) > len(expected):
+            break
+    if found != expected:
+        return _fail(_mismatch_reason(found, expected) if found else "no tags")
+    # white space only before the first tag, after the last, and between structural tags
+    content: dict[str, str] = {}
+    gaps = [text[: spans[0][0]], text[spans[-1][1] :]]
+    for i in range(len(found) - 1):
+        inner = text[spans[i][1] : spans[i + 1][0]]
+        a, b = found[i], found[i + 1]
+        if not a.startswith("</") and b == "</" + a[1:]:
+            content[a[1:-1]] = inner.strip()  # a leaf: <x> ... </x>
+        else:
+            gaps.append(inner)
+    if any(g.strip() for g in gaps):
+        return _fail("text outside the tags")
+    answer = content.get("answer", "")
+    if not answer:
+        return ParsedResponse(False, content.get("think"), content.get("observation"), content.get("reasoning"),
+                              content.get("prediction"), answer, "empty answer")
+    think = content.get("think")
+    if think is None and _THINK_FIELDS[prompt_format]:
+        # the structured formats: the think text is the span between <think> and </think>
+        s, e = spans[0][1], spans[found.index("</think>")][0]
+        think = text[s:e].strip()
+    return ParsedResponse(True, think, content.get("observation"), content.get("reasoning"),
+                          content.get("prediction"), answer, "")
+
+
+# --------------------------------------------------------------------------- actions
+
+
+def normalise_action_word(word: str) -> str:
+    """Lower case with everything but letters and digits removed: ``" Move  UP."`` -> ``"moveup"``."""
+    return _NON_ALNUM_RE.sub("", word.lower())
+
+
+@dataclass(frozen=True)
+class ActionParse:
+    """Result of splitting an answer into actions.
+
+    ``actions``: canonical spellings of the accepted actions (at most max_actions);
+    ``values``: what ``_apply_action`` receives (None: the canonical strings themselves);
+    ``unknown``: items that are not actions (as written); ``dropped``: items beyond max_actions;
+    ``reason``: "" when ok, else why the answer is rejected.
+    """
+
+    actions: list[str] = field(default_factory=list)
+    values: list[Any] | None = None
+    unknown: list[str] = field(default_factory=list)
+    dropped: int = 0
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.reason and bool(self.actions)
+
+
+class ActionVocab:
+    """Canonical action words plus extra spellings, matched by :func:`normalise_action_word`."""
+
+    def __init__(self, words: Sequence[str], aliases: Mapping[str, str] | None = None) -> None:
+        self.words = tuple(words)
+        self._lookup: dict[str, str] = {}
+        for w in self.words:
+            self._lookup[normalise_action_word(w)] = w
+        for alias, canon in (aliases or {}).items():
+            if canon not in self.words:
+                raise ValueError(f"alias {alias!r} maps to {canon!r}, which is not an action")
+            self._lookup.setdefault(normalise_action_word(alias), canon)
+
+    def canonical(self, word: str) -> str | None:
+        return self._lookup.get(normalise_action_word(word))
+
+    def parse(self, answer: str | None, max_actions: int) -> ActionParse:
+        items = [s.strip() for s in _SPLIT_RE.split(answer or "")]
+        items = [s for s in items if s]
+        if not items:
+            return ActionParse(reason="no action in the answer")
+        kept, dropped = items[:max_actions], max(0, len(items) - max_actions)
+        actions: list[str] = []
+        unknown: list[str] = []
+        for item in kept:
+            canon = self.canonical(item)
+            if canon is None:
+                unknown.append(item[:80])
+            else:
+                actions.append(canon)
+        if unknown:
+            return ActionParse(actions, None, unknown, dropped, f"unknown action {unknown[0]!r}")
+        return ActionParse(actions, None, [], dropped, "")
+
+
+def parse_actions(answer: str | None, vocab: ActionVocab | Sequence[str], max_actions: int) -> ActionParse:
+    """Split ``answer`` into at most ``max_actions`` canonical actions of ``vocab``."""
+    if not isinstance(vocab, ActionVocab):
+        vocab = ActionVocab(vocab)
+    return vocab.parse(answer, max_actions)
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def format_prompt(
+    prompt_format: str,
+    max_actions: int,
+    sep: str = ",",
+    *,
+    example: str | None = None,
+    state_hint: str = "",
+    action_line: str | None = None,
+) -> str:
+    """The format instructions of VAGEN App. B.2: action count, description, format, example."""
+    description, fmt = _FORMAT_TEXT[prompt_format]
+    lines = [action_line if action_line is not None else f"You can take up to {max_actions} action(s) at a time, separated by {sep}."]
+    lines.append(description)
+    if state_hint and (uses_observation(prompt_format) or uses_prediction(prompt_format)):
+        lines.append(state_hint)
+    lines += ["Your response should be in the format of:", fmt]
+    if example:
+        lines.append(f"e.g. {example}")
+    return "\n".join(lines)
+
+
+def build_response(
+    prompt_format: str,
+    *,
+    answer: str,
+    think: str | None = None,
+    observation: str | None = None,
+    reasoning: str | None = None,
+    prediction: str | None = None,
+) -> str:
+    """A well-formed response in ``prompt_format`` (free_think uses ``think`` or else ``reasoning``)."""
+    children = _THINK_FIELDS[prompt_format]
+    if children is None:
+        head = f"<think>{think if think is not None else reasoning or ''}</think>"
+    elif children:
+        values = {"observation": observation, "reasoning": reasoning, "prediction": prediction}
+        head = "<think>" + "".join(f"<{c}>{values[c] or ''}</{c}>" for c in children) + "</think>"
+    else:
+        head = ""
+    return f"{head}<answer>{answer}</answer>"
+
+
+def user_message(
+    slot: str,
+    *,
+    initial: bool,
+    valid_actions: Sequence[str] | None = None,
+    context: str = "",
+    format_text: str = "",
+) -> str:
+    """The per-turn user message (VAGEN App. B.2): ``slot`` is ``<image>`` or the text observation."""
+    if initial:
+        head = f"[Initial Observation]:\n{slot}\n"
+    else:
+        acts = ", ".join(valid_actions) if valid_actions else "none"
+        head = f"After your answer, the extracted valid action is {acts}.\nAfter that, the observation is:\n{slot}\n"
+    body = (context.strip() + "\n") if context and context.strip() else ""
+    tail = f"\n{format_text}" if format_text else ""
+    return f"{head}{body}Decide your next action(s).{tail}"
+
+
+# --------------------------------------------------------------------------- relations
+
+
+def relative_position(pos: Sequence[int], ref: Sequence[int]) -> str:
+    """Where ``pos`` is relative to ``ref`` (both (row, col), row grows downwards), App. D.1 wording.
+
+    ``"above and on the left side of"``, ``"below and at the same column as"``,
+    ``"at the same row and to the right of"``, ``"at the same place as"``.
+    """
+    dr, dc = int(pos[0]) - int(ref[0]), int(pos[1]) - int(ref[1])
+    if dr == 0 and dc == 0:
+        return "at the same place as"
+    if dr == 0:
+        return f"at the same row and to the {'left' if dc < 0 else 'right'} of"
+    vertical = "above" if dr < 0 else "below"
+    if dc == 0:
+        return f"{vertical} and at the same column as"
+    return f"{vertical} and on the {'left' if dc < 0 else 'right'} side of"
+
+
+def relation_sentence(name: str, pos: Sequence[int], ref_name: str, ref_pos: Sequence[int]) -> str:
+    """``"box0 is above and on the left side of the player"`` (``ref_name`` given as "the player")."""
+    return f"{name} is {relative_position(pos, ref_pos)} {ref_name}"
+
+
+def to_plain(obj: Any) -> Any:
+    """Recursively convert numpy scalars/arrays and tuples to plain msgpack-able Python."""
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, (int, float)):
+        return obj
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, Mapping):
+        return {str(k): to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [to_plain(v) for v in obj]
+    raise TypeError(f"cannot convert {type(obj).__name__} to plain data")
+
+
+# --------------------------------------------------------------------------- the env
+
+
+@dataclass(frozen=True)
+class ActionResult:
+    """Outcome of one action: did the state change (WMAct "effective"), env-specific reward."""
+
+    changed: bool
+    reward: float = 0.0
+
+
+class VisualEnv(gymnasium.Env):
+    """Text-in env with image (or text) observations; see the module docstring for the contract.
+
+    Constructor kwargs (common to all envs): ``render_mode`` "vision" | "text", ``prompt_format``,
+    ``state_format``, ``max_actions_per_step``, ``image_size`` (side in pixels; None: env default),
+    ``max_steps`` (executed actions per episode; None: env default), ``add_example`` (prompt example
+    in the system prompt). Attributes after ``reset``: ``task`` (sub-task label), ``steps``.
+    """
+
+    metadata = {"render_modes": list(RENDER_MODES)}
+
+    ACTIONS: tuple[str, ...] = ()
+    ACTION_ALIASES: Mapping[str, str] = {}
+    ACTION_SEP = ","
+    STATE_FORMATS_SUPPORTED: tuple[str, ...] = STATE_FORMATS
+    DEFAULT_MAX_ACTIONS_PER_STEP = 3
+    DEFAULT_MAX_STEPS = 100
+    DEFAULT_IMAGE_SIZE = 192
+    SUCCESS_REWARD = 10.0
+    STEP_PENALTY = 0.1
+    # attributes never copied by the default _snapshot (caches, gymnasium bookkeeping)
+    _SNAPSHOT_SKIP: frozenset[str] = frozenset({"spec", "_vocab", "_state_cache", "_sprites", "action_space",
+                                                "observation_space"})
+
+    def __init__(
+        self,
+        *,
+        render_mode: str = "vision",
+        prompt_format: str = "grounding_worldmodeling",
+        state_format: str = "natural_language",
+        max_actions_per_step: int | None = None,
+        image_size: int | None = None,
+        max_steps: int | None = None,
+        add_example: bool = True,
+    ) -> None:
+        super().__init__()
+        if render_mode not in RENDER_MODES:
+            raise ValueError(f"render_mode must be one of {RENDER_MODES}, got {render_mode!r}")
+        if prompt_format not in PROMPT_FORMATS:
+            raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}, got {prompt_format!r}")
+        if state_format not in STATE_FORMATS:
+            raise ValueError(f"state_format must be one of {STATE_FORMATS}, got {state_format!r}")
+        if state_format not in self.STATE_FORMATS_SUPPORTED:
+            raise ValueError(
+                f"state_format {state_format!r} is not supported by {type(self).__name__} "
+                f"(supported: {self.STATE_FORMATS_SUPPORTED})"
+            )
+        n_act = self.DEFAULT_MAX_ACTIONS_PER_STEP if max_actions_per_step is None else max_actions_per_step
+        if isinstance(n_act, bool) or not isinstance(n_act, (int, np.integer)) or n_act < 1:
+            raise ValueError(f"max_actions_per_step must be an int >= 1, got {max_actions_per_step!r}")
+        size = self.DEFAULT_IMAGE_SIZE if image_size is None else image_size
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or not 16 <= size <= 4096:
+            raise ValueError(f"image_size must be an int in [16, 4096], got {image_size!r}")
+        limit = self.DEFAULT_MAX_STEPS if max_steps is None else max_steps
+        if isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit < 1:
+            raise ValueError(f"max_steps must be an int >= 1, got {max_steps!r}")
+        self.render_mode = render_mode
+        self.prompt_format = prompt_format
+        self.state_format = state_format
+        self.max_actions_per_step = int(n_act)
+        self.image_size = int(size)
+        self.max_steps = int(limit)
+        self.add_example = bool(add_example)
+        self.task = "base"
+        self.steps = 0
+        self._vocab = ActionVocab(self.ACTIONS, self.ACTION_ALIASES) if self.ACTIONS else None
+        self._state_cache: dict | None = None
+        self._done = False
+        self._was_reset = False
+        self._last_actions: list[str] | None = None
+        # descriptive only (the env checker is disabled): actions are free text, observations a dict
+        self.action_space = gymnasium.spaces.Text(max_length=MAX_RESPONSE_CHARS)
+        self.observation_space = gymnasium.spaces.Dict({"text": gymnasium.spaces.Text(max_length=1 << 20)})
+
+    # ------------------------------------------------------------------ subclass hooks (required)
+
+    def _generate(self, rng: np.random.Generator, options: dict | None) -> None:
+        """Build a new episode (level, positions, ...) using only ``rng``."""
+        raise NotImplementedError
+
+    def _apply_action(self, value: Any) -> ActionResult:
+        """Execute one parsed action (a canonical string for discrete envs)."""
+        raise NotImplementedError
+
+    def _get_state(self) -> dict:
+        """{"relations": list[str], "symbolic": str | None, "structured": dict} of the current state."""
+        raise NotImplementedError
+
+    def _is_success(self) -> bool:
+        raise NotImplementedError
+
+    def _render_image(self) -> np.ndarray:
+        raise NotImplementedError
+
+    def _system_intro(self) -> str:
+        """Role, quick guide, symbols, rules and the "Actions you can take: ..." line."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ subclass hooks (optional)
+
+    def _is_terminal(self) -> bool:
+        return self._is_success()
+
+    def _render_text(self) -> str:
+        return str(self._current_state().get("symbolic") or "")
+
+    def _parse_actions(self, answer: str) -> ActionParse:
+        if self._vocab is None:
+            raise NotImplementedError(f"{type(self).__name__} has no ACTIONS: override _parse_actions")
+        return self._vocab.parse(answer, self.max_actions_per_step)
+
+    def _expert_actions(self) -> list[str]:
+        raise NotImplementedError
+
+    def _expert_reasoning(self, actions: Sequence[str]) -> str:
+        return f"Following the shortest plan, the next action(s) should be {', '.join(actions)}."
+
+    def _state_format_hint(self) -> str:
+        return ""
+
+    def _example_fields(self) -> dict[str, str]:
+        """observation / reasoning / prediction / answer (/ think) texts of the prompt example."""
+        return {}
+
+    def _turn_context(self) -> str:
+        return ""
+
+    def _metrics(self) -> dict[str, float]:
+        return {}
+
+    def _snapshot(self) -> Any:
+        return {k: copy.deepcopy(v) for k, v in vars(self).items() if k not in self._SNAPSHOT_SKIP}
+
+    def _restore(self, snap: Any) -> None:
+        vars(self).update(snap)
+        self._state_cache = None
+
+    # ------------------------------------------------------------------ state text
+
+    def describe_state(self, state: Mapping[str, Any]) -> str:
+        """``state`` as text in ``self.state_format`` (sentences / symbol grid / JSON dict)."""
+        if self.state_format == "symbolic":
+            return str(state.get("symbolic") or "")
+        if self.state_format == "structured":
+            return json.dumps(state.get("structured") or {}, separators=(", ", ": "))
+        rel = [str(r) for r in state.get("relations") or []]
+        return ". ".join(rel) + ("." if rel else "")
+
+    # ------------------------------------------------------------------ prompts
+
+    def format_instructions(self, *, example: bool) -> str:
+        ex = None
+        if example:
+            f = self._example_fields()
+            if f.get("answer"):
+                ex = build_response(self.prompt_format, answer=f["answer"], think=f.get("think"),
+                                    observation=f.get("observation"), reasoning=f.get("reasoning"),
+                                    prediction=f.get("prediction"))
+        return format_prompt(self.prompt_format, self.max_actions_per_step, self.ACTION_SEP, example=ex,
+                             state_hint=self._state_format_hint(), action_line=self._action_line())
+
+    def _action_line(self) -> str | None:
+        """The "You can take up to N action(s)..." line; None keeps the default wording."""
+        return None
+
+    def system_prompt(self) -> str:
+        """System message: the env's guide plus the format instructions with an example."""
+        return f"{self._system_intro().rstrip()}\n{self.format_instructions(example=self.add_example)}"
+
+    def _observation(self, initial: bool) -> dict:
+        if self.render_mode == "vision":
+            image = np.ascontiguousarray(self._render_image(), dtype=np.uint8)
+            slot = IMAGE_PLACEHOLDER
+        else:
+            image, slot = None, self._render_text()
+        text = user_message(slot, initial=initial, valid_actions=self._last_actions, context=self._turn_context(),
+                            format_text=self.format_instructions(example=False))
+        return {"text": text, "image": image}
+
+    # ------------------------------------------------------------------ gymnasium API
+
+    def _current_state(self) -> dict:
+        if self._state_cache is None:
+            state = to_plain(self._get_state())
+            self._state_cache = {
+                "relations": [str(r) for r in state.get("relations") or []],
+                "symbolic": state.get("symbolic"),
+                "structured": state.get("structured") or {},
+            }
+        return self._state_cache
+
+    def _base_info(self) -> dict:
+        return {"state": copy.deepcopy(self._current_state()), "success": bool(self._is_success()),
+                "task": self.task, "metrics": {k: float(v) for k, v in self._metrics().items()},
+                "steps": self.steps}
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[dict, dict]:
+        super().reset(seed=seed)
+        self.steps = 0
+        self._done = False
+        self._last_actions = None
+        self._state_cache = None
+        self._generate(self.np_random, options)
+        self._state_cache = None
+        self._was_reset = True
+        return self._observation(initial=True), self._base_info()
+
+    def step(self, response: Any) -> tuple[dict, float, bool, bool, dict]:
+        if not self._was_reset:
+            raise RuntimeError("call reset() before step()")
+        parsed = parse_response(response, self.prompt_format)
+        reason = parsed.reason
+        format_ok = parsed.format_ok
+        actions: list[str] = []
+        unknown: list[str] = []
+        executed = effective = 0
+        env_reward = 0.0
+        if self._done:
+            reason = "episode already ended"
+        elif format_ok:
+            try:
+                ap = self._parse_actions(parsed.answer or "")
+            except Exception as e:  # a subclass parser must not take the env down on odd text
+                ap = ActionParse(reason=f"unparsable answer: {type(e).__name__}")
+            unknown = list(ap.unknown)
+            if not ap.ok:
+                format_ok, reason = False, ap.reason or "no action in the answer"
+            else:
+                actions = list(ap.actions[: self.max_actions_per_step])
+                values = list(ap.values if ap.values is not None else ap.actions)[: len(actions)]
+                for value in values:
+                    result = self._apply_action(value)
+                    self._state_cache = None
+                    executed += 1
+                    self.steps += 1
+                    effective += int(bool(result.changed))
+                    r = float(result.reward)
+                    if self._is_success():
+                        r += self.SUCCESS_REWARD
+                    else:
+                        r -= self.STEP_PENALTY
+                    env_reward += r
+                    if self._is_terminal() or self.steps >= self.max_steps:
+                        break
+        format_reward = FORMAT_REWARD if format_ok and not self._done else 0.0
+        terminated = bool(self._is_terminal())
+        truncated = bool(not terminated and self.steps >= self.max_steps)
+        self._done = self._done or terminated or truncated
+        self._last_actions = actions[:executed]
+        env_reward = round(env_reward, 10)
+        info = self._base_info()
+        info.update({
+            "format_ok": bool(format_ok), "reason": reason, "actions": actions, "unknown_actions": unknown,
+            "actions_executed": executed, "actions_effective": effective,
+            "env_reward": env_reward, "format_reward": format_reward,
+            "think": parsed.think, "observation": parsed.observation, "reasoning": parsed.reasoning,
+            "prediction": parsed.prediction, "answer": parsed.answer,
+        })
+        return self._observation(initial=False), env_reward + format_reward, terminated, truncated, info
+
+    def render(self) -> np.ndarray | str:
+        """The current image (vision mode) or text observation (text mode)."""
+        return self._render_image() if self.render_mode == "vision" else self._render_text()
+
+    # ------------------------------------------------------------------ expert
+
+    def simulate(self, values: Iterable[Any]) -> dict:
+        """The state after executing ``values`` from the current state, leaving the env unchanged."""
+        snap = self._snapshot()
+        try:
+            for v in values:
+                self._apply_action(v)
+                self._state_cache = None
+                if self._is_terminal():
+                    break
+            return copy.deepcopy(self._current_state())
+        finally:
+            self._restore(snap)
+            self._state_cache = None
+
+    def expert_response(self) -> str:
+        """A well-formed response: true observation, true prediction, the expert's next actions."""
+        actions = [str(a) for a in self._expert_actions()][: self.max_actions_per_step]
+        if not actions and self.ACTIONS:
+            actions = [self.ACTIONS[0]]
+        observation = prediction = None
+        if uses_observation(self.prompt_format):
+            observation = self.describe_state(self._current_state())
+        if uses_prediction(self.prompt_format):
+            parsed = self._parse_actions(self.ACTION_SEP.join(actions))
+            values = parsed.values if parsed.values is not None else parsed.actions
+            prediction = self.describe_state(self.simulate(values))
+        return build_response(self.prompt_format, answer=self.ACTION_SEP.join(actions),
+                              observation=observation, reasoning=self._expert_reasoning(actions),
+                              prediction=prediction)

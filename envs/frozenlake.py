@@ -1,0 +1,239 @@
+"""FrozenLake (VAGEN App. A.4 Tables 8/9/17): ``worldloop/FrozenLake-v0``, gymnasium's dynamics.
+
+Knobs: ``size`` (4; ignored when ``desc`` is given), ``is_slippery`` (False), ``desc`` (a fixed map:
+list of equal-length strings over ``S F H G``, one ``S``; None: a new random map every reset),
+``p`` (0.8: probability that a generated cell is frozen, as gymnasium's ``generate_random_map``),
+``min_actions_to_succeed`` (5; enforced on generated maps only), ``max_actions_per_step`` (3),
+``max_steps`` (100 executed actions), ``image_size`` (default 48 px per cell), plus the common
+kwargs of :class:`envs.base.VisualEnv`.
+
+Dynamics are gymnasium's own ``FrozenLakeEnv`` (wrapped, seeded from the episode seed; with
+``is_slippery`` the move goes perpendicular with gymnasium's probabilities). Generated maps put
+the start and the goal on random distinct cells (as VAGEN: the goal is not always bottom-right)
+and are redrawn until the shortest hole-free path is at least ``min_actions_to_succeed`` long.
+
+Rewards per executed action (Table 17): +10 when the player reaches the goal, else -0.1 (falling
+into a hole ends the episode with that -0.1); +0.5 format reward per well-formed turn.
+
+Entities (relations, App. D.1 style): ``the player``, ``goal``, ``hole0``, ``hole1``, ... (holes in
+reading order), e.g. ``"goal is below and on the right side of the player"``,
+``"hole0 is at the same place as the player"`` after a fall.
+
+Symbolic grid (App. C): ``_`` frozen (the start too), ``O`` hole, ``G`` goal, ``P`` player, ``X``
+player fell into a hole, ``*`` player on the goal. Structured (App. C keys): ``player_position``,
+``target_position`` (the goal), ``hole_positions``, ``grid_size``; positions are [row, col].
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Sequence
+
+import numpy as np
+from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv as GymFrozenLake
+
+from envs.base import ActionResult, relation_sentence
+from envs.grid_env import GridEnv, check_int, generate_level
+from envs.render import cell_size, compose, tile_stack
+from envs.solvers import DIRECTIONS, Plan, bfs
+
+_GYM_ACTION = {"Left": 0, "Down": 1, "Right": 2, "Up": 3}
+_TILE_NAMES = ("ice", "hole", "goal", "elf", "elf_hole", "elf_goal")
+_CODE = {"S": 0, "F": 0, "H": 1, "G": 2}
+
+
+def check_desc(desc: Any) -> list[str]:
+    """A FrozenLake map as a list of strings, or ValueError naming ``desc``."""
+    if isinstance(desc, np.ndarray):
+        desc = ["".join(c.decode() if isinstance(c, bytes) else str(c) for c in row) for row in desc]
+    if isinstance(desc, str) or not isinstance(desc, (list, tuple)) or not desc:
+        raise ValueError(f"desc must be a list of strings over 'SFHG', got {desc!r}")
+    rows = [r.decode() if isinstance(r, bytes) else r for r in desc]
+    if not all(isinstance(r, str) and r and set(r) <= set("SFHG") for r in rows) or len({len(r) for r in rows}) != 1:
+        raise ValueError(f"desc must be equal-length strings over 'SFHG', got {desc!r}")
+    joined = "".join(rows)
+    if joined.count("S") != 1 or "G" not in joined:
+        raise ValueError(f"desc needs exactly one 'S' and at least one 'G', got {desc!r}")
+    return list(rows)
+
+
+def frozenlake_state(desc: Sequence[str], player: tuple[int, int]) -> dict:
+    """The ground-truth state dict of a FrozenLake position."""
+    h, w = len(desc), len(desc[0])
+    goals = [(r, c) for r in range(h) for c in range(w) if desc[r][c] == "G"]
+    holes = [(r, c) for r in range(h) for c in range(w) if desc[r][c] == "H"]
+    rel = [relation_sentence("goal", g, "the player", player) for g in goals[:1]]
+    rel += [relation_sentence(f"hole{i}", hole, "the player", player) for i, hole in enumerate(holes)]
+    grid = [["_" if ch in "SF" else "O" if ch == "H" else "G" for ch in row] for row in desc]
+    here = desc[player[0]][player[1]]
+    grid[player[0]][player[1]] = "X" if here == "H" else "*" if here == "G" else "P"
+    return {
+        "relations": rel,
+        "symbolic": "\n".join("".join(row) for row in grid),
+        "structured": {
+            "player_position": [int(player[0]), int(player[1])],
+            "target_position": [int(goals[0][0]), int(goals[0][1])],
+            "hole_positions": [[int(r), int(c)] for r, c in holes],
+            "grid_size": [h, w],
+        },
+    }
+
+
+def shortest_path(desc: Sequence[str], start: tuple[int, int]) -> Plan | None:
+    """BFS over non-hole cells from ``start`` to a goal (deterministic moves)."""
+    h, w = len(desc), len(desc[0])
+
+    def succ(p):
+        for name, (dr, dc) in DIRECTIONS.items():
+            r, c = p[0] + dr, p[1] + dc
+            if 0 <= r < h and 0 <= c < w and desc[r][c] != "H":
+                yield name, (r, c)
+
+    if desc[start[0]][start[1]] == "H":
+        return None
+    return bfs(tuple(start), succ, lambda p: desc[p[0]][p[1]] == "G")
+
+
+def random_map(rng: np.random.Generator, size: int, p: float) -> list[str]:
+    """Holes with probability 1-p; start and goal on two random distinct cells."""
+    cells = np.where(rng.random((size, size)) < p, "F", "H").astype("<U1")
+    s, g = rng.choice(size * size, size=2, replace=False)
+    cells[divmod(int(s), size)] = "S"
+    cells[divmod(int(g), size)] = "G"
+    return ["".join(row) for row in cells]
+
+
+class FrozenLakeEnv(GridEnv):
+    """Reach the goal without falling into a hole; see the module docstring."""
+
+    DEFAULT_MAX_ACTIONS_PER_STEP = 3
+    DEFAULT_MAX_STEPS = 100
+    CELL_PX = 48
+    STRUCT_KEYS = ("player_position", "target_position", "hole_positions", "grid_size")
+    NL_HINT = ('Describe where things are relative to the player, such as "goal is below and on the right side of '
+               'the player", "hole0 is at the same row and to the left of the player" (names: the player, goal, '
+               'hole0, hole1, ...).')
+
+    def __init__(
+        self,
+        *,
+        size: int | None = None,
+        is_slippery: bool = False,
+        desc: Sequence[str] | None = None,
+        p: float = 0.8,
+        min_actions_to_succeed: int = 5,
+        max_actions_per_step: int = 3,
+        max_steps: int = 100,
+        image_size: int | None = None,
+        **common: Any,
+    ) -> None:
+        self.fixed_desc = None if desc is None else check_desc(desc)
+        if self.fixed_desc is not None:
+            n = max(len(self.fixed_desc), len(self.fixed_desc[0]))
+        else:
+            n = check_int("size", 4 if size is None else size, 2, 32)
+        if not isinstance(is_slippery, (bool, np.bool_)):
+            raise ValueError(f"is_slippery must be a bool, got {is_slippery!r}")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
+            raise ValueError(f"p must be a number in (0, 1], got {p!r}")
+        super().__init__(max_steps=max_steps, min_actions_to_succeed=min_actions_to_succeed,
+                         max_actions_per_step=max_actions_per_step,
+                         image_size=self.CELL_PX * n if image_size is None else image_size, **common)
+        self.size = n
+        self.is_slippery = bool(is_slippery)
+        self.p = float(p)
+        self.task = f"{n}x{n}" + ("-slippery" if self.is_slippery else "")
+        self.desc: list[str] = list(self.fixed_desc or ["S" + "F" * (n - 2) + "G"] + ["F" * n] * (n - 1))
+        self._gym: GymFrozenLake | None = None
+
+    # ----------------------------------------------------------- level
+
+    def _generate(self, rng: np.random.Generator, options: dict | None) -> None:
+        if self.fixed_desc is not None:
+            desc = self.fixed_desc
+            start = divmod("".join(desc).index("S"), len(desc[0]))
+            plan = shortest_path(desc, start) or Plan([], [start])
+        else:
+            def solve(d):
+                return shortest_path(d, divmod("".join(d).index("S"), self.size))
+
+            desc, plan = generate_level(rng, lambda r: random_map(r, self.size, self.p), solve,
+                                        self.min_actions_to_succeed, "FrozenLake")
+        if self._gym is None or desc != self.desc:
+            self._gym = GymFrozenLake(desc=list(desc), is_slippery=self.is_slippery)
+        self.desc = list(desc)
+        self._gym.reset(seed=int(rng.integers(2**31 - 1)))
+        self._start_episode(plan)
+
+    @property
+    def player(self) -> tuple[int, int]:
+        assert self._gym is not None
+        return divmod(int(self._gym.s), len(self.desc[0]))
+
+    def _here(self) -> str:
+        r, c = self.player
+        return self.desc[r][c]
+
+    # ----------------------------------------------------------- dynamics
+
+    def _apply_action(self, value: str) -> ActionResult:
+        assert self._gym is not None
+        before = int(self._gym.s)
+        after = int(self._gym.step(_GYM_ACTION[value])[0])
+        return ActionResult(after != before)
+
+    def _is_success(self) -> bool:
+        return self._here() == "G"
+
+    def _is_terminal(self) -> bool:
+        return self._here() in "GH"
+
+    def _get_state(self) -> dict:
+        return frozenlake_state(self.desc, self.player)
+
+    def _snapshot(self) -> Any:
+        assert self._gym is not None
+        return (int(self._gym.s), self._gym.lastaction, self._gym.np_random.bit_generator.state)
+
+    def _restore(self, snap: Any) -> None:
+        assert self._gym is not None
+        self._gym.s, self._gym.lastaction, self._gym.np_random.bit_generator.state = snap
+        self._state_cache = None
+
+    # ----------------------------------------------------------- solver
+
+    def _solver_key(self) -> Hashable:
+        return self.player
+
+    def _solve(self) -> Plan | None:
+        return shortest_path(self.desc, self.player)
+
+    # ----------------------------------------------------------- rendering and prompts
+
+    def _render_image(self) -> np.ndarray:
+        codes = np.array([[_CODE[ch] for ch in row] for row in self.desc], dtype=np.intp)
+        codes[self.player] += 3
+        cell = cell_size(max(codes.shape), self.image_size)
+        return compose(codes, tile_stack(_TILE_NAMES, cell), side=self.image_size)
+
+    def _system_intro(self) -> str:
+        rule2 = ("2. Frozen tiles are slippery, you may move perpendicular to your intended direction.\n"
+                 if self.is_slippery else "")
+        return (
+            "You are a FrozenLake solver.\n"
+            "FrozenLake Quick Guide\n"
+            "Goal: Reach the goal (G).\n"
+            "Symbols (If image is provided there are no symbols):\n"
+            "_ Frozen | O Hole | G Goal | P Player | X Player fell into hole | * Player on goal\n"
+            "Rules:\n"
+            "1. Avoid falling into holes.\n"
+            f"{rule2}"
+            "Actions you can take: Left, Down, Right, Up."
+        )
+
+    def _example_fields(self) -> dict[str, str]:
+        desc = ["FFFF", "FHFF", "FFFH", "HFFG"]
+        before, after = frozenlake_state(desc, (1, 3)), frozenlake_state(desc, (2, 2))
+        return {"observation": self.describe_state(before), "prediction": self.describe_state(after),
+                "reasoning": "The goal is down on my left and there is a hole right below me, so I go left then down.",
+                "think": "The goal is down on my left and a hole is right below me, so I go left then down.",
+                "answer": self.ACTION_SEP.join(["Left", "Down"])}

@@ -1,0 +1,147 @@
+"""Shared layer of the four grid envs (Sokoban, FrozenLake, Maze, Taxi) on top of VisualEnv.
+
+Adds: direction actions with aliases (``Up``/``move up``/``push up``/``north`` ...), an expert that
+caches the BFS plan of every state it passes through (one search per episode when the expert is
+followed), cheap snapshots of the attributes named in ``_SNAP_ATTRS``, the state-format hints of
+the prompt, integer-kwarg validation and the generate-until-hard-enough loop used for
+``min_actions_to_succeed``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Hashable, Sequence
+
+import numpy as np
+
+from envs.base import VisualEnv
+from envs.solvers import Plan
+
+MOVES = ("Left", "Down", "Right", "Up")  # VAGEN's order ("Actions you can take: Left, Down, Right, Up.")
+
+MOVE_ALIASES: dict[str, str] = {}
+for _word, _syn in (("Left", "west"), ("Down", "south"), ("Right", "east"), ("Up", "north")):
+    low = _word.lower()
+    MOVE_ALIASES.update({f"move {low}": _word, f"push {low}": _word, f"go {low}": _word, _syn: _word})
+
+MAX_GENERATION_ATTEMPTS = 300
+
+
+def generate_level(rng: np.random.Generator, make, solve, min_actions: int, what: str):
+    """Draw levels with ``make(rng)`` until ``solve(level)`` gives a plan of >= max(1, min_actions).
+
+    Returns ``(level, plan)``; RuntimeError naming ``min_actions_to_succeed`` after
+    MAX_GENERATION_ATTEMPTS draws (a level that is already solved is never accepted).
+    """
+    need = max(1, int(min_actions))
+    for _ in range(MAX_GENERATION_ATTEMPTS):
+        level = make(rng)
+        if level is None:
+            continue
+        plan = solve(level)
+        if plan is not None and len(plan.actions) >= need:
+            return level, plan
+    raise RuntimeError(
+        f"could not generate a {what} level needing >= {need} actions in {MAX_GENERATION_ATTEMPTS} attempts; "
+        "lower min_actions_to_succeed or enlarge the level"
+    )
+
+
+def check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
+    """``value`` as int in [lo, hi], else ValueError naming the kwarg."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo or (hi is not None and value > hi):
+        span = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be an int {span}, got {value!r}")
+    return int(value)
+
+
+class GridEnv(VisualEnv):
+    """Grid env helpers; subclasses define the solver hooks below plus VisualEnv's required hooks."""
+
+    ACTIONS = MOVES
+    ACTION_ALIASES = MOVE_ALIASES
+    _SNAP_ATTRS: tuple[str, ...] = ()
+    # prompt texts per state format (subclass): entities / symbolic note / structured keys
+    NL_HINT = ""
+    STRUCT_KEYS: tuple[str, ...] = ()
+
+    def __init__(self, *, min_actions_to_succeed: int = 0, **common: Any) -> None:
+        super().__init__(**common)
+        self.min_actions_to_succeed = check_int("min_actions_to_succeed", min_actions_to_succeed, 0, 10_000)
+        self._plan_cache: dict[Hashable, list[str]] = {}
+        self.optimal_actions: int | None = None  # length of the optimal plan at reset
+
+    # ----------------------------------------------------------- solver hooks (subclass)
+
+    def _solver_key(self) -> Hashable:
+        """The current state as the solver sees it."""
+        raise NotImplementedError
+
+    def _solve(self) -> Plan | None:
+        """BFS plan from the current state (``plan.states[i]`` are solver keys)."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------- expert
+
+    def _remember(self, plan: Plan) -> None:
+        for i, key in enumerate(plan.states[:-1]):
+            self._plan_cache.setdefault(key, list(plan.actions[i:]))
+
+    def _expert_actions(self) -> list[str]:
+        if self._is_terminal():
+            return []
+        key = self._solver_key()
+        plan = self._plan_cache.get(key)
+        if plan is None:
+            found = self._solve()
+            if found is None:
+                self._plan_cache[key] = plan = []
+            else:
+                self._remember(found)
+                plan = self._plan_cache.get(key, [])
+        return list(plan[: self.max_actions_per_step])
+
+    def _start_episode(self, plan: Plan) -> None:
+        """Called by ``_generate`` with the optimal plan of the new level."""
+        self._plan_cache = {}
+        self._remember(plan)
+        self.optimal_actions = len(plan.actions)
+
+    def _loaded(self) -> None:
+        """Bookkeeping after a hand-made board replaced the level (``load_board``)."""
+        self._plan_cache = {}
+        self.optimal_actions = None
+        self._state_cache = None
+        self._done = False
+        self._was_reset = True
+        self._last_actions = None
+        self.steps = 0
+
+    def _expert_reasoning(self, actions: Sequence[str]) -> str:
+        rest = len(self._plan_cache.get(self._solver_key(), []))
+        moves = ", ".join(actions)
+        return f"The shortest solution takes {rest} more action(s); I will do {moves} now." if rest else f"I will do {moves}."
+
+    # ----------------------------------------------------------- snapshots
+
+    def _snapshot(self) -> Any:
+        return {k: copy.copy(getattr(self, k)) for k in self._SNAP_ATTRS}
+
+    def _restore(self, snap: Any) -> None:
+        for k, v in snap.items():
+            setattr(self, k, v)
+        self._state_cache = None
+
+    # ----------------------------------------------------------- prompt pieces
+
+    def _state_format_hint(self) -> str:
+        if self.state_format == "symbolic":
+            return "Write the observation and the prediction as the grid of symbols, one row per line."
+        if self.state_format == "structured":
+            keys = ", ".join(f'"{k}"' for k in self.STRUCT_KEYS)
+            return (f"Write the observation and the prediction as a JSON dictionary with keys {keys}; "
+                    "positions are [row, column] counted from 0 at the top-left.")
+        return self.NL_HINT
+
+    def _metrics(self) -> dict[str, float]:
+        return {} if self.optimal_actions is None else {"optimal_actions": float(self.optimal_actions)}

@@ -1,0 +1,98 @@
+"""FrozenLake: Table 17 rewards on a fixed map, holes, relations, slippery dynamics, generation."""
+
+from __future__ import annotations
+
+import gymnasium
+import pytest
+
+import envs  # noqa: F401
+from envs.frozenlake import FrozenLakeEnv, shortest_path
+
+ID = "worldloop/FrozenLake-v0"
+DESC = ["SFFF", "FHFH", "FFFH", "HFFG"]
+
+
+def ans(actions: str) -> str:
+    return f"<think>t</think><answer>{actions}</answer>"
+
+
+def make(**kw):
+    env = gymnasium.make(ID, desc=DESC, render_mode="text", prompt_format="free_think", **kw)
+    _, info = env.reset(seed=0)
+    return env, info
+
+
+def test_relations_symbolic_structured_of_the_fixed_map() -> None:
+    _, info = make()
+    state = info["state"]
+    assert state["relations"] == [
+        "goal is below and on the right side of the player",
+        "hole0 is below and on the right side of the player",
+        "hole1 is below and on the right side of the player",
+        "hole2 is below and on the right side of the player",
+        "hole3 is below and at the same column as the player",
+    ]
+    assert state["symbolic"] == "P___\n_O_O\n___O\nO__G"
+    assert state["structured"] == {"player_position": [0, 0], "target_position": [3, 3],
+                                   "hole_positions": [[1, 1], [1, 3], [2, 3], [3, 0]], "grid_size": [4, 4]}
+
+
+def test_reaching_the_goal() -> None:
+    env, _ = make(max_actions_per_step=6)
+    # optimal path S(0,0) -> (0,2) -> (2,2) -> (3,3): Right,Right,Down,Down,Down,Right = 6 actions
+    assert env.unwrapped.optimal_actions == 6
+    _, reward, term, _, info = env.step(ans("Right,Right,Down,Down,Down,Right"))
+    # five -0.1 steps, the sixth reaches the goal: +10 -> env = 10 - 0.5 = 9.5; +0.5 format = 10.0
+    assert info["env_reward"] == pytest.approx(9.5) and reward == pytest.approx(10.0)
+    assert term and info["success"] and info["state"]["symbolic"].endswith("O__*")
+
+
+def test_falling_into_a_hole_ends_the_episode() -> None:
+    env, _ = make()
+    _, reward, term, trunc, info = env.step(ans("Down, Right, Right"))
+    # Down -0.1, Right into hole0 at (1,1) -0.1 and the episode ends; the third action never runs
+    assert info["actions_executed"] == 2 and info["env_reward"] == pytest.approx(-0.2)
+    assert reward == pytest.approx(0.3) and term and not trunc and not info["success"]
+    assert "hole0 is at the same place as the player" in info["state"]["relations"]
+    assert info["state"]["symbolic"].splitlines()[1] == "_X_O"
+
+
+def test_border_moves_are_not_effective() -> None:
+    env, _ = make()
+    _, reward, _, _, info = env.step(ans("Up,Left"))
+    assert info["actions_effective"] == 0 and info["env_reward"] == pytest.approx(-0.2)
+
+
+def test_slippery_follows_gymnasium_and_is_seeded() -> None:
+    def run(seed: int) -> list[list[int]]:
+        env = gymnasium.make(ID, desc=["SFFFFFFF"] + ["FFFFFFFF"] * 6 + ["FFFFFFFG"], is_slippery=True, render_mode="text",
+                             prompt_format="no_think", max_actions_per_step=1)
+        env.reset(seed=seed)
+        out = []
+        for _ in range(12):
+            _, _, term, trunc, info = env.step("<answer>Right</answer>")
+            out.append(info["state"]["structured"]["player_position"])
+            if term or trunc:
+                break
+        return out
+
+    a, b = run(3), run(3)
+    assert a == b  # same seed, same slips
+    # with gymnasium's slippery ice some intended "Right" moves go down/up instead
+    assert any(pos[0] != 0 for pos in a + run(4) + run(5))
+
+
+def test_generated_maps_have_a_long_enough_path() -> None:
+    env = gymnasium.make(ID, render_mode="text", size=5, min_actions_to_succeed=6)
+    for seed in range(10):
+        _, info = env.reset(seed=seed)
+        desc = env.unwrapped.desc
+        start = divmod("".join(desc).index("S"), 5)
+        assert len(shortest_path(desc, start).actions) == env.unwrapped.optimal_actions >= 6
+
+
+def test_bad_kwargs() -> None:
+    for kw, name in (({"desc": ["SFF", "FG"]}, "desc"), ({"desc": ["FFF", "FFG"]}, "desc"), ({"desc": "SFFG"}, "desc"),
+                     ({"size": 1}, "size"), ({"p": 0.0}, "p must"), ({"is_slippery": "yes"}, "is_slippery")):
+        with pytest.raises(ValueError, match=name):
+            FrozenLakeEnv(**kw)
