@@ -1,0 +1,449 @@
+"""The multi-env, multi-turn rollout engine: play episodes with a generation backend, token-in/token-out.
+
+Public API::
+
+    Sampling(temperature=0.7, top_p=0.95, max_new_tokens=200)
+    EpisodeSpec(env_id, seed, env_kwargs={}, env_name=None, group_id=None, max_turns=3)
+        .name                                   # env_name or the id without prefix/version
+    RolloutEngine(backend, *, sampling, max_model_len, actor_id="local", codec=None,
+                  sample_seed=None, make_env=gymnasium.make)
+        .start(spec) -> str                     # reset a new episode; its trajectory id
+        .step() -> StepReport                   # one batched generation for all live episodes
+        .live -> int, .pending_reports -> int, .close()
+    StepReport(finished, generated_tokens, prompt_tokens, generate_seconds, turns, format_errors)
+    play_episodes(backend, specs, *, concurrency=8, sampling=Sampling(), max_model_len=4096,
+                  actor_id="local", sample_seed=None, codec=None) -> list[dict]
+    SeedSchedule(envs, n_samples_per_seed, seed_start, seed_end, run_seed, actor_id)
+        .next(max_turns) -> EpisodeSpec         # groups of n_samples_per_seed specs share a group_id
+    env_name(env_id) -> str
+
+``play_episodes`` plays a given list of episodes to completion (``concurrency`` at a time) and
+returns one trajectory dict per spec, in the specs' order: what ``worldloop eval`` builds on.
+The actor process (:mod:`actor.process`) drives a :class:`RolloutEngine` itself so that it can
+apply weights and control between generations.
+
+One turn of an episode
+----------------------
+1. The env's observation (``obs["text"]`` with its ``<image>`` placeholder and ``obs["image"]``)
+   becomes the turn's ``obs_ids``/``images`` with :meth:`common.modeling.ChatCodec.encode_obs`
+   (system prompt from ``env.unwrapped.system_prompt()`` on turn 0; later turns continue after the
+   previous response, closing it with ``<|im_end|>`` unless the response ended with that token:
+   truncated at ``max_new_tokens``, or stopped on the other EOS ``<|endoftext|>``).
+2. All live episodes are generated in ONE ``backend.generate`` call; each request is the whole
+   episode so far (every turn's ``obs_ids`` + ``response_ids``) plus all its images.
+3. ``env.step(response_text)``; the turn records exactly the fields of ``worldloop.trajectory/1``
+   (``common/schemas.py``): the ids, the behaviour log-probs, the PNG images, the parsed fields and
+   rewards from ``info``, ``state_before`` (the state of the previous reset/step ``info``) and
+   ``state_after``, ``actions_total = info["actions_executed"]``, ``actions_effective``,
+   ``truncated_response`` and ``policy_version`` (the backend's version when it was generated).
+
+History: the whole episode stays in the model context. Every turn's ``obs_ids`` continue the
+previous turns, so the learner's concatenation of obs_ids and response_ids over turns IS the
+context the model saw (token-in/token-out is exact). A sliding window of recent turns would break
+that layout: the learner would train on a context the model never saw. So an episode whose next
+turn would not fit (context so far + the next ``obs_ids`` + ``max_new_tokens`` >
+``max_model_len``) ends before generating, with ``end_reason = "context"``.
+
+An episode ends when the env terminates or truncates (``"done"``), after its ``max_turns`` turns
+(``"max_turns"``), when the context is full (``"context"``), when a response of a vision model
+contains an image placeholder token (``<|image_pad|>``, ``<|vision_start|>``, ``<|vision_end|>``:
+``"vision_token"``; that turn is discarded, since the learner locates images by those tokens and
+would reject the whole sequence, and the env is not stepped with it), or when the env raises
+during ``reset``/``step`` or returns an observation the codec refuses (``"env_error"``: an env bug;
+the error is logged with its traceback and the episode is dropped, the engine goes on). Each
+trajectory carries ``end_reason`` (a key beyond the schema's table; decoders keep it). Episodes
+with ``end_reason`` env_error, or that ended before their first generation, have no turns: the
+actor drops them (``encode_trajectory`` refuses an empty ``turns``); :func:`play_episodes` returns
+them with ``turns == []`` so that a caller can count them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from actor.backends import GenerationBackend, GenRequest
+from common.modeling import ChatCodec
+from common.schemas import TRAJECTORY_SCHEMA, empty_state
+
+log = logging.getLogger(__name__)
+
+END_REASONS = ("done", "max_turns", "context", "vision_token", "env_error")
+
+
+def env_name(env_id: str) -> str:
+    """Metric label of an env id: ``worldloop/FrozenLake-v0`` -> ``frozenlake``."""
+    base = env_id.rsplit("/", 1)[-1]
+    base = base.rsplit("-v", 1)[0] if "-v" in base else base
+    return base.lower()
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.7
+    top_p: float = 0.95
+    max_new_tokens: int = 200
+
+
+@dataclass
+class EpisodeSpec:
+    env_id: str
+    seed: int
+    env_kwargs: dict = field(default_factory=dict)
+    env_name: str | None = None
+    group_id: str | None = None  # None: a fresh id (a group of one)
+    max_turns: int = 3
+
+    @property
+    def name(self) -> str:
+        return self.env_name or env_name(self.env_id)
+
+
+@dataclass
+class StepReport:
+    """What one :meth:`RolloutEngine.step` did (the actor turns it into metrics)."""
+
+    finished: list[dict] = field(default_factory=list)  # trajectories, turns possibly empty
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    generate_seconds: float = 0.0
+    turns: dict[str, int] = field(default_factory=dict)  # env name -> turns played
+    format_errors: dict[str, int] = field(default_factory=dict)
+
+
+class _Episode:
+    """One live episode: its env, the context so far and the turns recorded."""
+
+    def __init__(self, spec: EpisodeSpec, actor_id: str):
+        self.spec = spec
+        self.env: Any = None
+        self.system = ""
+        self.prompt_format = str(spec.env_kwargs.get("prompt_format", "grounding_worldmodeling"))
+        self.context: list[int] = []
+        self.images: list[bytes] = []
+        self.turns: list[dict] = []
+        self.state: dict = empty_state()  # ground truth after the last reset/step
+        self.pending: Any = None  # the next turn's Segment (obs_ids + images), None when ended
+        self.prev_ended = True
+        self.success = False
+        self.end_reason: str | None = None
+        self.traj = {
+            "schema": TRAJECTORY_SCHEMA,
+            "trajectory_id": uuid.uuid4().hex,
+            "group_id": spec.group_id or uuid.uuid4().hex,
+            "env_id": spec.env_id,
+            "env_name": spec.name,
+            "env_kwargs": dict(spec.env_kwargs),
+            "seed": int(spec.seed),
+            "actor_id": actor_id,
+            "max_turns": int(spec.max_turns),
+        }
+
+    def message(self) -> dict:
+        return dict(self.traj, created_at=time.time(), prompt_format=self.prompt_format, turns=self.turns,
+                    success=bool(self.success), scored=False, end_reason=self.end_reason)
+
+
+def _obs_parts(obs: Any) -> tuple[str, list[Any]]:
+    if not isinstance(obs, dict) or not isinstance(obs.get("text"), str):
+        raise ValueError(f"observation must be a dict with a str 'text', got {type(obs).__name__}")
+    image = obs.get("image")
+    return obs["text"], ([] if image is None else list(image) if isinstance(image, (list, tuple)) else [image])
+
+
+def _state(info: Any) -> dict:
+    state = info.get("state") if isinstance(info, dict) else None
+    if not isinstance(state, dict):
+        return empty_state()
+    return {"relations": [str(r) for r in state.get("relations") or []], "symbolic": state.get("symbolic"),
+            "structured": state.get("structured") or {}}
+
+
+def _str_or_none(x: Any) -> str | None:
+    return None if x is None else str(x)
+
+
+class RolloutEngine:
+    """Plays any number of live episodes of any registered envs, one batched generation per step."""
+
+    def __init__(
+        self,
+        backend: GenerationBackend,
+        *,
+        sampling: Sampling,
+        max_model_len: int,
+        actor_id: str = "local",
+        codec: ChatCodec | None = None,
+        sample_seed: int | None = None,
+        make_env: Callable[..., Any] | None = None,
+    ):
+        codec = codec or getattr(backend, "codec", None)
+        if codec is None:
+            raise ValueError("the backend has no .codec; pass codec=ChatCodec(model_dir)")
+        if make_env is None:
+            import gymnasium
+
+            import envs  # noqa: F401  (registers worldloop/* ids)
+
+            make_env = gymnasium.make
+        self.backend = backend
+        self.codec: ChatCodec = codec
+        self.sampling = sampling
+        self.max_model_len = int(max_model_len)
+        self.actor_id = actor_id
+        self.sample_seed = sample_seed
+        self.make_env = make_env
+        # image-placeholder tokens a response must not contain (see the module docstring)
+        self._vision_ids = {codec.image_token_id, codec.vision_start_id, codec.vision_end_id} if codec.is_vision else set()
+        self._episodes: list[_Episode] = []
+        self._done: list[dict] = []  # ended outside step() (at start): reported by the next step()
+        self._calls = 0
+
+    @property
+    def live(self) -> int:
+        """Episodes in progress."""
+        return len(self._episodes)
+
+    @property
+    def pending_reports(self) -> int:
+        """Episodes that ended in :meth:`start`, reported by the next :meth:`step`."""
+        return len(self._done)
+
+    # ------------------------------------------------------------------ episodes
+
+    def start(self, spec: EpisodeSpec) -> str:
+        """Make and reset the env of a new episode; return its trajectory id.
+
+        An episode that ends at once (env error at reset, first observation too long) is not
+        live; its trajectory (no turns) is reported by the next :meth:`step`.
+        """
+        ep = _Episode(spec, self.actor_id)
+        try:
+            ep.env = self.make_env(spec.env_id, **spec.env_kwargs)
+            obs, info = ep.env.reset(seed=int(spec.seed))
+            ep.system = str(ep.env.unwrapped.system_prompt())
+            ep.prompt_format = str(getattr(ep.env.unwrapped, "prompt_format", ep.prompt_format))
+            ep.state = _state(info)
+            ep.success = bool(info.get("success", False)) if isinstance(info, dict) else False
+            if spec.max_turns < 1:
+                ep.end_reason = "max_turns"
+            else:
+                self._encode_next(ep, obs)
+        except Exception:
+            self._env_error(ep, "reset")
+        if ep.end_reason is not None:
+            self._end(ep)
+            self._done.append(ep.message())
+        else:
+            self._episodes.append(ep)
+        return ep.traj["trajectory_id"]
+
+    def _encode_next(self, ep: _Episode, obs: Any) -> None:
+        """Encode the next turn's observation; end the episode when it would overflow the context."""
+        text, images = _obs_parts(obs)
+        seg = self.codec.encode_obs(text, images, system=ep.system, first=not ep.turns, prev_response_ended=ep.prev_ended)
+        if len(ep.context) + len(seg.ids) + self.sampling.max_new_tokens > self.max_model_len:
+            ep.end_reason = "context"
+            log.info("episode %s (%s seed %d) ends: %d context + %d observation + %d new tokens exceed max_model_len %d",
+                     ep.traj["trajectory_id"], ep.spec.name, ep.spec.seed, len(ep.context), len(seg.ids),
+                     self.sampling.max_new_tokens, self.max_model_len)
+            return
+        ep.pending = seg
+
+    def _env_error(self, ep: _Episode, where: str) -> None:
+        ep.end_reason = "env_error"
+        ep.turns = []  # an episode interrupted by an env bug is not training data
+        log.error("env %s (seed %d) raised during %s; episode %s dropped:\n%s", ep.spec.env_id, ep.spec.seed, where,
+                  ep.traj["trajectory_id"], traceback.format_exc())
+
+    def _end(self, ep: _Episode) -> None:
+        ep.pending = None
+        if ep.env is not None:
+            try:
+                ep.env.close()
+            except Exception:  # closing a broken env must not take the engine down
+                log.warning("env %s close failed", ep.spec.env_id, exc_info=True)
+            ep.env = None
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> StepReport:
+        """Generate one turn for every live episode (one batched call), step their envs."""
+        report = StepReport(finished=self._done)
+        self._done = []
+        batch = [ep for ep in self._episodes if ep.pending is not None]
+        if batch:
+            self._generate(batch, report)
+        still = []
+        for ep in self._episodes:
+            if ep.end_reason is None:
+                still.append(ep)
+            else:
+                self._end(ep)
+                report.finished.append(ep.message())
+        self._episodes = still
+        return report
+
+    def _generate(self, batch: list[_Episode], report: StepReport) -> None:
+        requests = [GenRequest(ep.context + ep.pending.ids, ep.images + ep.pending.images) for ep in batch]
+        version = int(self.backend.version)
+        seed = None if self.sample_seed is None else self.sample_seed + self._calls
+        self._calls += 1
+        t0 = time.perf_counter()
+        results = self.backend.generate(requests, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+                                        max_new_tokens=self.sampling.max_new_tokens, seed=seed)
+        report.generate_seconds += time.perf_counter() - t0
+        report.prompt_tokens += sum(len(r.prompt_ids) for r in requests)
+        for ep, res in zip(batch, results):
+            report.generated_tokens += len(res.response_ids)
+            self._play(ep, res, version, report)
+
+    def _play(self, ep: _Episode, res: Any, version: int, report: StepReport) -> None:
+        seg, ep.pending = ep.pending, None
+        name = ep.spec.name
+        if self._vision_ids.intersection(res.response_ids):
+            ep.end_reason = "vision_token"
+            log.info("episode %s (%s seed %d) ends: the response holds image placeholder tokens; turn %d discarded",
+                     ep.traj["trajectory_id"], name, ep.spec.seed, len(ep.turns))
+            return
+        try:
+            obs, _, terminated, truncated, info = ep.env.step(res.text)
+            if not isinstance(info, dict):
+                raise TypeError(f"step info must be a dict, got {type(info).__name__}")
+            after = _state(info)
+            actions = [str(a) for a in info.get("actions") or []]
+            turn = {
+                "index": len(ep.turns),
+                "policy_version": version,
+                "obs_ids": list(seg.ids),
+                "response_ids": list(res.response_ids),
+                "logprobs": [float(x) for x in res.logprobs],
+                "images": list(seg.images),
+                "response_text": res.text,
+                "observation": _str_or_none(info.get("observation")),
+                "reasoning": _str_or_none(info.get("reasoning")),
+                "prediction": _str_or_none(info.get("prediction")),
+                "actions": actions,
+                "format_ok": bool(info.get("format_ok", False)),
+                "env_reward": float(info.get("env_reward", 0.0)),
+                "format_reward": float(info.get("format_reward", 0.0)),
+                "done": bool(terminated or truncated),
+                "success": bool(info.get("success", False)),
+                "state_before": ep.state,
+                "state_after": after,
+                # WMAct's N counts the actions the episode ran: parsed actions left over when the
+                # task ended mid-turn were never executed
+                "actions_total": int(info.get("actions_executed", len(actions))),
+                "actions_effective": int(info.get("actions_effective", 0)),
+                "truncated_response": bool(res.truncated),
+            }
+            ep.turns.append(turn)
+            ep.context += list(seg.ids) + list(res.response_ids)
+            ep.images += list(seg.images)
+            # the next observation closes this message with <|im_end|> unless the model did (a
+            # response that stopped on <|endoftext|> or at max_new_tokens is closed by the codec)
+            ep.prev_ended = bool(res.response_ids) and res.response_ids[-1] == self.codec.im_end_id
+            ep.state = after
+            ep.success = turn["success"]
+            report.turns[name] = report.turns.get(name, 0) + 1
+            if not turn["format_ok"]:
+                report.format_errors[name] = report.format_errors.get(name, 0) + 1
+            if turn["done"]:
+                ep.end_reason = "done"
+            elif len(ep.turns) >= ep.spec.max_turns:
+                ep.end_reason = "max_turns"
+            else:
+                self._encode_next(ep, obs)
+        except Exception:
+            self._env_error(ep, "step")
+
+    def close(self) -> None:
+        """Abandon every live episode (their envs are closed; nothing is returned)."""
+        for ep in self._episodes:
+            self._end(ep)
+        self._episodes = []
+
+
+# --------------------------------------------------------------------------- playing a list
+
+
+def play_episodes(
+    backend: GenerationBackend,
+    specs: Sequence[EpisodeSpec],
+    *,
+    concurrency: int = 8,
+    sampling: Sampling = Sampling(),
+    max_model_len: int = 4096,
+    actor_id: str = "local",
+    sample_seed: int | None = None,
+    codec: ChatCodec | None = None,
+) -> list[dict]:
+    """Play every spec to its end, ``concurrency`` episodes per batched generation.
+
+    Returns one trajectory dict per spec, in the order of ``specs`` (``turns == []`` for an
+    episode that ended before its first generation: see the module docstring).
+    """
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    engine = RolloutEngine(backend, sampling=sampling, max_model_len=max_model_len, actor_id=actor_id,
+                           codec=codec, sample_seed=sample_seed)
+    index: dict[str, int] = {}  # trajectory id -> position in specs
+    out: list[dict | None] = [None] * len(specs)
+    queue = list(enumerate(specs))
+    try:
+        while queue or engine.live or engine.pending_reports:
+            while queue and engine.live < concurrency:
+                i, spec = queue.pop(0)
+                index[engine.start(spec)] = i
+            for traj in engine.step().finished:
+                out[index[traj["trajectory_id"]]] = traj
+    finally:
+        engine.close()
+    return [t for t in out if t is not None]
+
+
+# --------------------------------------------------------------------------- training seeds
+
+
+class SeedSchedule:
+    """The actor's stream of episodes: env by weight, seed in [seed_start, seed_end), in groups.
+
+    The random stream is seeded from ``sha256(run_seed, actor_id)``: deterministic per actor, and
+    two actors of one run draw different seeds. Each draw yields ``n_samples_per_seed`` specs with
+    the same env, kwargs and seed and one shared ``group_id`` (for GRPO); ``max_turns`` is the
+    value passed to :meth:`next` when the spec is handed out (the control record's, for new
+    episodes).
+    """
+
+    def __init__(self, envs: Sequence[Any], n_samples_per_seed: int, seed_start: int, seed_end: int,
+                 run_seed: int, actor_id: str):
+        if not envs:
+            raise ValueError("SeedSchedule needs at least one env spec")
+        if seed_end <= seed_start:
+            raise ValueError(f"seed_end ({seed_end}) must be greater than seed_start ({seed_start})")
+        self.envs = [(e.id, dict(e.kwargs or {}), e.name or env_name(e.id), float(e.weight)) for e in envs]
+        if any(w < 0 for *_, w in self.envs) or sum(w for *_, w in self.envs) <= 0:
+            raise ValueError("env weights must be >= 0 with a positive sum")
+        self.n = int(n_samples_per_seed)
+        self.seed_start, self.seed_end = int(seed_start), int(seed_end)
+        digest = hashlib.sha256(f"{run_seed}:{actor_id}".encode()).digest()
+        self.rng = random.Random(int.from_bytes(digest[:8], "big"))
+        self._group: tuple[str, dict, str, int, str] | None = None
+        self._left = 0
+
+    def next(self, max_turns: int) -> EpisodeSpec:
+        if self._left == 0:
+            env_id, kwargs, name, _ = self.rng.choices(self.envs, weights=[w for *_, w in self.envs])[0]
+            seed = self.rng.randrange(self.seed_start, self.seed_end)
+            self._group = (env_id, kwargs, name, seed, uuid.uuid4().hex)
+            self._left = self.n
+        env_id, kwargs, name, seed, group = self._group  # type: ignore[misc]
+        self._left -= 1
+        return EpisodeSpec(env_id=env_id, seed=seed, env_kwargs=dict(kwargs), env_name=name, group_id=group,
+                           max_turns=int(max_turns))

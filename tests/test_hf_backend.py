@@ -1,0 +1,144 @@
+"""HFBackend: batched generation with images, log-prob convention, EOS handling, weight updates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from actor.backends import GenerationBackend, GenRequest, HFBackend, WeightUpdateError, make_backend
+from common.config import Config
+from common.modeling import ChatCodec, build_sequence, collate, load_policy, token_logprobs
+from common.tiny_model import make_tiny_model
+from learner.sft import run_sft
+
+ANSWER = "<answer>Up</answer>"
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "vl", seed=0, max_image_side=112)
+
+
+@pytest.fixture(scope="module")
+def backend(vl_dir: Path) -> HFBackend:
+    return HFBackend(vl_dir, max_image_side=112)
+
+
+@pytest.fixture(scope="module")
+def trained_dir(vl_dir: Path, backend: HFBackend, tmp_path_factory) -> Path:
+    """The tiny model fine-tuned to answer ANSWER to the prompt 'go' (so greedy output is known)."""
+    codec = backend.codec
+    obs = codec.encode_obs("go", [], system=None, first=True)
+    resp = codec.encode_response(ANSWER)
+    demo = {"turns": [{"index": 0, "policy_version": 0, "obs_ids": obs.ids, "response_ids": resp, "logprobs": [0.0] * len(resp), "images": []}]}
+    out = tmp_path_factory.mktemp("trained") / "m"
+    stats = run_sft(vl_dir, [demo] * 4, epochs=40, lr=1e-2, batch_size=4, out_dir=out)
+    assert stats["loss_after"] < 0.05
+    return out
+
+
+def _img(h: int, w: int, seed: int) -> np.ndarray:
+    return np.random.RandomState(seed).randint(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def _requests(codec: ChatCodec) -> list[GenRequest]:
+    a = codec.encode_obs("[Initial Observation]:\n<image>\nDecide.", [_img(90, 60, 0)], system="Play.", first=True)
+    b = codec.encode_obs("text only, a longer prompt than the others " * 3, [], system=None, first=True)
+    c = codec.encode_obs("two <image> and <image>", [_img(112, 112, 1), _img(30, 80, 2)], system=None, first=True)
+    return [GenRequest(s.ids, s.images) for s in (a, b, c)]
+
+
+def _recomputed(model, codec: ChatCodec, req: GenRequest, response: list[int], temperature: float) -> torch.Tensor:
+    turn = {"index": 0, "policy_version": 0, "obs_ids": req.prompt_ids, "response_ids": response, "logprobs": [0.0] * len(response), "images": req.images}
+    batch = collate([build_sequence({"turns": [turn]})], codec)
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, batch, temperature=temperature)
+    return lp[0, len(req.prompt_ids) : len(req.prompt_ids) + len(response)]
+
+
+def test_generation_logprobs_equal_recomputed_on_sequence(backend: HFBackend) -> None:
+    assert isinstance(backend, GenerationBackend)
+    reqs = _requests(backend.codec)
+    results = backend.generate(reqs, temperature=0.8, top_p=0.9, max_new_tokens=16, seed=3)
+    assert len(results) == 3
+    for req, res in zip(reqs, results):
+        assert len(res.response_ids) == len(res.logprobs) >= 1
+        ref = _recomputed(backend.model, backend.codec, req, res.response_ids, 0.8)
+        assert torch.allclose(torch.tensor(res.logprobs), ref, atol=1e-4), (res.logprobs, ref)
+        assert all(lp <= 0 for lp in res.logprobs)
+
+
+def test_seed_makes_sampling_reproducible(backend: HFBackend) -> None:
+    reqs = _requests(backend.codec)
+    run = lambda seed: [r.response_ids for r in backend.generate(reqs, temperature=1.0, top_p=1.0, max_new_tokens=12, seed=seed)]
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+
+
+def test_stops_on_eos_and_reports_truncation(trained_dir: Path) -> None:
+    be = HFBackend(trained_dir, max_image_side=112)
+    req = GenRequest(be.codec.encode_obs("go", [], system=None, first=True).ids, [])
+    done = be.generate([req], temperature=0.0, top_p=1.0, max_new_tokens=32)[0]
+    assert done.text == ANSWER and not done.truncated
+    assert done.response_ids == be.codec.encode_response(ANSWER)  # ends with <|im_end|>, nothing after it
+    cut = be.generate([req], temperature=0.0, top_p=1.0, max_new_tokens=3)[0]
+    assert cut.truncated and cut.response_ids == done.response_ids[:3]
+    # greedy log-probs are taken at temperature 1
+    assert torch.allclose(torch.tensor(done.logprobs), _recomputed(be.model, be.codec, req, done.response_ids, 1.0), atol=1e-4)
+
+
+def test_update_weights_changes_outputs_and_version(vl_dir: Path, trained_dir: Path) -> None:
+    be = HFBackend(vl_dir, max_image_side=112)
+    req = GenRequest(be.codec.encode_obs("go", [], system=None, first=True).ids, [])
+    before = be.generate([req], temperature=0.0, top_p=1.0, max_new_tokens=8)[0]
+    trained = load_policy(trained_dir).state_dict()
+    trained.pop("lm_head.weight")  # tied to the embeddings: the alias need not travel
+    be.update_weights(trained, version=5)
+    after = be.generate([req], temperature=0.0, top_p=1.0, max_new_tokens=8)[0]
+    assert be.version == 5
+    assert before.text != ANSWER and after.text == ANSWER
+
+
+def test_update_weights_rejects_bad_sets_without_changing_anything(backend: HFBackend) -> None:
+    state = {k: v.clone() for k, v in backend.model.state_dict().items()}
+    snapshot = {k: v.clone() for k, v in state.items()}
+    bad_name = dict(state, **{"model.not_a_layer.weight": torch.zeros(2)})
+    with pytest.raises(WeightUpdateError, match="unknown"):
+        backend.update_weights(bad_name, version=9)
+    missing = {k: v for k, v in state.items() if "visual" not in k}
+    with pytest.raises(WeightUpdateError, match="missing"):
+        backend.update_weights(missing, version=9)
+    key = next(k for k in state if k.endswith("q_proj.weight"))
+    wrong = dict(state, **{key: torch.zeros(3, 3)})
+    for k in wrong:
+        if k != key:
+            wrong[k] = wrong[k] + 1.0  # valid tensors that must not be applied
+    with pytest.raises(WeightUpdateError, match="shape"):
+        backend.update_weights(wrong, version=9)
+    assert backend.version == 0
+    for k, v in backend.model.state_dict().items():
+        assert torch.equal(v, snapshot[k]), k
+
+
+def test_bad_requests_raise_clear_errors(backend: HFBackend) -> None:
+    req = _requests(backend.codec)[0]
+    with pytest.raises(ValueError, match="image tokens"):
+        backend.generate([GenRequest(req.prompt_ids, [])], temperature=1.0, top_p=1.0, max_new_tokens=2)
+    with pytest.raises(ValueError, match="vocabulary"):
+        backend.generate([GenRequest([1, 10**6], [])], temperature=1.0, top_p=1.0, max_new_tokens=2)
+    with pytest.raises(ValueError, match="empty"):
+        backend.generate([GenRequest([], [])], temperature=1.0, top_p=1.0, max_new_tokens=2)
+    assert backend.generate([], temperature=1.0, top_p=1.0, max_new_tokens=2) == []
+
+
+def test_make_backend_from_config(vl_dir: Path) -> None:
+    cfg = Config()
+    cfg.model.path = str(vl_dir)
+    cfg.model.max_image_side = 112
+    cfg.actor.device = "cpu"
+    be = make_backend(cfg)
+    assert isinstance(be, HFBackend) and be.codec.max_image_side == 112 and be.version == 0
+    be.close()

