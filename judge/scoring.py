@@ -1,0 +1,255 @@
+"""Score a trajectory's turns: per part, per scorer, gated aggregation, repetition penalty, reward.
+
+Parts. ``grounding`` scores the turn's ``<observation>`` against ``state_before`` and
+``worldmodeling`` its ``<prediction>`` against ``state_after``. A part applies when the
+trajectory's ``prompt_format`` asks for it (grounding | worldmodeling | grounding_worldmodeling;
+an unknown format: when the turn has the field). An applicable part whose text is missing (the
+response did not parse) scores 0.0. A part that does not apply, or whose state offers nothing to
+compare with (every scorer says "not applicable", e.g. SVG), scores None.
+
+Scorers (``judge.scorers[env_name]``, else ``judge.scorers["default"]``):
+``rule`` (:mod:`judge.rule`, F1, no model), ``llm`` (YES=1/NO=0 with the App. D.1 prompt of the env),
+``hybrid`` (the LLM lists the relations the text states, :mod:`judge.rule` scores them by F1; the
+LLM never sees the ground truth).
+
+Gated aggregation (Argos Eq. 9) when several scorers apply to a part: the first listed scorer
+that produced a real score is the gate R_0; with threshold tau = ``judge.gate_threshold`` and
+weights w = ``judge.scorer_weights``::
+
+    R = R_0                                  if R_0 < tau
+    R = sum_i w_i R_i / sum_i w_i            otherwise (over every applicable scorer, gate included)
+
+so a wrong answer according to the gate is never lifted by a lenient second opinion. When the gate
+is ``rule`` and falls below tau the LLM is not asked at all (its answer could not change R).
+
+Fallback. An LLM scorer whose endpoint stays down (timeouts, 429/5xx after the retries, other 4xx)
+yields ``judge.fallback_score``; one whose replies stay unparseable yields 0.0 (the agent's text
+can provoke such replies, so they must not earn a configurable bonus). Either way the scorer is
+flagged ``fallback`` and the turn's ``judge["fallback"]`` is True. Fallback scores take part in the
+aggregation only when no scorer of the part produced a real score.
+
+Repetition penalty (VAGEN App. D.1.2): per part, the judge process keeps the frequency of every
+sentence the agent wrote (:class:`judge.rule.RepetitionTracker`); a part whose text repeats one of
+the ``repetition_top_k`` most frequent sentences (seen at least twice) while its score is below
+``repetition_f1_threshold`` gets ``-repetition_penalty``. Parts scored by fallback only are not
+penalised.
+
+Reward. ``grounding_score``/``worldmodeling_score`` = part score + penalty (None when the part does
+not apply) and ``reasoning_reward = beta_g * grounding + beta_w * worldmodeling`` with a None part
+contributing 0 (no renormalisation: a worldmodeling-only strategy earns at most beta_w, as in
+VAGEN). A turn with no applicable part gets reasoning_reward 0.0.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.config import JudgeConfig
+from common.metrics import metric
+from judge.llm import LLMClient
+from judge.prompts import extract_messages, parse_extraction, parse_verdict, verdict_messages
+from judge.rule import RepetitionTracker, Truth, build_truth, entity_names, extract_items, items_from_extraction, score_items
+
+log = logging.getLogger(__name__)
+
+# part -> (turn text field, turn state field)
+PARTS: dict[str, tuple[str, str]] = {"grounding": ("observation", "state_before"),
+                                     "worldmodeling": ("prediction", "state_after")}
+FORMAT_PARTS: dict[str, tuple[str, ...]] = {
+    "no_think": (), "free_think": (), "grounding": ("grounding",), "worldmodeling": ("worldmodeling",),
+    "grounding_worldmodeling": ("grounding", "worldmodeling"),
+}
+LLM_SCORERS = ("llm", "hybrid")
+
+
+@dataclass
+class ScorerResult:
+    score: float | None  # None: not applicable
+    fallback: bool = False
+    detail: dict = field(default_factory=dict)
+
+
+@dataclass
+class PartResult:
+    score: float | None
+    fallback: bool  # some scorer of the part fell back
+    detail: dict
+    real: bool = False  # the score comes from at least one scorer that did not fall back
+
+
+def scorers_for(cfg: JudgeConfig, env_name: str, env_id: str = "") -> list[str]:
+    """The configured scorer list of an env (by env name, then gymnasium id, then "default")."""
+    for key in (env_name, env_id, (env_name or "").lower()):
+        if key and key in cfg.scorers:
+            return list(cfg.scorers[key])
+    return list(cfg.scorers.get("default", ["rule"]))
+
+
+def needs_llm(cfg: JudgeConfig) -> bool:
+    return any(s in LLM_SCORERS for names in cfg.scorers.values() for s in names)
+
+
+def gated_aggregate(scores: list[tuple[str, float]], weights: dict[str, float], threshold: float) -> float:
+    """Argos Eq. 9 over ``[(scorer, score), ...]``, the first being the gate."""
+    if not scores:
+        raise ValueError("nothing to aggregate")
+    gate = scores[0][1]
+    if gate < threshold or len(scores) == 1:
+        return gate
+    total = sum(weights.get(name, 1.0) for name, _ in scores)
+    return sum(weights.get(name, 1.0) * s for name, s in scores) / total
+
+
+class TrajectoryScorer:
+    """Fills the judge fields of trajectories; one per judge process (it holds the repetition history)."""
+
+    def __init__(self, cfg: JudgeConfig, llm: LLMClient | None = None):
+        self.cfg = cfg
+        self.llm = llm
+        self.trackers = {part: RepetitionTracker(cfg.repetition_top_k, cfg.repetition_f1_threshold,
+                                                 cfg.repetition_penalty) for part in PARTS}
+        self.fallbacks = 0  # fallback scorer results (for the run-wide stats hash)
+        self._m_turns = metric("worldloop_judge_scored_turns")
+        self._m_fallbacks = metric("worldloop_judge_fallbacks")
+        self._m_score = metric("worldloop_judge_score")
+
+    async def score(self, traj: dict) -> dict:
+        """Score every turn of ``traj`` in place, set ``scored = True`` and return it."""
+        env = str(traj.get("env_name") or "")
+        names = scorers_for(self.cfg, env, str(traj.get("env_id") or ""))
+        if any(n in LLM_SCORERS for n in names) and self.llm is None:
+            raise RuntimeError(f"scorers {names} for env {env!r} need an LLM client")
+        parts = FORMAT_PARTS.get(str(traj.get("prompt_format")))
+        jobs = []
+        for turn in traj["turns"]:
+            for part, (text_key, state_key) in PARTS.items():
+                applies = part in parts if parts is not None else turn.get(text_key) is not None
+                jobs.append(self._score_part(env, part, turn.get(text_key), turn.get(state_key), names)
+                            if applies else _none())
+        results = await asyncio.gather(*jobs)
+        for i, turn in enumerate(traj["turns"]):
+            self._fill_turn(turn, dict(zip(PARTS, results[2 * i: 2 * i + 2])), names)
+        traj["scored"] = True
+        return traj
+
+    # ------------------------------------------------------------------ one part
+
+    async def _score_part(self, env: str, part: str, text: Any, state: Any, names: list[str]) -> PartResult:
+        missing = not isinstance(text, str) or not text.strip()
+        truth = build_truth("" if missing else text, state, env)
+        if truth is None:
+            return PartResult(None, False, {"applicable": False})
+        if missing:
+            return PartResult(0.0, False, {"missing": True}, real=True)
+        results: dict[str, ScorerResult] = {}
+        rest = list(names)
+        if rest and rest[0] == "rule" and len(rest) > 1:  # a failing rule gate decides alone
+            results["rule"] = self._rule(text, truth)
+            rest = rest[1:]
+            if results["rule"].score is not None and results["rule"].score < self.cfg.gate_threshold:
+                for n in rest:
+                    results[n] = ScorerResult(None, detail={"skipped": "gate below threshold"})
+                rest = []
+        got = await asyncio.gather(*(self._one(n, env, part, text, truth) for n in rest))
+        results.update(zip(rest, got))
+        ordered = [(n, results[n]) for n in names if n in results]
+        real = [(n, r.score) for n, r in ordered if r.score is not None and not r.fallback]
+        fallen = [(n, r.score) for n, r in ordered if r.score is not None and r.fallback]
+        detail: dict = {"method": truth.method, "scorers": {n: {"score": r.score, "fallback": r.fallback, **r.detail}
+                                                            for n, r in ordered}}
+        if real:
+            score = gated_aggregate(real, self.cfg.scorer_weights, self.cfg.gate_threshold)
+            detail["gate"] = real[0][0]
+        elif fallen:
+            score = gated_aggregate(fallen, self.cfg.scorer_weights, self.cfg.gate_threshold)
+        else:
+            return PartResult(None, False, {**detail, "applicable": False})
+        return PartResult(score, bool(fallen), detail, real=bool(real))
+
+    async def _one(self, name: str, env: str, part: str, text: str, truth: Truth) -> ScorerResult:
+        if name == "rule":
+            return self._rule(text, truth)
+        if name == "llm":
+            answer = await self.llm.ask(verdict_messages(env, part, truth.method, truth.info, text),
+                                        parse_verdict, "llm")
+            if answer.ok:
+                return ScorerResult(answer.value, detail=_answer_detail(answer, verdict="YES" if answer.value else "NO"))
+            return self._fallback(answer)
+        if name == "hybrid":
+            if truth.method in ("symbolic", "svg"):  # nothing for an extractor to add to the rule here
+                return ScorerResult(None, detail={"applicable": False})
+            answer = await self.llm.ask(extract_messages(entity_names(truth), text), parse_extraction, "hybrid")
+            if not answer.ok:
+                return self._fallback(answer)
+            r = score_items(items_from_extraction(answer.value, truth), truth)
+            return ScorerResult(r.score, detail={**_answer_detail(answer), **r.to_dict()})
+        raise ValueError(f"unknown scorer {name!r}")
+
+    @staticmethod
+    def _rule(text: str, truth: Truth) -> ScorerResult:
+        r = score_items(extract_items(text, truth), truth)
+        return ScorerResult(r.score, detail=r.to_dict())
+
+    def _fallback(self, answer) -> ScorerResult:
+        self.fallbacks += 1
+        self._m_fallbacks.inc()
+        score = 0.0 if answer.unparseable else self.cfg.fallback_score
+        return ScorerResult(score, fallback=True, detail={"reason": answer.reason, "attempts": answer.attempts})
+
+    # ------------------------------------------------------------------ one turn
+
+    def _fill_turn(self, turn: dict, parts: dict[str, PartResult], names: list[str]) -> None:
+        cfg = self.cfg
+        final: dict[str, float | None] = {}
+        details: dict[str, Any] = {}
+        for part, res in parts.items():
+            text = turn.get(PARTS[part][0])
+            penalty = 0.0
+            if res.score is not None and not res.detail.get("missing"):
+                penalty = self.trackers[part].apply(text, res.score if res.real else None)
+            final[part] = None if res.score is None else res.score + penalty
+            details[part] = {"score": final[part], "raw": res.score, "penalty": penalty, "fallback": res.fallback,
+                             **res.detail}
+            if final[part] is not None:
+                self._m_score.labels(field=part).observe(final[part])
+        g, w = final["grounding"], final["worldmodeling"]
+        turn["grounding_score"] = g
+        turn["worldmodeling_score"] = w
+        turn["reasoning_reward"] = cfg.beta_grounding * (g or 0.0) + cfg.beta_worldmodeling * (w or 0.0)
+        turn["judge"] = {"scorers": names, "fallback": any(r.fallback for r in parts.values()), **details}
+        self._m_score.labels(field="reasoning").observe(turn["reasoning_reward"])
+        used = {n for r in parts.values() for n, d in r.detail.get("scorers", {}).items() if d.get("score") is not None}
+        for n in used:
+            self._m_turns.labels(scorer=n).inc()
+
+
+def _answer_detail(answer, **extra) -> dict:
+    return {"cached": answer.cached, "attempts": answer.attempts, **extra}
+
+
+async def _none() -> PartResult:
+    return PartResult(None, False, {"applicable": False})
+
+
+def score_trajectory_sync(traj: dict, cfg: JudgeConfig) -> dict:
+    """Score with ``rule`` scorers only, without an event loop of the caller's (tests, tools)."""
+    return asyncio.run(TrajectoryScorer(cfg).score(traj))
+
+
+def fallback_trajectory(traj: dict, cfg: JudgeConfig, reason: str) -> dict:
+    """Every applicable part gets ``fallback_score``, flagged (used when scoring itself failed)."""
+    parts = FORMAT_PARTS.get(str(traj.get("prompt_format")))
+    for turn in traj["turns"]:
+        scores = {}
+        for part, (text_key, _) in PARTS.items():
+            applies = part in parts if parts is not None else turn.get(text_key) is not None
+            scores[part] = cfg.fallback_score if applies else None
+        turn["grounding_score"] = scores["grounding"]
+        turn["worldmodeling_score"] = scores["worldmodeling"]
+        turn["reasoning_reward"] = (cfg.beta_grounding * (scores["grounding"] or 0.0)
+                                    + cfg.beta_worldmodeling * (scores["worldmodeling"] or 0.0))
+        turn["judge"] = {"fallback": True, "reason": reason[:500]}
+    traj["scored"] = True
+    return traj
