@@ -1,0 +1,407 @@
+"""What the learner trains on: the ``scored`` stream read exactly once, and batches as tensors.
+
+Public API::
+
+    Unusable(ValueError)                                   # a schema-valid but untrainable trajectory
+    check_usable(traj, *, vocab_size, max_len, codec) -> SequenceLayout
+    oldest_version(traj) -> int
+    DedupWindow(max_staleness)                             # trajectory ids already trained on
+    Item(entry_id, traj, layout, oldest, nbytes)
+    ScoredSource(cfg, keys, *, vocab_size, codec, version_fn, dedup, consumer_name=LEARNER_CONSUMER)
+        .recover() -> int          # own pending entries of a previous (killed) learner first
+        .collect(n, should_stop) -> list[Item] | None
+        .held_bytes, .held_count, .ack_held() -> int, .mark_trained(items, step)
+    encode_batch(items) -> bytes / decode_batch(bytes) -> list[dict]   # rank 0 -> other ranks
+    micro_slices(batch, rows, image_counts) -> dict        # rows of a collated batch, images kept
+
+Exactly-once with kill -9
+-------------------------
+Every entry the learner reads stays PENDING in the ``learner`` consumer group until a checkpoint
+that contains its fate is complete on disk; then it is acked (XACK + XDEL). Its fate is one of:
+trained in update s; dropped as stale; dropped as a duplicate; dead-lettered (unusable; the
+dead-letter stream is itself durable, so those are acked at once). A restart loads the newest
+complete checkpoint and first re-reads its own pending list (the consumer name is fixed,
+``learner-0``, so XREADGROUP with id 0 returns exactly what the dead process held):
+
+* an entry trained in an update the checkpoint contains (its id is in the checkpoint's trained
+  set) is a duplicate of durable work: acked at once, not trained;
+* an entry trained after the checkpoint (that update died with the process) or never used is
+  trained again, in the lineage that continues from the checkpoint.
+
+Acked => in a checkpoint, so nothing acked is lost; the trained set filters the rest, so nothing
+is trained twice in the surviving lineage. Producers are not stalled by what the learner holds:
+the backpressure of ``common.streams`` counts undelivered entries only.
+
+How much is held: at most ``checkpoint_every`` batches of ``train_batch_size`` entries plus the
+drops decided since the last checkpoint. Drops whose fate cannot change (stale even relative to
+the last checkpointed version, or duplicates of checkpointed work) are acked at once. When the
+payload bytes held pass ``trainer.max_pending_mb`` the learner checkpoints early (process.py),
+and at start it refuses a ``max_pending_mb`` larger than half of Redis's ``maxmemory`` (when
+Redis reports one). Entries the consumer's periodic XAUTOCLAIM hands back to us while we hold
+them are recognised by entry id and ignored.
+
+Dedup window
+------------
+A trajectory whose oldest turn was generated at version ``o`` is dropped as stale once the
+learner's version ``v`` satisfies ``v - o > max_staleness``. A second copy of it can therefore
+only be trained while ``v <= o + max_staleness``; after that the staleness rule drops it before
+the dedup check. So the window keeps an id only while ``o >= v - max_staleness`` — ids of the
+last ``max_staleness + 1`` versions — and is pruned after every update. The checkpoint stores
+the window (id -> o).
+
+Multi-rank
+----------
+Rank 0 alone reads the stream, decides, acks, and sends the chosen payloads (msgpack bytes, no
+pickle) to the other ranks with a broadcast; every rank then collates its own contiguous slice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from common.config import Config, ConfigError
+from common.control import SCORED_GROUP, Keys, stats_incr
+from common.metrics import metric
+from common.modeling import ChatCodec, SequenceLayout, build_sequence
+from common.schemas import SchemaError, decode_trajectory, packb, unpackb
+from common.streams import Message, StreamConsumer, connect
+
+log = logging.getLogger(__name__)
+
+LEARNER_CONSUMER = "learner-0"
+_LOGPROB_SLACK = 1e-3  # behaviour log-probs above this are not log-probabilities
+
+
+class Unusable(ValueError):
+    """A trajectory that passes the schema but cannot be trained on (the reason says why)."""
+
+
+def oldest_version(traj: dict) -> int:
+    return min(int(t["policy_version"]) for t in traj["turns"])
+
+
+def check_usable(traj: dict, *, vocab_size: int, max_len: int, codec: ChatCodec) -> SequenceLayout:
+    """The trajectory's token layout, or :class:`Unusable` with the reason."""
+    try:
+        layout = build_sequence(traj)
+    except (ValueError, KeyError, TypeError) as e:
+        raise Unusable(f"cannot lay out the token sequence: {e}") from None
+    ids = layout.input_ids
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.numel():
+        raise Unusable(f"token id(s) {bad[:5].tolist()} outside the vocabulary [0, {vocab_size})")
+    if len(layout) > max_len:
+        raise Unusable(f"sequence of {len(layout)} tokens is longer than model.max_model_len={max_len}")
+    lp = layout.behaviour_logprobs
+    if bool((lp > _LOGPROB_SLACK).any()):
+        raise Unusable(f"behaviour log-prob {float(lp.max()):.4g} > 0 is not a log-probability")
+    for t, turn in enumerate(traj["turns"]):
+        v = int(turn["policy_version"])
+        if v < 0:
+            raise Unusable(f"turn {t}: policy_version {v} < 0")
+    if codec.is_vision:
+        found = int((ids == codec.image_token_id).sum())
+        try:
+            need = sum(codec.image_pad_count(png) for png in layout.images)
+        except ValueError as e:
+            raise Unusable(f"image: {e}") from None
+        if found != need:
+            raise Unusable(f"{found} image tokens but the {len(layout.images)} image(s) need {need}")
+    return layout
+
+
+class DedupWindow:
+    """Trajectory id -> oldest-turn version of what was trained (see the module docstring)."""
+
+    def __init__(self, max_staleness: int, ids: dict[str, int] | None = None):
+        self.max_staleness = int(max_staleness)
+        self._ids: dict[str, int] = dict(ids or {})
+        self._durable: set[str] = set(self._ids)  # ids whose update is in a checkpoint
+
+    def __contains__(self, tid: str) -> bool:
+        return tid in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def is_durable(self, tid: str) -> bool:
+        return tid in self._durable
+
+    def add(self, tid: str, oldest: int) -> None:
+        self._ids[tid] = int(oldest)
+
+    def mark_durable(self) -> None:
+        self._durable = set(self._ids)
+
+    def prune(self, version: int) -> int:
+        """Forget ids the staleness rule drops anyway at ``version``; return how many."""
+        floor = int(version) - self.max_staleness
+        old = [k for k, o in self._ids.items() if o < floor]
+        for k in old:
+            del self._ids[k]
+            self._durable.discard(k)
+        return len(old)
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(self._ids)
+
+
+@dataclass
+class Item:
+    entry_id: str
+    traj: dict
+    layout: SequenceLayout | None
+    oldest: int
+    nbytes: int
+
+    @property
+    def trajectory_id(self) -> str:
+        return str(self.traj["trajectory_id"])
+
+
+def redis_maxmemory(r) -> int | None:
+    """Redis's ``maxmemory`` in bytes (0 = unlimited), None when CONFIG GET is not allowed."""
+    try:
+        raw = r.config_get("maxmemory")
+    except Exception:  # managed Redis often forbids CONFIG; then there is nothing to check
+        return None
+    value = raw.get("maxmemory") or raw.get(b"maxmemory")
+    return int(value) if value is not None else None
+
+
+def check_pending_fits(cfg: Config, r) -> None:
+    """Refuse a ``max_pending_mb`` larger than half of Redis's ``maxmemory`` (when one is set)."""
+    limit = redis_maxmemory(r)
+    want = cfg.trainer.max_pending_mb * 2**20
+    if limit and want > limit // 2:
+        raise ConfigError(
+            "trainer.max_pending_mb",
+            f"the learner may hold {cfg.trainer.max_pending_mb} MiB of entries pending until a checkpoint, "
+            f"more than half of Redis maxmemory ({limit / 2**20:.0f} MiB); lower it or trainer.checkpoint_every",
+        )
+
+
+class ScoredSource:
+    """Rank 0's reader of the ``scored`` stream: decides each entry's fate and holds it until acked."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        keys: Keys,
+        *,
+        vocab_size: int,
+        codec: ChatCodec,
+        version_fn: Callable[[], int],
+        checkpoint_version_fn: Callable[[], int],
+        dedup: DedupWindow,
+        consumer_name: str = LEARNER_CONSUMER,
+    ):
+        if cfg.redis.url is None:
+            raise ConfigError("redis.url", "the learner needs a Redis URL (worldloop up passes its own)")
+        self.cfg = cfg
+        self.keys = keys
+        self.vocab_size = vocab_size
+        self.codec = codec
+        self.version_fn = version_fn
+        self.checkpoint_version_fn = checkpoint_version_fn
+        self.dedup = dedup
+        self.max_staleness = cfg.trainer.max_staleness
+        self.r = connect(cfg.redis.url, cfg.redis.socket_timeout_s)
+        self.consumer = StreamConsumer(
+            cfg.redis.url, keys.scored, SCORED_GROUP, consumer_name, decode=decode_trajectory,
+            deadletter_stream=keys.deadletter, block_ms=min(cfg.redis.block_ms, 1000),
+            claim_idle_ms=cfg.redis.claim_idle_ms, reconnect_max_s=cfg.redis.reconnect_max_s,
+            socket_timeout_s=cfg.redis.socket_timeout_s,
+        )
+        self.consumer_name = consumer_name
+        self._buffer: list[Item] = []
+        self._held: dict[str, int] = {}  # entry id -> payload bytes, fate decided, not yet acked
+        self._buffered_ids: set[str] = set()
+        self._buffered_tids: set[str] = set()
+        self._recovered: list[Message] = []
+        self.dropped: dict[str, int] = {}
+        self._m_dropped = metric("worldloop_learner_dropped_trajectories")
+        self._m_held = metric("worldloop_learner_pending_entries")
+
+    # ------------------------------------------------------------------ reading
+
+    def recover(self, page: int = 256) -> int:
+        """Take back what a previous learner process held (its pending list); return how many."""
+        cursor, n = "0-0", 0
+        while True:
+            res = self.r.xreadgroup(SCORED_GROUP, self.consumer_name, {self.keys.scored: cursor}, count=page)
+            entries = res[0][1] if res else []
+            if not entries:
+                break
+            for entry_id, fields in entries:
+                eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+                cursor = eid
+                if not fields:  # deleted while pending: nothing left to do but ack it
+                    self.consumer.ack([eid], count_metric=False)
+                    continue
+                payload = fields.get(b"data")
+                if payload is None:
+                    self.consumer.deadletter(Message(eid, b"", None, True), "entry has no 'data' field")
+                    continue
+                try:
+                    value = decode_trajectory(payload)
+                except SchemaError as e:
+                    self.consumer.deadletter(Message(eid, payload, None, True), f"decode failed: {e}")
+                    continue
+                self._recovered.append(Message(eid, payload, value, True))
+                n += 1
+        if n:
+            log.info("recovered %d entries a previous learner process left pending", n)
+        return n
+
+    def collect(self, n: int, should_stop: Callable[[], bool], *, paused: Callable[[], bool] = lambda: False,
+                max_wait_s: float | None = None) -> list[Item] | None:
+        """Wait until ``n`` usable trajectories are buffered and return them (FIFO).
+
+        None when ``should_stop()`` turns true; ``[]`` when ``max_wait_s`` passed first (what was
+        buffered stays buffered). While ``paused()`` nothing new is read.
+        """
+        start = time.monotonic()
+        while len(self._buffer) < n:
+            if should_stop():
+                return None
+            if max_wait_s is not None and time.monotonic() - start >= max_wait_s:
+                return []
+            if paused():
+                time.sleep(0.2)
+                continue
+            if self._recovered:
+                msgs, self._recovered = self._recovered[: n * 2], self._recovered[n * 2 :]
+            else:
+                msgs = self.consumer.read(min(max(n - len(self._buffer), 1), 256))
+            for m in msgs:
+                self._decide(m)
+        out, self._buffer = self._buffer[:n], self._buffer[n:]
+        for it in out:
+            self._buffered_ids.discard(it.entry_id)
+            self._buffered_tids.discard(it.trajectory_id)
+        return out
+
+    def _decide(self, m: Message) -> None:
+        if m.id in self._held or m.id in self._buffered_ids:
+            return  # our own pending entry handed back by XAUTOCLAIM: already decided
+        traj = m.value
+        tid = str(traj["trajectory_id"])
+        oldest = oldest_version(traj)
+        version = self.version_fn()
+        lag = version - oldest
+        if lag > self.max_staleness:
+            final = self.checkpoint_version_fn() - oldest > self.max_staleness
+            self._drop(m, "stale", f"lag {lag} > max_staleness {self.max_staleness}", final)
+            return
+        if tid in self.dedup or tid in self._buffered_tids:
+            self._drop(m, "duplicate", f"trajectory {tid} was already trained on", self.dedup.is_durable(tid))
+            return
+        try:
+            layout = check_usable(traj, vocab_size=self.vocab_size, max_len=self.cfg.model.max_model_len, codec=self.codec)
+        except Unusable as e:
+            self._count("unusable")
+            self.consumer.deadletter(m, f"learner: unusable trajectory {tid}: {e}")
+            return
+        self._buffer.append(Item(m.id, traj, layout, oldest, len(m.payload)))
+        self._buffered_ids.add(m.id)
+        self._buffered_tids.add(tid)
+
+    def _count(self, reason: str) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        self._m_dropped.labels(reason=reason).inc()
+        try:
+            stats_incr(self.r, self.keys, f"learner_dropped_{reason}")
+        except Exception as e:  # a counter must never stop training
+            log.debug("stats_incr failed: %s", e)
+
+    def _drop(self, m: Message, reason: str, why: str, final: bool) -> None:
+        self._count(reason)
+        log.info("dropping %s trajectory %s (entry %s): %s", reason, m.value.get("trajectory_id"), m.id, why)
+        if final:
+            self.consumer.ack([m.id])
+        else:
+            self._held[m.id] = len(m.payload)
+            self._m_held.set(len(self._held))
+
+    # ------------------------------------------------------------------ fate and acks
+
+    def mark_trained(self, items: list[Item]) -> None:
+        for it in items:
+            self.dedup.add(it.trajectory_id, it.oldest)
+            self._held[it.entry_id] = it.nbytes
+        self._m_held.set(len(self._held))
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(self._held.values())
+
+    @property
+    def held_count(self) -> int:
+        return len(self._held)
+
+    def ack_held(self) -> int:
+        """Ack every entry whose fate a complete checkpoint now holds (call right after one)."""
+        ids = list(self._held)
+        n = 0
+        for s in range(0, len(ids), 512):
+            n += self.consumer.ack(ids[s : s + 512])
+        self._held.clear()
+        self.dedup.mark_durable()
+        self._m_held.set(0)
+        return n
+
+    def close(self) -> None:
+        self.consumer.close()
+        try:
+            self.r.close()
+        except Exception:  # closing a dead connection may fail; nothing to recover
+            pass
+
+
+# --------------------------------------------------------------------------- batches
+
+
+def encode_batch(items: list[Item], *, stop: bool = False) -> bytes:
+    """The payload rank 0 broadcasts: the trajectories (msgpack maps) and a stop flag."""
+    return packb({"stop": bool(stop), "trajectories": [it.traj for it in items]})
+
+
+def decode_batch(data: bytes) -> tuple[bool, list[dict]]:
+    msg = unpackb(data)
+    return bool(msg["stop"]), list(msg["trajectories"])
+
+
+def image_patch_rows(batch: dict[str, torch.Tensor], image_counts: list[int]) -> list[tuple[int, int]]:
+    """Per sequence, the (start, end) rows of ``pixel_values`` and image index range."""
+    grid = batch.get("image_grid_thw")
+    spans = []
+    img = patch = 0
+    patches = grid.prod(-1).tolist() if grid is not None else []
+    for n in image_counts:
+        p = int(sum(patches[img : img + n]))
+        spans.append((patch, patch + p, img, img + n))
+        img += n
+        patch += p
+    return spans
+
+
+def micro_slices(batch: dict[str, torch.Tensor], rows: list[int], image_counts: list[int], pad_to: int = 8) -> dict[str, torch.Tensor]:
+    """Rows ``rows`` of a collated batch, trimmed to their longest sequence, images kept with them."""
+    idx = torch.tensor(rows, dtype=torch.long)
+    length = int(batch["attention_mask"][idx].sum(1).max())
+    length = min(batch["attention_mask"].shape[1], -(-length // pad_to) * pad_to)
+    out = {k: v[idx, :length] for k, v in batch.items() if k not in ("pixel_values", "image_grid_thw") and v.dim() == 2}
+    if "pixel_values" in batch:
+        spans = image_patch_rows(batch, image_counts)
+        pix = [batch["pixel_values"][spans[r][0] : spans[r][1]] for r in rows]
+        grid = [batch["image_grid_thw"][spans[r][2] : spans[r][3]] for r in rows]
+        if sum(x.shape[0] for x in pix):
+            out["pixel_values"] = torch.cat(pix)
+            out["image_grid_thw"] = torch.cat(grid)
+    return out

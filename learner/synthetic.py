@@ -1,0 +1,168 @@
+"""Schema-valid trajectories built from a :class:`common.modeling.ChatCodec`, for tests and benches.
+
+Public API::
+
+    synthetic_trajectory(codec, *, trajectory_id, turns=2, response_tokens=12, image_side=56,
+                         policy_version=0, env_name="sokoban", seed=0, group_id=None,
+                         env_reward=1.0, format_reward=0.5, reasoning_reward=None,
+                         success=False, logprobs=None) -> dict
+
+The token layout is exactly the actors' (``ChatCodec.encode_obs`` for every turn, the first with a
+system prompt, every user message with one ``<image>`` when the model is a vision model), the
+responses are ``response_tokens`` ordinary vocabulary tokens plus ``<|im_end|>``, and the behaviour
+log-probs are ``log(1/1024)`` unless ``logprobs`` gives a callable ``(turn_index, response_ids) ->
+list[float]`` (tests pass the model's own log-probs there so that the importance weight is known).
+The result passes :func:`common.schemas.validate_trajectory`.
+
+    behaviour_logprobs_from(model, codec, temperature) -> callable for ``logprobs=``
+    tiny_learner_config(model_dir, redis_url, run_dir, namespace="wl", **trainer) -> Config
+
+``behaviour_logprobs_from`` scores each response with a Hugging Face model under the actors'
+log-prob convention (``common.modeling.token_logprobs`` at ``temperature``), i.e. what an actor
+running that model would have recorded. ``tiny_learner_config`` is a CPU-sized learner config
+(small batches, metrics server off, ephemeral weight ports) for tests and the CPU bench smoke run.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable
+
+import numpy as np
+
+from common.config import Config, config_from_dict
+from common.modeling import IMAGE_PLACEHOLDER, ChatCodec, collate, token_logprobs
+from common.schemas import TRAJECTORY_SCHEMA, empty_state
+
+
+def _state(step: int) -> dict:
+    state = empty_state()
+    state["relations"] = [f"box0 is above the player (step {step})"]
+    return state
+
+
+def synthetic_trajectory(
+    codec: ChatCodec,
+    *,
+    trajectory_id: str,
+    turns: int = 2,
+    response_tokens: int = 12,
+    image_side: int = 56,
+    policy_version: int | list[int] = 0,
+    env_name: str = "sokoban",
+    seed: int = 0,
+    group_id: str | None = None,
+    env_reward: float = 1.0,
+    format_reward: float = 0.5,
+    reasoning_reward: float | None = None,
+    success: bool = False,
+    logprobs: Callable[[int, list[int], list[int], list[bytes]], list[float]] | None = None,
+    filler_tokens: int = 0,
+) -> dict:
+    """One episode of ``turns`` turns (see the module docstring).
+
+    ``policy_version`` may be one int for every turn or a list, one per turn. ``logprobs``, when
+    given, is called as ``logprobs(turn, context_ids, response_ids, images_so_far)``.
+    ``filler_tokens`` ordinary tokens are added to every observation (long sequences for benches).
+    """
+    if turns < 1 or response_tokens < 1:
+        raise ValueError("turns and response_tokens must be >= 1")
+    versions = list(policy_version) if isinstance(policy_version, (list, tuple)) else [policy_version] * turns
+    if len(versions) != turns:
+        raise ValueError(f"{len(versions)} policy versions for {turns} turns")
+    rng = np.random.default_rng(seed)
+    vocab = len(codec.tokenizer)
+    first_plain = max(codec.image_token_id, codec.vision_end_id, codec.im_end_id) + 1
+    context: list[int] = []
+    images_so_far: list[bytes] = []
+    out_turns = []
+    for t in range(turns):
+        image = rng.integers(0, 256, (image_side, image_side, 3), dtype=np.uint8) if codec.is_vision else None
+        text = f"[Observation {t}]:\n{IMAGE_PLACEHOLDER}\nDecide your next action." if image is not None else f"[Observation {t}]: room {seed}"
+        seg = codec.encode_obs(text, [image] if image is not None else [], system="You are a test agent." if t == 0 else None, first=t == 0)
+        if filler_tokens:  # at the end of the user message, before its <|im_end|>
+            at = len(seg.ids) - 1 - seg.ids[::-1].index(codec.im_end_id)
+            seg.ids[at:at] = [int(x) for x in rng.integers(first_plain, vocab, filler_tokens)]
+        response = [int(x) for x in rng.integers(first_plain, vocab, response_tokens)] + [codec.im_end_id]
+        context += seg.ids
+        images_so_far += seg.images
+        lps = logprobs(t, list(context), response, list(images_so_far)) if logprobs else [math.log(1 / 1024)] * len(response)
+        context += response
+        out_turns.append({
+            "index": t,
+            "policy_version": int(versions[t]),
+            "obs_ids": seg.ids,
+            "response_ids": response,
+            "logprobs": [float(x) for x in lps],
+            "images": seg.images,
+            "response_text": codec.decode(response),
+            "observation": "box0 is above the player",
+            "reasoning": "push it",
+            "prediction": "box0 is on the target",
+            "actions": ["Up"],
+            "format_ok": True,
+            "env_reward": float(env_reward),
+            "format_reward": float(format_reward),
+            "done": t == turns - 1,
+            "success": bool(success and t == turns - 1),
+            "state_before": _state(t),
+            "state_after": _state(t + 1),
+            "actions_total": 1,
+            "actions_effective": 1,
+            "truncated_response": False,
+            "grounding_score": None,
+            "worldmodeling_score": None,
+            "reasoning_reward": reasoning_reward,
+            "judge": None,
+        })
+    return {
+        "schema": TRAJECTORY_SCHEMA,
+        "trajectory_id": trajectory_id,
+        "group_id": group_id or trajectory_id,
+        "env_id": f"worldloop/{env_name.capitalize()}-v0",
+        "env_name": env_name,
+        "env_kwargs": {},
+        "seed": int(seed),
+        "actor_id": "synthetic",
+        "created_at": time.time(),
+        "prompt_format": "grounding_worldmodeling",
+        "max_turns": turns,
+        "turns": out_turns,
+        "success": bool(success),
+        "scored": reasoning_reward is not None,
+    }
+
+
+def behaviour_logprobs_from(model, codec: ChatCodec, temperature: float) -> Callable:
+    """A ``logprobs=`` callable: the response's log-probs under ``model`` given the context."""
+    import torch
+
+    def score(turn: int, context: list[int], response: list[int], images: list[bytes]) -> list[float]:
+        from common.modeling import SequenceLayout
+
+        ids = torch.tensor(context + response)
+        zeros = torch.zeros(len(ids))
+        layout = SequenceLayout(ids, zeros, zeros, torch.full((len(ids),), -1), zeros, torch.full((len(ids),), -1),
+                                [0], [(len(context), len(ids))], list(images))
+        with torch.no_grad():
+            lp, _ = token_logprobs(model, collate([layout], codec), temperature=temperature)
+        return lp[0, len(context) : len(ids)].tolist()
+
+    return score
+
+
+def tiny_learner_config(model_dir, redis_url: str, run_dir, namespace: str = "wl", max_image_side: int = 112,
+                        **trainer) -> Config:
+    """A learner config for the tiny model on CPU: 4 trajectories per update, 2 per mini-batch."""
+    base = {"train_batch_size": 4, "ppo_mini_batch_size": 2, "micro_batch_size": 1, "total_steps": 2,
+            "checkpoint_every": 2, "actor_lr": 1e-3, "critic_lr": 1e-3, "device": "cpu"}
+    base.update(trainer)
+    return config_from_dict({
+        "run": {"run_dir": str(run_dir)},
+        "redis": {"url": redis_url, "namespace": namespace, "block_ms": 200},
+        "model": {"path": str(model_dir), "max_image_side": max_image_side, "make_tiny_if_missing": False},
+        "metrics": {"enabled": False},
+        "weights": {"pub_port": 0, "fetch_port": 0},
+        "trainer": base,
+    })

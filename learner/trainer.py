@@ -1,0 +1,330 @@
+"""One PPO iteration of the learner (policy version v -> v + 1) on a batch of trajectories.
+
+Public API::
+
+    PPOTrainer(cfg, models, seed=0)
+        .update(trajectories, step) -> dict     # every rank calls it with the SAME global batch
+    batch_reward_stats(trajectories, wmact_rescale) -> dict
+    micro_loss_scale(n_micro, n_global, world_size, accumulation) -> float
+
+An iteration, for this rank's contiguous slice of the global batch:
+
+1. collate the slice (token layout of ``common.modeling``; images stay with their sequence);
+2. without gradients, per micro-batch: proximal log-probs of the current policy (version v, at
+   the actors' sampling temperature), reference log-probs, critic values;
+3. turn rewards r_t = reasoning + format + env (``learner.rewards.turn_rewards``, WMAct Eq. 4
+   rescaling by config) at each turn's last token; with ``kl_in_reward`` the token rewards are
+   ``-kl_coef * KL(prox || ref)``; advantages and returns from ``learner.advantages``; the
+   advantages are whitened over the global batch (all ranks) unless the estimator is grpo
+   (already group-normalised). GRPO's group baselines need the whole batch: every rank computes
+   the per-trajectory scores of the whole batch (the KL sums are all-reduced) before slicing;
+4. ``ppo_epochs`` passes over shuffled PPO mini-batches (``ppo_mini_batch_size`` trajectories
+   over all ranks, one optimizer step each), each accumulated over micro-batches: decoupled PPO
+   policy loss (ratio against the proximal log-probs, importance weight proximal/behaviour
+   truncated at ``importance_weight_cap``), minus ``entropy_coef`` x entropy, plus
+   ``kl_coef`` x KL(pi || ref) when the KL is not in the reward; clipped value loss for the critic.
+   Each micro-batch loss is weighted by its share of the global mini-batch's loss tokens, so the
+   gradient is the exact token mean over the mini-batch whatever the padding or rank split.
+
+Loss mask: 1 on generated tokens, 0 on prompt/observation/image tokens (``loss_mask_for``; only
+``vanilla_ppo`` widens it, as that baseline is defined).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import defaultdict
+
+import torch
+
+from common.config import Config
+from common.modeling import build_sequence, collate
+from learner import advantages as adv_mod
+from learner.data import micro_slices
+from learner.engine import Models, all_reduce_max, all_reduce_sum
+from learner.losses import kl_penalty, masked_mean, policy_loss, value_loss
+from learner.rewards import place_turn_rewards, turn_rewards
+
+log = logging.getLogger(__name__)
+
+# stats reduced with max / min over ranks and micro-batches (everything else: token-weighted mean)
+_MAX_STATS = ("iw_max", "ratio_max")
+_MIN_STATS = ("iw_min", "ratio_min")
+
+
+def batch_reward_stats(trajectories: list[dict], wmact_rescale: bool) -> dict:
+    """Mean per-trajectory reward by component, success rate overall and per env, turn counts."""
+    n = max(len(trajectories), 1)
+    comp = {"total": 0.0, "env": 0.0, "format": 0.0, "reasoning": 0.0}
+    success: dict[str, list[int]] = defaultdict(list)
+    for traj in trajectories:
+        comp["total"] += sum(turn_rewards(traj, wmact_rescale=wmact_rescale))
+        for t in traj["turns"]:
+            comp["env"] += float(t["env_reward"])
+            comp["format"] += float(t["format_reward"])
+            comp["reasoning"] += float(t.get("reasoning_reward") or 0.0)
+        success[str(traj["env_name"])].append(int(bool(traj["success"])))
+    rates = {"all": sum(sum(v) for v in success.values()) / n}
+    rates.update({k: sum(v) / len(v) for k, v in sorted(success.items())})
+    return {"reward": {k: v / n for k, v in comp.items()}, "success_rate": rates,
+            "turns": [len(t["turns"]) for t in trajectories]}
+
+
+def micro_loss_scale(n_micro: float, n_global: float, world_size: int, accumulation: int) -> float:
+    """Factor for a micro-batch's token-mean loss so that the accumulated gradient is the exact
+    token mean over the global mini-batch: its share of the mini-batch's loss tokens, times the
+    accumulation steps and ranks that DeepSpeed divides by (loss / accumulation, mean over ranks)."""
+    return n_micro / max(n_global, 1.0) * world_size * accumulation
+
+
+class _Acc:
+    """Token-weighted means plus max/min of per-micro-batch stats (reduced over ranks at the end)."""
+
+    def __init__(self):
+        self.sum: dict[str, float] = defaultdict(float)
+        self.weight: dict[str, float] = defaultdict(float)
+        self.max: dict[str, float] = {}
+        self.min: dict[str, float] = {}
+
+    def add(self, prefix: str, stats: dict[str, float], weight: float) -> None:
+        for k, v in stats.items():
+            key = f"{prefix}{k}"
+            if k in _MAX_STATS:
+                self.max[key] = max(self.max.get(key, -math.inf), v)
+            elif k in _MIN_STATS:
+                self.min[key] = min(self.min.get(key, math.inf), v)
+            elif k != "tokens":
+                self.sum[key] += v * weight
+                self.weight[key] += weight
+
+    def reduce(self, models: Models) -> dict[str, float]:
+        keys = sorted(self.sum)
+        sums = all_reduce_sum([self.sum[k] for k in keys] + [self.weight[k] for k in keys], models.dist)
+        out = {k: sums[i] / sums[len(keys) + i] if sums[len(keys) + i] > 0 else 0.0 for i, k in enumerate(keys)}
+        mx = sorted(self.max)
+        for k, v in zip(mx, all_reduce_max([self.max[k] for k in mx], models.dist)):
+            out[k] = v
+        mn = sorted(self.min)
+        for k, v in zip(mn, all_reduce_max([-self.min[k] for k in mn], models.dist)):
+            out[k] = -v
+        return out
+
+
+class PPOTrainer:
+    def __init__(self, cfg: Config, models: Models, seed: int = 0):
+        self.cfg = cfg
+        self.t = cfg.trainer
+        self.models = models
+        self.seed = int(seed)
+        self.temperature = float(cfg.actor.temperature) if cfg.actor.temperature > 0 else 1.0
+        world = models.dist.world_size
+        self.local_batch = self.t.train_batch_size // world
+        self.local_mini = self.t.ppo_mini_batch_size // world
+        self.micro = self.t.micro_batch_size
+        self.device = models.dist.device
+        self._grad_norm_now: dict[str, float] = {}
+        if self.t.estimator == "grpo" and models.critic is not None:
+            log.warning("trainer.estimator=grpo does not read values: the critic (trainer.use_critic) is trained for nothing")
+        if self.t.estimator != "grpo" and models.critic is None:
+            log.warning("trainer.use_critic=false with %s: values are 0, advantages are Monte-Carlo returns", self.t.estimator)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _local_rows(self) -> range:
+        r = self.models.dist.rank
+        return range(r * self.local_batch, (r + 1) * self.local_batch)
+
+    def _chunks(self, rows: list[int], size: int) -> list[list[int]]:
+        return [rows[s : s + size] for s in range(0, len(rows), size)]
+
+    @torch.no_grad()
+    def _precompute(self, batch: dict, image_counts: list[int]) -> dict[str, torch.Tensor]:
+        """Proximal / reference log-probs and old values of every local row, [B, L] on CPU."""
+        shape = batch["input_ids"].shape
+        out = {"old_logprobs": torch.zeros(shape), "ref_logprobs": torch.zeros(shape), "old_values": torch.zeros(shape)}
+        policy = self.models.policy.module
+        for rows in self._chunks(list(range(shape[0])), self.micro):
+            mb = micro_slices(batch, rows, image_counts)
+            length = mb["input_ids"].shape[1]
+            lp, _ = policy(mb, temperature=self.temperature)
+            out["old_logprobs"][rows, :length] = lp.float().cpu()
+            if self.models.reference is not None:
+                ref, _ = self.models.reference(mb, temperature=self.temperature)
+                out["ref_logprobs"][rows, :length] = ref.float().cpu()
+            if self.models.critic is not None:
+                out["old_values"][rows, :length] = self.models.critic.module(mb).float().cpu()
+        return out
+
+    def _kl(self, logprobs: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+        return kl_penalty(logprobs, ref, kind=self.t.kl_estimator)
+
+    def _grpo_token_rewards(self, all_trajs: list[dict], local_sums: torch.Tensor, length: int) -> tuple[dict, torch.Tensor]:
+        """Masks of the WHOLE batch (no images decoded) and each row's token-reward sum placed on
+        its last generated token, so grpo sees every group member's score on every rank."""
+        layouts = [build_sequence(t) for t in all_trajs]
+        width = max(length, max(len(x) for x in layouts))
+        resp = torch.zeros(len(layouts), width)
+        end = torch.zeros(len(layouts), width)
+        for i, x in enumerate(layouts):
+            resp[i, : len(x)] = x.response_mask
+            end[i, : len(x)] = x.turn_end_mask
+        sums = torch.zeros(len(layouts), dtype=torch.float64)
+        rows = self._local_rows()
+        sums[rows.start : rows.stop] = local_sums.double()
+        sums = torch.tensor(all_reduce_sum(sums.tolist(), self.models.dist))
+        tok = torch.zeros(len(layouts), width)
+        last = torch.tensor([int(x.turn_spans[-1][1]) - 1 for x in layouts])
+        tok[torch.arange(len(layouts)), last] = sums.float()
+        return {"response_mask": resp, "turn_end_mask": end}, tok
+
+    def _whiten(self, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.models.dist.world_size == 1:
+            return adv_mod.whiten(adv, mask)
+        m = mask != 0
+        x = torch.where(m, adv.double(), 0.0)
+        s, ss, n = all_reduce_sum([float(x.sum()), float((x * x).sum()), float(m.sum())], self.models.dist)
+        mean = s / max(n, 1)
+        var = (ss - n * mean * mean) / max(n - 1, 1) if n >= 2 else 0.0
+        out = (adv.double() - mean) / math.sqrt(max(var, 0.0) + 1e-8)
+        return torch.where(m, out, 0.0).float()
+
+    # ------------------------------------------------------------------ the iteration
+
+    def update(self, trajectories: list[dict], step: int) -> dict:
+        """One PPO iteration on the global batch ``trajectories``; returns stats (same on every rank)."""
+        t, models = self.t, self.models
+        timing = defaultdict(float)
+        rows = self._local_rows()
+        local = trajectories[rows.start : rows.stop]
+        layouts = [build_sequence(x) for x in local]
+        batch = collate(layouts, models.codec)
+        image_counts = [len(x.images) for x in layouts]
+        length = batch["input_ids"].shape[1]
+
+        self._sync()
+        t0 = time.perf_counter()
+        pre = self._precompute(batch, image_counts)
+        self._sync()
+        timing["forward"] += time.perf_counter() - t0
+
+        resp = batch["response_mask"]
+        mask = adv_mod.loss_mask_for(t.estimator, resp, batch["attention_mask"]).float()
+        rewards = place_turn_rewards(batch["turn_end_mask"], [turn_rewards(x, wmact_rescale=t.wmact_rescale) for x in local])
+        kl_tok = torch.where(mask > 0, self._kl(pre["old_logprobs"], pre["ref_logprobs"]), 0.0) if models.reference is not None else torch.zeros_like(mask)
+        token_rewards = -t.kl_coef * kl_tok if (t.kl_in_reward and models.reference is not None) else torch.zeros_like(mask)
+        common = dict(adv_mod.advantage_kwargs(t))
+        if t.estimator == "grpo":
+            full, tok = self._grpo_token_rewards(trajectories, token_rewards.sum(1), length)
+            full_rewards = place_turn_rewards(full["turn_end_mask"], [turn_rewards(x, wmact_rescale=t.wmact_rescale) for x in trajectories])
+            gids = [str(x["group_id"]) for x in trajectories]
+            adv_all, ret_all = adv_mod.compute_advantages(
+                "grpo", response_mask=full["response_mask"], turn_end_mask=full["turn_end_mask"],
+                turn_rewards=full_rewards, token_rewards=tok, group_ids=gids, **common)
+            advantages = adv_all[rows.start : rows.stop, :length] * resp
+            returns = ret_all[rows.start : rows.stop, :length] * resp
+        else:
+            advantages, returns = adv_mod.compute_advantages(
+                t.estimator, values=pre["old_values"], response_mask=resp, turn_end_mask=batch["turn_end_mask"],
+                turn_rewards=rewards, token_rewards=token_rewards, attention_mask=batch["attention_mask"], **common)
+        raw_adv = advantages
+        if t.whiten_advantages and t.estimator != "grpo":
+            advantages = self._whiten(advantages, mask)
+
+        batch.update(pre)
+        batch.update(advantages=advantages, returns=returns, loss_mask=mask)
+        acc = _Acc()
+        grad_norms: dict[str, list[float]] = defaultdict(list)
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 101 + models.dist.rank)
+        for epoch in range(t.ppo_epochs):
+            order = torch.randperm(len(local), generator=gen).tolist()
+            for mini in self._chunks(order, self.local_mini):
+                n_global = all_reduce_sum([float(mask[mini].sum())], models.dist)[0]
+                for micro in self._chunks(mini, self.micro):
+                    mb = micro_slices(batch, micro, image_counts)
+                    self._train_micro(mb, n_global, acc, timing)
+                self._boundary(grad_norms)
+
+        stats = acc.reduce(models)
+        self._add_batch_stats(stats, raw_adv, returns, mask, kl_tok, pre, grad_norms)
+        tokens = all_reduce_sum([float(batch["attention_mask"].sum()), float(resp.sum())], models.dist)
+        stats.update(tokens=tokens[0], response_tokens=tokens[1], forward_seconds=timing["forward"],
+                     backward_seconds=timing["backward"])
+        return stats
+
+    def _train_micro(self, mb: dict, n_global: float, acc: _Acc, timing: dict) -> None:
+        t, models = self.t, self.models
+        dev = self.device
+        m = mb["loss_mask"].to(dev)
+        n_micro = float(mb["loss_mask"].sum())
+        share = micro_loss_scale(n_micro, n_global, models.dist.world_size, models.policy.gradient_accumulation_steps())
+        self._sync()
+        t0 = time.perf_counter()
+        lp, ent = models.policy(mb, temperature=self.temperature, return_entropy=True)
+        pl, pst = policy_loss(lp, mb["old_logprobs"].to(dev), mb["behaviour_logprobs"].to(dev), mb["advantages"].to(dev), m,
+                              clip_ratio=t.clip_ratio, iw_cap=t.importance_weight_cap)
+        entropy = masked_mean(ent, m)
+        loss = pl - t.entropy_coef * entropy if t.entropy_coef else pl
+        kl_loss = None
+        if not t.kl_in_reward and models.reference is not None and t.kl_coef > 0:
+            kl_loss = masked_mean(self._kl(lp, mb["ref_logprobs"].to(dev)), m)
+            loss = loss + t.kl_coef * kl_loss
+        self._optimise("policy", models.policy, loss * share, t0, timing)
+        pst["entropy"] = float(entropy.detach())
+        if kl_loss is not None:
+            pst["kl_loss"] = float(kl_loss.detach())
+        acc.add("policy_", pst, n_micro)
+        if models.critic is None:
+            return
+        t0 = time.perf_counter()
+        values = models.critic(mb)
+        vl, vst = value_loss(values, mb["old_values"].to(dev), mb["returns"].to(dev), m, value_clip=t.value_clip)
+        self._optimise("critic", models.critic, vl * share, t0, timing)
+        acc.add("value_", vst, n_micro)
+
+    def _optimise(self, name: str, engine, loss: torch.Tensor, t0: float, timing: dict) -> None:
+        """Backward + (accumulating) optimizer step; forward time is counted from ``t0``."""
+        self._sync()
+        t1 = time.perf_counter()
+        engine.backward(loss)
+        self._own_grad_norm(name, engine)
+        engine.step()
+        self._sync()
+        timing["forward"] += t1 - t0
+        timing["backward"] += time.perf_counter() - t1
+
+    def _own_grad_norm(self, name: str, engine) -> None:
+        """ZeRO stage 0 in fp32 clips without keeping the norm: measure it before the step."""
+        if self.models.zero_stage == 0 and not self.models.bf16 and engine.is_gradient_accumulation_boundary():
+            grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+            self._grad_norm_now[name] = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+
+    def _boundary(self, grad_norms: dict[str, list[float]]) -> None:
+        for name, engine in (("policy", self.models.policy), ("critic", self.models.critic)):
+            if engine is None:
+                continue
+            g = self._grad_norm_now.pop(name, None)
+            g = engine.get_global_grad_norm() if g is None else g
+            if g is not None:
+                grad_norms[name].append(float(g))
+
+    def _add_batch_stats(self, stats: dict, adv: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                         kl_tok: torch.Tensor, pre: dict, grad_norms: dict) -> None:
+        m = mask > 0
+        d = self.models.dist
+        a = adv[m].double()
+        s, ss, n, kl, ret = all_reduce_sum([float(a.sum()), float((a * a).sum()), float(m.sum()),
+                                           float(kl_tok[m].sum()), float(returns[m].sum())], d)
+        mean = s / max(n, 1)
+        amax, nmin = all_reduce_max([float(a.max()) if a.numel() else 0.0, -float(a.min()) if a.numel() else 0.0], d)
+        stats.update(
+            advantage_mean=mean, advantage_std=math.sqrt(max(ss / max(n, 1) - mean * mean, 0.0)),
+            advantage_max=amax, advantage_min=-nmin, kl=kl / max(n, 1), return_mean=ret / max(n, 1),
+        )
+        for name, vals in grad_norms.items():
+            stats[f"grad_norm_{name}"] = sum(vals) / len(vals)

@@ -1,0 +1,264 @@
+"""Learner data path on a real redis-server: validation, staleness, dedup, dead letters, holding
+entries pending until a checkpoint, recovery of a killed learner's pending entries, and micro-batch
+slicing that keeps images with their sequence. No DeepSpeed here (fast)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.config import ConfigError, config_from_dict
+from common.control import SCORED_GROUP, Keys, read_stats
+from common.modeling import ChatCodec, build_sequence, collate
+from common.schemas import decode_deadletter, encode_trajectory
+from common.streams import StreamProducer, connect
+from common.tiny_model import make_tiny_model
+from learner.data import (
+    DedupWindow,
+    ScoredSource,
+    Unusable,
+    check_pending_fits,
+    check_usable,
+    decode_batch,
+    encode_batch,
+    micro_slices,
+)
+from learner.synthetic import synthetic_trajectory
+
+NS = "ld"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "vl", max_image_side=112)
+
+
+@pytest.fixture(scope="module")
+def codec(model_dir) -> ChatCodec:
+    return ChatCodec(model_dir, max_image_side=112)
+
+
+VOCAB = 2048
+
+
+def _cfg(url: str, **trainer):
+    return config_from_dict({"redis": {"url": url, "namespace": NS, "claim_idle_ms": 60_000},
+                             "trainer": {"train_batch_size": 4, "ppo_mini_batch_size": 2, "micro_batch_size": 1,
+                                         "max_staleness": 2, **trainer},
+                             "model": {"max_model_len": 4096}})
+
+
+class _Versions:
+    def __init__(self):
+        self.current = 0
+        self.checkpointed = 0
+
+
+def _source(cfg, codec, versions: _Versions, dedup: DedupWindow | None = None) -> ScoredSource:
+    return ScoredSource(cfg, Keys(NS), vocab_size=VOCAB, codec=codec, version_fn=lambda: versions.current,
+                        checkpoint_version_fn=lambda: versions.checkpointed,
+                        dedup=dedup or DedupWindow(cfg.trainer.max_staleness))
+
+
+def _pending(url: str) -> int:
+    return int(connect(url).xpending(Keys(NS).scored, SCORED_GROUP)["pending"])
+
+
+def _traj(codec, tid, **kw):
+    return synthetic_trajectory(codec, trajectory_id=tid, seed=abs(hash(tid)) % 1000, turns=2, response_tokens=4, **kw)
+
+
+# --------------------------------------------------------------------------- pure parts
+
+
+def test_dedup_window_keeps_exactly_the_ids_staleness_does_not_drop():
+    w = DedupWindow(max_staleness=2)
+    w.add("a", 3)  # oldest turn generated at version 3
+    w.add("b", 5)
+    # at learner version 5: lag of a = 2 <= 2, a copy of a could still be trained -> keep it
+    assert w.prune(5) == 0 and "a" in w
+    # at version 6: lag of a = 3 > 2, staleness drops any copy of a -> forget it; b (lag 1) stays
+    assert w.prune(6) == 1 and "a" not in w and "b" in w
+    assert w.to_dict() == {"b": 5}
+    assert not w.is_durable("b")
+    w.mark_durable()
+    assert w.is_durable("b")
+    restored = DedupWindow(2, w.to_dict())  # from a checkpoint: durable at once
+    assert restored.is_durable("b") and len(restored) == 1
+
+
+def test_check_usable_gives_reasons(codec):
+    ok = _traj(codec, "ok")
+    layout = check_usable(ok, vocab_size=VOCAB, max_len=4096, codec=codec)
+    assert len(layout) == sum(len(t["obs_ids"]) + len(t["response_ids"]) for t in ok["turns"])
+
+    bad_vocab = _traj(codec, "v")
+    bad_vocab["turns"][1]["response_ids"][0] = VOCAB + 7
+    with pytest.raises(Unusable, match=r"token id\(s\) \[2055\] outside the vocabulary \[0, 2048\)"):
+        check_usable(bad_vocab, vocab_size=VOCAB, max_len=4096, codec=codec)
+
+    with pytest.raises(Unusable, match="longer than model.max_model_len=10"):
+        check_usable(ok, vocab_size=VOCAB, max_len=10, codec=codec)
+
+    bad_lp = _traj(codec, "lp")
+    bad_lp["turns"][0]["logprobs"][0] = 0.5
+    with pytest.raises(Unusable, match="not a log-probability"):
+        check_usable(bad_lp, vocab_size=VOCAB, max_len=4096, codec=codec)
+
+    no_image = _traj(codec, "img")
+    no_image["turns"][0]["images"] = []
+    with pytest.raises(Unusable, match="image tokens but the 1 image"):
+        check_usable(no_image, vocab_size=VOCAB, max_len=4096, codec=codec)
+
+    corrupt = _traj(codec, "png")
+    corrupt["turns"][0]["images"] = [b"\x89PNG not really"]
+    with pytest.raises(Unusable, match="image"):
+        check_usable(corrupt, vocab_size=VOCAB, max_len=4096, codec=codec)
+
+
+def test_batch_round_trip_is_msgpack(codec):
+    from learner.data import Item
+
+    items = [Item(f"1-{i}", _traj(codec, f"r{i}"), None, 0, 10) for i in range(2)]
+    stop, trajs = decode_batch(encode_batch(items))
+    assert not stop and [t["trajectory_id"] for t in trajs] == ["r0", "r1"]
+    assert trajs[0]["turns"][0]["images"] == items[0].traj["turns"][0]["images"]
+    assert decode_batch(encode_batch([], stop=True)) == (True, [])
+
+
+def test_micro_slices_keep_each_sequences_images(codec):
+    trajs = [synthetic_trajectory(codec, trajectory_id=f"m{i}", seed=i, turns=1 + i % 2, response_tokens=3 + 5 * i,
+                                  image_side=28 * (1 + i % 3)) for i in range(4)]
+    layouts = [build_sequence(t) for t in trajs]
+    full = collate(layouts, codec)
+    full["extra"] = torch.arange(full["input_ids"].numel()).reshape(full["input_ids"].shape).float()
+    counts = [len(x.images) for x in layouts]
+    for rows in ([2], [3, 0], [1, 2]):
+        got = micro_slices(full, rows, counts)
+        want = collate([layouts[r] for r in rows], codec)
+        length = want["input_ids"].shape[1]
+        assert got["input_ids"].shape[1] == length
+        for k in ("input_ids", "attention_mask", "response_mask", "mm_token_type_ids", "behaviour_logprobs"):
+            assert torch.equal(got[k], want[k]), k
+        assert torch.equal(got["pixel_values"], want["pixel_values"])
+        assert torch.equal(got["image_grid_thw"], want["image_grid_thw"])
+        assert torch.equal(got["extra"], full["extra"][rows, :length])
+
+
+# --------------------------------------------------------------------------- stream
+
+
+def test_staleness_dedup_and_dead_letter(redis_url, codec):
+    cfg = _cfg(redis_url)
+    keys = Keys(NS)
+    prod = StreamProducer(redis_url, keys.scored, 100)
+    v = _Versions()
+    v.current = 5
+    v.checkpointed = 3
+    src = _source(cfg, codec, v)
+    src.dedup.add("trained-before", 4)
+    # lag 5 - 2 = 3 > 2, but 3 - 2 = 1 relative to the checkpoint: held (a restart at v3 would train it)
+    prod.add(encode_trajectory(_traj(codec, "stale-held", policy_version=[2, 5])))
+    # lag 5 - 0 = 5 > 2 and 3 - 0 = 3 > 2: stale in any surviving lineage -> acked at once
+    prod.add(encode_trajectory(_traj(codec, "stale-final", policy_version=0)))
+    prod.add(encode_trajectory(_traj(codec, "trained-before", policy_version=4)))  # duplicate, not durable: held
+    bad = _traj(codec, "bad-vocab", policy_version=5)
+    bad["turns"][0]["obs_ids"][3] = 10**6
+    prod.add(encode_trajectory(bad))
+    for i in range(3):
+        prod.add(encode_trajectory(_traj(codec, f"good{i}", policy_version=[4, 5])))
+    prod.add(encode_trajectory(_traj(codec, "good0", policy_version=[4, 5])))  # a re-sent copy in the same batch
+    prod.add(encode_trajectory(_traj(codec, "good3", policy_version=5)))
+
+    items = src.collect(4, lambda: False)
+    assert [it.trajectory_id for it in items] == ["good0", "good1", "good2", "good3"]
+    assert src.dropped == {"stale": 2, "duplicate": 2, "unusable": 1}
+    stats = read_stats(connect(redis_url), keys)
+    assert stats["learner_dropped_stale"] == 2 and stats["learner_dropped_duplicate"] == 2
+    dead = connect(redis_url).xrange(keys.deadletter)
+    assert len(dead) == 1
+    record = decode_deadletter(dead[0][1][b"data"])
+    assert "bad-vocab" in record["reason"] and "outside the vocabulary" in record["reason"]
+    # held: stale-held, the two duplicates; stale-final and the dead letter were acked at once;
+    # the four items are still pending too (their update is not checkpointed yet)
+    assert src.held_count == 3
+    assert _pending(redis_url) == 3 + 4
+    src.mark_trained(items)
+    assert src.held_count == 7 and all(f"good{i}" in src.dedup for i in range(4))
+    assert src.ack_held() == 7
+    assert _pending(redis_url) == 0 and connect(redis_url).xlen(keys.scored) == 0
+    assert src.dedup.is_durable("good0")
+    src.close()
+
+
+def test_recover_takes_back_a_killed_learners_pending_entries(redis_url, codec):
+    cfg = _cfg(redis_url)
+    keys = Keys(NS)
+    prod = StreamProducer(redis_url, keys.scored, 100)
+    for i in range(6):
+        prod.add(encode_trajectory(_traj(codec, f"k{i}")))
+    v = _Versions()
+    first = _source(cfg, codec, v)
+    items = first.collect(4, lambda: False)
+    first.mark_trained(items[:2])  # k0, k1 trained in an update that a checkpoint holds ...
+    checkpointed = first.dedup.to_dict()
+    # ... and the process dies before acking anything (kill -9): no close, no ack
+    assert _pending(redis_url) == 4
+
+    second = _source(cfg, codec, v, DedupWindow(2, checkpointed))  # restart from that checkpoint
+    assert second.recover() == 4
+    got = second.collect(4, lambda: False)
+    # k0, k1 are in the checkpoint's trained set: acked without training; k2, k3 (trained after
+    # the checkpoint or never) come back first, then the two never-read entries
+    assert [it.trajectory_id for it in got] == ["k2", "k3", "k4", "k5"]
+    assert second.dropped == {"duplicate": 2}
+    assert _pending(redis_url) == 4 and second.held_count == 0
+    second.close()
+
+
+def test_own_entries_handed_back_by_autoclaim_are_ignored(redis_url, codec):
+    cfg = _cfg(redis_url)
+    cfg.redis.claim_idle_ms = 1
+    keys = Keys(NS)
+    prod = StreamProducer(redis_url, keys.scored, 100)
+    for i in range(3):
+        prod.add(encode_trajectory(_traj(codec, f"a{i}")))
+    src = _source(cfg, codec, _Versions())
+    first = src.collect(2, lambda: False)
+    src.mark_trained(first)  # held pending; XAUTOCLAIM (idle > 1 ms) will return them to us
+    second = src.collect(1, lambda: False)
+    assert [it.trajectory_id for it in second] == ["a2"]
+    assert src.dropped == {}  # not mistaken for duplicates
+    src.close()
+
+
+def test_paused_reads_nothing_and_stop_returns_none(redis_url, codec):
+    cfg = _cfg(redis_url)
+    prod = StreamProducer(redis_url, Keys(NS).scored, 100)
+    prod.add(encode_trajectory(_traj(codec, "p0")))
+    src = _source(cfg, codec, _Versions())
+    assert src.collect(1, lambda: False, paused=lambda: True, max_wait_s=0.3) == []
+    assert _pending(redis_url) == 0  # nothing was read while paused
+    assert src.collect(2, lambda: False, max_wait_s=0.3) == []  # one buffered, one missing: timeout
+    assert src.collect(2, lambda: True) is None
+    src.close()
+
+
+def test_pending_bound_checked_against_redis_maxmemory(redis_url):
+    r = connect(redis_url)
+    r.config_set("maxmemory", str(100 * 2**20))
+    try:
+        with pytest.raises(ConfigError, match="trainer.max_pending_mb"):
+            check_pending_fits(_cfg(redis_url, max_pending_mb=60), r)
+        check_pending_fits(_cfg(redis_url, max_pending_mb=50), r)
+    finally:
+        r.config_set("maxmemory", "0")
+
+
+def test_learner_cli_without_redis_url_fails_fast_naming_the_key(capsys):
+    from common.cli import main
+
+    assert main(["learner", "redis.url=null", "trainer.device=cpu"]) == 2
+    assert "redis.url" in capsys.readouterr().err

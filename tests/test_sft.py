@@ -1,0 +1,163 @@
+"""SFT warm start: expert demonstrations from a real gymnasium env, loss and answer format improve."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import gymnasium
+import numpy as np
+import pytest
+
+from common.modeling import ChatCodec, build_sequence, collate
+from common.tiny_model import fallback_corpus, make_tiny_model
+from learner.sft import answer_format_ok, format_ok_rate, make_demonstrations, run_sft
+
+ENV_ID = "worldloop-test/Corridor-v0"
+
+
+class Corridor(gymnasium.Env):
+    """A 1-D corridor following the worldloop env contract: walk onto the goal cell.
+
+    obs = {"text", "image"}; ``system_prompt()``; ``expert_response()`` in the VAGEN
+    grounding + world-modeling format; ``step(response_text)`` parses the <answer>.
+    """
+
+    metadata = {"render_modes": ["vision", "text"]}
+
+    def __init__(self, render_mode: str = "vision", size: int = 6):
+        self.render_mode, self.size = render_mode, size
+        self.player = self.goal = 0
+        self.action_space = gymnasium.spaces.Text(max_length=4096)
+        self.observation_space = gymnasium.spaces.Dict({"text": gymnasium.spaces.Text(max_length=4096)})
+
+    def system_prompt(self) -> str:
+        return (
+            "You are a corridor walker. Actions you can take: Left, Right. Answer in the format "
+            "<think><observation>...</observation><reasoning>...</reasoning><prediction>...</prediction></think>"
+            "<answer>...</answer>"
+        )
+
+    def _obs(self) -> dict:
+        if self.render_mode != "vision":
+            return {"text": f"Player at {self.player}, goal at {self.goal}. Decide.", "image": None}
+        img = np.zeros((28, 28 * self.size, 3), dtype=np.uint8)
+        img[:, 28 * self.player : 28 * (self.player + 1), 0] = 255
+        img[:, 28 * self.goal : 28 * (self.goal + 1), 1] = 255
+        return {"text": "[Current Observation]:\n<image>\nDecide your next action(s).", "image": img}
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.player, self.goal = self.np_random.choice(self.size, 2, replace=False).tolist()
+        return self._obs(), {"state": {"player": self.player, "goal": self.goal}}
+
+    def expert_response(self) -> str:
+        d = "Right" if self.goal > self.player else "Left"
+        return (
+            f"<think><observation>The goal is {d.lower()} of the player.</observation>"
+            f"<reasoning>I should move {d}.</reasoning><prediction>The player will be closer to the goal.</prediction>"
+            f"</think><answer>{d}</answer>"
+        )
+
+    def step(self, action: str):
+        if "<answer>Right</answer>" in action:
+            self.player = min(self.size - 1, self.player + 1)
+        elif "<answer>Left</answer>" in action:
+            self.player = max(0, self.player - 1)
+        done = self.player == self.goal
+        return self._obs(), float(done), done, False, {"success": done}
+
+
+if ENV_ID not in gymnasium.registry:
+    gymnasium.register(ENV_ID, entry_point=Corridor, disable_env_checker=True)
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory) -> Path:
+    # a fixed tokenizer corpus: the default one grows with every env's texts, and the format-rate
+    # thresholds below were set for this tokenizer
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "vl", seed=0, max_image_side=112, corpus=fallback_corpus())
+
+
+@pytest.fixture(scope="module")
+def codec(vl_dir: Path) -> ChatCodec:
+    return ChatCodec(vl_dir, max_image_side=112)
+
+
+def test_answer_format_check() -> None:
+    assert answer_format_ok("<think><observation>a</observation></think><answer>Up</answer>")
+    assert answer_format_ok("  <think>x</think>\n<answer>Left, Up</answer> ")
+    assert not answer_format_ok("<think>x</think><answer> </answer>")
+    assert not answer_format_ok("<answer>Up</answer>")
+    assert not answer_format_ok("<think>x</think><answer>Up</answer> trailing")
+
+
+def test_demonstrations_follow_the_actor_layout(codec: ChatCodec) -> None:
+    demos = make_demonstrations([{"id": ENV_ID, "kwargs": {"size": 6}}], 4, 100, codec, max_turns=3)
+    assert [d["seed"] for d in demos] == [100, 101, 102, 103]
+    for d in demos:
+        env = gymnasium.make(ENV_ID, disable_env_checker=True)
+        env.reset(seed=d["seed"])
+        first = d["turns"][0]
+        assert first["response_text"] == env.unwrapped.expert_response()
+        assert codec.decode(first["response_ids"]) == first["response_text"]
+        assert first["response_ids"][-1] == codec.im_end_id
+        assert "You are a corridor walker." in codec.decode(first["obs_ids"])
+        # the expert walks straight to the goal: turns = distance (capped by max_turns)
+        assert len(d["turns"]) == min(3, abs(env.unwrapped.goal - env.unwrapped.player))
+        assert d["success"] == (len(d["turns"]) == abs(env.unwrapped.goal - env.unwrapped.player))
+        assert all(len(t["images"]) == 1 for t in d["turns"])
+    batch = collate([build_sequence(d) for d in demos], codec)  # consistent image tokens, or it raises
+    assert int(batch["response_mask"].sum()) == sum(len(t["response_ids"]) for d in demos for t in d["turns"])
+    with pytest.raises(ValueError):
+        make_demonstrations([], 1, 0, codec, 1)
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_sft_lowers_loss_and_raises_format_rate(vl_dir: Path, codec: ChatCodec, tmp_path: Path) -> None:
+    demos = make_demonstrations([ENV_ID], 16, 0, codec, max_turns=3)
+    held_out = make_demonstrations([ENV_ID], 8, 1000, codec, max_turns=1)
+    original = _sha(vl_dir / "model.safetensors")
+    before = format_ok_rate(vl_dir, held_out, temperature=0.7, max_new_tokens=256, seed=0)
+    seen = []
+    stats = run_sft(vl_dir, demos, epochs=40, lr=1e-2, batch_size=8, out_dir=tmp_path / "sft", progress=seen.append)
+    assert stats["steps"] == 40 * 2 == len(seen)
+    assert stats["loss_after"] < 0.5 * stats["loss_before"]
+    assert _sha(vl_dir / "model.safetensors") == original  # out_dir given: the source stays as it was
+    assert (tmp_path / "sft" / "tokenizer.json").exists() and (tmp_path / "sft" / "preprocessor_config.json").exists()
+    after = format_ok_rate(tmp_path / "sft", held_out, temperature=0.7, max_new_tokens=256, seed=0)
+    assert before <= 0.125 and after >= 0.75, (before, after)
+
+
+def test_sft_in_place_and_bad_arguments(tmp_path: Path, codec: ChatCodec) -> None:
+    path = make_tiny_model(tmp_path / "m", seed=0, max_image_side=112, corpus=fallback_corpus())
+    demos = make_demonstrations([ENV_ID], 2, 0, codec, max_turns=1)
+    first = _sha(path / "model.safetensors")
+    stats = run_sft(path, demos, epochs=1, lr=1e-3, batch_size=2)
+    assert stats["loss_after"] < stats["loss_before"]
+    assert _sha(path / "model.safetensors") != first
+    with pytest.raises(ValueError):
+        run_sft(path, [], epochs=1, lr=1e-3, batch_size=1)
+    with pytest.raises(ValueError):
+        run_sft(path, demos, epochs=1, lr=0.0, batch_size=1)
+
+
+def _sokoban_registered() -> bool:
+    try:
+        import envs  # noqa: F401
+    except Exception:
+        return False
+    return "worldloop/Sokoban-v0" in gymnasium.registry
+
+
+@pytest.mark.skipif(not _sokoban_registered(), reason="envs has not registered worldloop/Sokoban-v0 yet")
+def test_demonstrations_from_sokoban(codec: ChatCodec) -> None:
+    spec = {"id": "worldloop/Sokoban-v0", "kwargs": {"render_mode": "vision", "prompt_format": "grounding_worldmodeling"}}
+    demos = make_demonstrations([spec], 2, 0, codec, max_turns=2)
+    for d in demos:
+        text = d["turns"][0]["response_text"]
+        assert "<observation>" in text and "<prediction>" in text and answer_format_ok(text)
+    collate([build_sequence(d) for d in demos], codec)
