@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Start supervisord with deploy/supervisord.conf and the variables of deploy/worldloop.env
+# (or the file named by $WORLDLOOP_ENV_FILE). Extra arguments go to supervisord (e.g. -n).
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+set -a; . "${WORLDLOOP_ENV_FILE:-$here/worldloop.env}"; set +a
+mkdir -p "$WORLDLOOP_LOG_DIR" "$WORLDLOOP_RUN_DIR" "$WORLDLOOP_SUPERVISOR_DIR"
+exec supervisord -c "$here/supervisord.conf" "$@"

@@ -1,0 +1,132 @@
+"""Scaling out: two actors started on their own join a running learner over Redis AUTH and CURVE.
+
+Each actor is given only what an actor on another machine would have: the Redis URL (with its
+password), the learner's ZeroMQ address with the server's public CURVE key, and a model directory.
+The learner was started first and knows nothing about them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import redis
+import yaml
+import zmq.auth
+
+from common.control import Keys, list_processes
+from common.metrics import free_port
+from common.redis_local import LocalRedis
+from common.tiny_model import make_tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {"id": "worldloop/FrozenLake-v0",
+       "kwargs": {"size": 3, "min_actions_to_succeed": 2, "render_mode": "vision", "image_size": 56}}
+
+
+def _spawn(args: list[str], log: Path) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-m", "common.cli", *args], cwd=ROOT, env=env,
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _scrape(url: str) -> dict[str, float]:
+    sums: dict[str, float] = {}
+    for line in urllib.request.urlopen(url, timeout=5).read().decode().splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            key = name.split("{", 1)[0]
+            sums[key] = sums.get(key, 0.0) + float(value)
+    return sums
+
+
+@pytest.mark.slow
+def test_two_separately_started_actors_join_a_running_learner(tmp_path: Path) -> None:
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    zmq.auth.create_certificates(str(certs), "server")  # server.key (actors) + server.key_secret (learner)
+    model = make_tiny_model(tmp_path / "model", seed=0, max_image_side=56)
+    pub_port, fetch_port = free_port(), free_port()
+    srv = LocalRedis(password="not-in-any-log").start()
+    ns = "scale"
+    learner_cfg = {
+        "run": {"run_dir": str(tmp_path / "run")},
+        "redis": {"url": srv.url, "namespace": ns},
+        "weights": {"bind": "127.0.0.1", "pub_port": pub_port, "fetch_port": fetch_port,
+                    "curve_server_secret": str(certs / "server.key_secret")},
+        "model": {"path": str(model), "max_image_side": 56},
+        "actor": {"max_turns": 2, "envs": [ENV]},
+        "judge": {"enabled": False},
+        "trainer": {"total_steps": 2, "train_batch_size": 4, "ppo_mini_batch_size": 2, "micro_batch_size": 2,
+                    "checkpoint_every": 1, "max_staleness": 8},
+    }
+    # what an actor machine gets: Redis URL, learner address + server public key, a model directory
+    actor_cfg = {
+        "redis": {"url": srv.url, "namespace": ns},
+        "weights": {"host": "127.0.0.1", "pub_port": pub_port, "fetch_port": fetch_port,
+                    "curve_server_public": str(certs / "server.key")},
+        "model": {"path": str(model), "max_image_side": 56},
+        "actor": {"num_envs": 2, "max_turns": 2, "max_new_tokens": 24, "envs": [ENV]},
+        "judge": {"enabled": False},
+    }
+    (tmp_path / "learner.yaml").write_text(yaml.safe_dump(learner_cfg))
+    (tmp_path / "actor.yaml").write_text(yaml.safe_dump(actor_cfg))
+    r = redis.Redis.from_url(srv.url)
+    keys = Keys(ns)
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        procs["learner"] = _spawn(["learner", "--config", str(tmp_path / "learner.yaml")], tmp_path / "learner.log")
+        deadline = time.monotonic() + 240
+        while not any(p["role"] == "learner" for p in list_processes(r, keys)):
+            assert procs["learner"].poll() is None, (tmp_path / "learner.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the learner never registered"
+            time.sleep(0.2)
+        for name in ("remote-a", "remote-b"):
+            procs[name] = _spawn(["actor", "--config", str(tmp_path / "actor.yaml"), f"actor.actor_id={name}"],
+                                 tmp_path / f"{name}.log")
+        scraped: dict[str, dict[str, float]] = {}
+        while procs["learner"].poll() is None:
+            assert time.monotonic() < deadline, "the learner did not finish its steps"
+            for p in list_processes(r, keys):
+                if p["role"] == "actor" and p.get("metrics_url"):
+                    try:
+                        scraped[p["id"]] = _scrape(p["metrics_url"])
+                    except OSError:
+                        pass
+            time.sleep(0.5)
+        assert procs["learner"].returncode == 0, (tmp_path / "learner.log").read_text()[-3000:]
+        # the learner published v1 and v2 after its updates; both actors took at least one of them
+        deadline = time.monotonic() + 60
+        while not all(scraped.get(a, {}).get("worldloop_actor_weight_updates_total", 0) >= 1
+                      for a in ("remote-a", "remote-b")):
+            assert time.monotonic() < deadline, f"an actor applied no weights: {scraped}"
+            for p in list_processes(r, keys):
+                if p["role"] == "actor":
+                    scraped[p["id"]] = _scrape(p["metrics_url"])
+            time.sleep(0.5)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        srv.close()
+    for name in ("remote-a", "remote-b"):
+        assert procs[name].returncode == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+        assert scraped[name]["worldloop_actor_episodes_total"] >= 1
+        assert scraped[name]["worldloop_actor_policy_version"] >= 1
+    steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert [s["step"] for s in steps] == [1, 2]
+    logs = "".join(p.read_text() for p in tmp_path.glob("*.log"))
+    assert "not-in-any-log" not in logs  # the Redis password never reaches a log
