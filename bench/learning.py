@@ -1,0 +1,136 @@
+"""Does RL improve on the SFT warm start? The tiny run of `worldloop up`, evaluated before and after.
+
+    python bench/learning.py [--envs frozenlake,sokoban] [--steps 20] [--episodes 64] [--out runs/bench-learning]
+
+For each env this runs, as a user would, ``worldloop up configs/tiny-<env>.yaml`` with a fresh
+model directory (the embedded tiny model is made, warm-started by SFT on solver demonstrations,
+then trained by ``--steps`` learner steps with 2 actors and 1 judge), and then
+``worldloop eval`` twice on the same held-out seeds (``eval.seed_start`` onwards, disjoint from the
+training seeds): the SFT model (``model.path``, which the learner never writes) is the baseline,
+the newest learner checkpoint the result. Temperature, max tokens and max turns are the actor's;
+top-p is eval's default 1.0 (the actor samples with 0.95), the same for both models.
+
+The table gives both success rates with Wilson 95% intervals, the difference, the paired outcome
+(seeds only RL solved / only SFT solved: a sign test on those is the fair test of a difference
+on shared seeds) and the wall time. Everything is written to ``--out`` (runs, logs, episodes,
+``learning.md``). Nothing here is a pass/fail check: it reports what happened.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from actor.eval_stats import wilson_interval  # noqa: E402
+from common.config import load_config  # noqa: E402
+
+
+def _cli(args: list[str], log: Path) -> float:
+    """Run ``worldloop <args>``, output to ``log``; return its wall time; raise on failure."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    start = time.monotonic()
+    with open(log, "wb") as f:
+        rc = subprocess.run([sys.executable, "-m", "common.cli", *args], cwd=ROOT, env=env, stdout=f,
+                            stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        tail = log.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"worldloop {args[0]} exited {rc}; see {log}\n{tail}")
+    return time.monotonic() - start
+
+
+def _outcomes(eval_dir: Path) -> dict[int, bool]:
+    """seed -> success of every episode recorded without an error."""
+    out = {}
+    for line in (eval_dir / "episodes.jsonl").read_text().splitlines():
+        if line.strip():
+            ep = json.loads(line)
+            if not ep.get("error"):
+                out[int(ep["seed"])] = bool(ep["success"])
+    return out
+
+
+def _sign_test_p(wins: int, losses: int) -> float:
+    """Two-sided exact sign test on the discordant pairs."""
+    n = wins + losses
+    if n == 0:
+        return 1.0
+    k = min(wins, losses)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+def bench_env(env: str, steps: int, episodes: int, out: Path) -> dict:
+    config = ROOT / "configs" / f"tiny-{env}.yaml"
+    cfg = load_config(config)
+    base = out / env
+    run_dir, model_dir = base / "run", base / "model"
+    if run_dir.exists() or model_dir.exists():
+        raise SystemExit(f"{base} exists: pass a fresh --out")
+    base.mkdir(parents=True)
+    print(f"== {env}: worldloop up ({steps} learner steps) -> {run_dir}", flush=True)
+    up_s = _cli(["up", str(config), f"run.run_dir={run_dir}", f"model.path={model_dir}",
+                 f"trainer.total_steps={steps}"], base / "up.log")
+    sft = json.loads((run_dir / "sft.json").read_text())
+    curve = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    common = ["--config", str(config), "--episodes", str(episodes), "--max-tokens", str(cfg.actor.max_new_tokens),
+              "--max-turns", str(cfg.actor.max_turns), "--temperature", str(cfg.actor.temperature)]
+    results = {}
+    for name, model in (("sft", model_dir), ("rl", run_dir)):
+        print(f"== {env}: worldloop eval {name} ({episodes} held-out seeds)", flush=True)
+        _cli(["eval", "--model", str(model), "--output", str(base / f"eval-{name}"), *common], base / f"eval-{name}.log")
+        results[name] = _outcomes(base / f"eval-{name}")
+    seeds = sorted(set(results["sft"]) & set(results["rl"]))
+    wins = sum(results["rl"][s] and not results["sft"][s] for s in seeds)
+    losses = sum(results["sft"][s] and not results["rl"][s] for s in seeds)
+    row = {"env": env, "steps": curve[-1]["step"] if curve else 0, "episodes": len(seeds), "up_seconds": up_s,
+           "sft_format_ok": sft.get("format_ok_after"), "rl_wins": wins, "rl_losses": losses,
+           "sign_test_p": _sign_test_p(wins, losses),
+           "train_success_first": curve[0]["success_rate"]["all"] if curve else None,
+           "train_success_last": curve[-1]["success_rate"]["all"] if curve else None}
+    for name in ("sft", "rl"):
+        k = sum(results[name][s] for s in seeds)
+        lo, hi = wilson_interval(k, len(seeds))
+        row[name] = {"rate": k / max(len(seeds), 1), "lo": lo, "hi": hi}
+    return row
+
+
+def render(rows: list[dict]) -> str:
+    head = ("| env | RL steps | held-out episodes | SFT success (95% CI) | SFT+RL success (95% CI) | difference | "
+            "seeds only RL / only SFT solved | sign test p | train-batch success first -> last step | up wall s |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        s, q = r["sft"], r["rl"]
+        lines.append(
+            f"| {r['env']} | {r['steps']} | {r['episodes']} | {s['rate']:.3f} [{s['lo']:.3f}, {s['hi']:.3f}] | "
+            f"{q['rate']:.3f} [{q['lo']:.3f}, {q['hi']:.3f}] | {q['rate'] - s['rate']:+.3f} | "
+            f"{r['rl_wins']} / {r['rl_losses']} | {r['sign_test_p']:.3f} | "
+            f"{r['train_success_first']:.3f} -> {r['train_success_last']:.3f} | {r['up_seconds']:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--envs", default="frozenlake,sokoban", help="configs/tiny-<env>.yaml presets")
+    ap.add_argument("--steps", type=int, default=20, help="learner steps of the RL run")
+    ap.add_argument("--episodes", type=int, default=64, help="held-out episodes per model")
+    ap.add_argument("--out", default=f"runs/bench-learning-{time.strftime('%Y%m%d-%H%M%S')}")
+    args = ap.parse_args()
+    out = Path(args.out)
+    rows = [bench_env(env, args.steps, args.episodes, out) for env in args.envs.split(",")]
+    table = render(rows)
+    print(table)
+    (out / "learning.md").write_text(table + "\n")
+    (out / "learning.json").write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
