@@ -14,8 +14,10 @@ before any process starts, with the key and the reason.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import logging
+import signal
 import sys
 from typing import Callable
 
@@ -121,6 +123,15 @@ def setup_logging(level: str = "INFO") -> None:
     )
 
 
+def _install_stack_dumps() -> None:
+    """A crash in native code prints the Python stacks, and ``kill -USR1 <pid>`` prints the stacks of
+    every thread of a live process to its log (stderr) without stopping it: the first thing to look at
+    when an actor, judge or learner seems stuck."""
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
+
+
 def _entry(command: str) -> Callable[[Config, argparse.Namespace], int] | None:
     module, func, _, _ = COMMANDS[command]
     try:
@@ -145,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"worldloop {args.command}: bad configuration: {e}", file=sys.stderr)
         return 2
     setup_logging(cfg.run.log_level)
+    _install_stack_dumps()
     fn = _entry(args.command)
     if fn is None:
         print(f"worldloop {args.command}: not built yet in this version of worldloop", file=sys.stderr)

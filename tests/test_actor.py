@@ -11,10 +11,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -37,6 +34,7 @@ from common.modeling import IMAGE_PLACEHOLDER, ChatCodec, build_sequence, collat
 from common.schemas import decode_trajectory
 from common.streams import StreamConsumer
 from common.tiny_model import make_tiny_model
+from procs import Child, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SIDE = 112
@@ -71,30 +69,33 @@ def _config(vl_dir: Path, url: str, ns: str, **actor) -> dict:
 
 def _wait(pred, what: str, timeout: float = 90.0):
     """Poll ``pred`` until it is truthy (a liveness bound, not a speed assertion)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    return wait_for(pred, what, timeout)
 
 
 class _Reader:
     """Reads decoded trajectories from <ns>:scored as the learner's group would."""
 
     def __init__(self, url: str, ns: str):
+        self.url, self.ns = url, ns
         self.c = StreamConsumer(url, Keys(ns).scored, SCORED_GROUP, "test", decode=decode_trajectory, block_ms=100)
         self.got: list[dict] = []
 
-    def until(self, pred, what: str, timeout: float = 90.0) -> list[dict]:
+    def until(self, pred, what: str, timeout: float = 90.0, children: list[Child] = ()) -> list[dict]:
         def poll():
             msgs = self.c.read(16, block_ms=100)
             self.c.ack([m.id for m in msgs])
             self.got += [m.value for m in msgs]
             return pred(self.got)
-        _wait(poll, what, timeout)
+        wait_for(poll, what, timeout, children, extra=self.summary)
         return self.got
+
+    def summary(self) -> str:
+        r = redis.Redis.from_url(self.url)
+        lengths = {k.decode(): r.xlen(k) for k in r.scan_iter(match=f"{self.ns}:*", _type="stream")}
+        groups = defaultdict(int)
+        for t in self.got:
+            groups[t["group_id"]] += 1
+        return f"read {len(self.got)} trajectories in groups of sizes {sorted(groups.values())}; streams {lengths}"
 
 
 class _ActorThread:
@@ -187,9 +188,7 @@ def test_actor_cli_writes_token_exact_trajectories(vl_dir, policy, redis_url, tm
     cfg["metrics"] = {"enabled": True, "host": "127.0.0.1", "port": 0}
     path = tmp_path / "actor.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "common.cli", "actor", "--config", str(path)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    child = Child(["actor", "--config", str(path)], tmp_path / "actor.log")
     r = redis.Redis.from_url(redis_url)
     try:
         reader = _Reader(redis_url, ns)
@@ -199,7 +198,7 @@ def test_actor_cli_writes_token_exact_trajectories(vl_dir, policy, redis_url, tm
                 per_group[t["group_id"]] += 1
             return len(got) >= 4 and 2 in per_group.values()
 
-        trajs = reader.until(enough, "4 trajectories incl. a whole group", timeout=150)
+        trajs = reader.until(enough, "4 trajectories incl. a whole group", timeout=150, children=[child])
         # the process announces itself and serves its metrics over HTTP
         procs = [p for p in list_processes(r, Keys(ns)) if p["role"] == "actor"]
         assert [p["id"] for p in procs] == ["test-actor"]
@@ -208,12 +207,9 @@ def test_actor_cli_writes_token_exact_trajectories(vl_dir, policy, redis_url, tm
         assert re.search(r'worldloop_actor_episodes_total\{env="frozenlake"\} [1-9]', body)
         assert "worldloop_actor_generated_tokens_total" in body
         write_control(r, Keys(ns), run_state="stopped")
-        out, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 0, out[-3000:]
+        assert child.wait(timeout=60) == 0, child.describe()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        child.kill()
 
     codec = ChatCodec(vl_dir, max_image_side=SIDE)
     tok = AutoTokenizer.from_pretrained(str(vl_dir))

@@ -11,8 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -25,16 +23,10 @@ from common.control import Keys, list_processes
 from common.metrics import free_port
 from common.redis_local import LocalRedis
 from common.tiny_model import make_tiny_model
+from procs import Child, wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
 ENV = {"id": "worldloop/FrozenLake-v0",
        "kwargs": {"size": 3, "min_actions_to_succeed": 2, "render_mode": "vision", "image_size": 56}}
-
-
-def _spawn(args: list[str], log: Path) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, "-m", "common.cli", *args], cwd=ROOT, env=env,
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _scrape(url: str) -> dict[str, float]:
@@ -80,50 +72,58 @@ def test_two_separately_started_actors_join_a_running_learner(tmp_path: Path) ->
     (tmp_path / "actor.yaml").write_text(yaml.safe_dump(actor_cfg))
     r = redis.Redis.from_url(srv.url)
     keys = Keys(ns)
-    procs: dict[str, subprocess.Popen] = {}
-    try:
-        procs["learner"] = _spawn(["learner", "--config", str(tmp_path / "learner.yaml")], tmp_path / "learner.log")
-        deadline = time.monotonic() + 240
-        while not any(p["role"] == "learner" for p in list_processes(r, keys)):
-            assert procs["learner"].poll() is None, (tmp_path / "learner.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the learner never registered"
-            time.sleep(0.2)
-        for name in ("remote-a", "remote-b"):
-            procs[name] = _spawn(["actor", "--config", str(tmp_path / "actor.yaml"), f"actor.actor_id={name}"],
-                                 tmp_path / f"{name}.log")
-        scraped: dict[str, dict[str, float]] = {}
-        while procs["learner"].poll() is None:
-            assert time.monotonic() < deadline, "the learner did not finish its steps"
-            for p in list_processes(r, keys):
-                if p["role"] == "actor" and p.get("metrics_url"):
-                    try:
-                        scraped[p["id"]] = _scrape(p["metrics_url"])
-                    except OSError:
-                        pass
-            time.sleep(0.5)
-        assert procs["learner"].returncode == 0, (tmp_path / "learner.log").read_text()[-3000:]
-        # the learner published v1 and v2 after its updates; both actors took at least one of them
-        deadline = time.monotonic() + 60
-        while not all(scraped.get(a, {}).get("worldloop_actor_weight_updates_total", 0) >= 1
-                      for a in ("remote-a", "remote-b")):
-            assert time.monotonic() < deadline, f"an actor applied no weights: {scraped}"
-            for p in list_processes(r, keys):
-                if p["role"] == "actor":
+    procs: dict[str, Child] = {}
+
+    def spawn(name: str, *args: str) -> None:
+        procs[name] = Child(list(args), tmp_path / f"{name}.log", new_session=True)
+
+    def live() -> list[Child]:
+        return [c for c in procs.values() if c.returncode is None]
+
+    scraped: dict[str, dict[str, float]] = {}
+
+    def scrape_actors() -> None:
+        for p in list_processes(r, keys):
+            if p["role"] == "actor" and p.get("metrics_url"):
+                try:
                     scraped[p["id"]] = _scrape(p["metrics_url"])
-            time.sleep(0.5)
+                except OSError:
+                    pass
+
+    try:
+        spawn("learner", "learner", "--config", str(tmp_path / "learner.yaml"))
+        wait_for(lambda: any(p["role"] == "learner" for p in list_processes(r, keys)), "the learner to register",
+                 180, live())
+        for name in ("remote-a", "remote-b"):
+            spawn(name, "actor", "--config", str(tmp_path / "actor.yaml"), f"actor.actor_id={name}")
+
+        def learner_done() -> bool:
+            scrape_actors()
+            return procs["learner"].returncode is not None
+
+        # the learner exits after its steps; the actors must stay up meanwhile
+        wait_for(learner_done, "the learner to finish its steps", 300, [procs["remote-a"], procs["remote-b"]])
+        assert procs["learner"].returncode == 0, procs["learner"].describe()
+
+        # the learner published v1 and v2 after its updates; both actors took at least one of them
+        def both_updated() -> bool:
+            scrape_actors()
+            return all(scraped.get(a, {}).get("worldloop_actor_weight_updates_total", 0) >= 1
+                       for a in ("remote-a", "remote-b"))
+
+        wait_for(both_updated, "both actors to apply published weights", 60, live(), extra=lambda: f"scraped {scraped}")
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs.values():
+        for c in live():
+            os.killpg(c.pid, signal.SIGTERM)
+        for c in procs.values():
             try:
-                p.wait(30)
+                c.proc.wait(30)
             except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+                os.killpg(c.pid, signal.SIGKILL)
+                c.proc.wait()
         srv.close()
     for name in ("remote-a", "remote-b"):
-        assert procs[name].returncode == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+        assert procs[name].returncode == 0, procs[name].describe()
         assert scraped[name]["worldloop_actor_episodes_total"] >= 1
         assert scraped[name]["worldloop_actor_policy_version"] >= 1
     steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]

@@ -9,19 +9,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import redis
 import yaml
 
 from common.control import Keys, list_processes
-
-ROOT = Path(__file__).resolve().parent.parent
-
+from procs import Child, wait_for
 
 @pytest.mark.slow
 def test_up_completes_three_steps_despite_a_killed_actor(tmp_path, redis_url):
@@ -44,32 +38,29 @@ def test_up_completes_three_steps_despite_a_killed_actor(tmp_path, redis_url):
         "sft": {"enabled": True, "episodes": 4, "epochs": 1},
         "up": {"num_actors": 2, "num_judges": 1, "progress_interval_s": 1.0},
     }))
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "common.cli", "up", str(cfg_path)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    up = Child(["up", str(cfg_path)], tmp_path / "up.log")
     r = redis.Redis.from_url(redis_url)
     keys = Keys(ns)
-    killed = None
-    deadline = time.monotonic() + 540
+    run_dir = tmp_path / "run"
+
+    def run_logs() -> str:
+        return "".join(f"\n--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
+
     try:
         # kill actor-0 once it has pushed at least one trajectory
-        while killed is None and time.monotonic() < deadline and proc.poll() is None:
+        def first_trajectory():
             actors = {p["id"]: p for p in list_processes(r, keys) if p["role"] == "actor"}
             if "actor-0" in actors and (r.xlen(keys.rollouts) + r.xlen(keys.scored)) > 0:
-                killed = actors["actor-0"]["pid"]
-                os.kill(killed, signal.SIGKILL)
-            time.sleep(0.5)
-        out, _ = proc.communicate(timeout=max(10, deadline - time.monotonic()))
+                return actors["actor-0"]["pid"]
+            return None
+
+        killed = wait_for(first_trajectory, "actor-0 to push a trajectory", 240, [up], extra=run_logs)
+        os.kill(killed, signal.SIGKILL)
+        rc = up.wait(timeout=300)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    run_dir = tmp_path / "run"
-    logs = "".join(f"\n--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
-    assert proc.returncode == 0, f"worldloop up exited {proc.returncode}\n{out[-4000:]}{logs}"
-    assert killed is not None, f"actor-0 never produced a trajectory\n{out[-3000:]}{logs}"
+        up.kill()
+    out = up.output(None)
+    assert rc == 0, f"worldloop up exited {rc}\n{out[-4000:]}{run_logs()}"
     assert "restarting" in out  # the killed actor was noticed and replaced
 
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
