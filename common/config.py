@@ -73,6 +73,10 @@ class WeightsConfig:
     curve_client_public: str | None = None  # learner: the only client .key (or folder of them) it admits; null = any
     curve_client_secret: str | None = None  # client .key_secret (actors); null = an ephemeral client key
     fetch_timeout_s: float = 30.0  # an actor gives up when the learner has not answered for this long
+    # the largest weight set an actor accepts before allocating for it (a manifest from a buggy or
+    # hostile publisher must not make it reserve terabytes); 0 = 4x the model directory's
+    # *.safetensors bytes + 64 MiB (room for a float32 set sent to a bfloat16 actor)
+    max_bytes: int = 0
 
 
 @dataclass
@@ -264,6 +268,7 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "weights.pub_port": (lambda v: 0 <= v < 65536, "must be a TCP port"),
     "weights.fetch_port": (lambda v: 0 <= v < 65536, "must be a TCP port"),
     "weights.fetch_timeout_s": (lambda v: v > 0, "must be > 0"),
+    "weights.max_bytes": (lambda v: v >= 0, "must be >= 0 (0 = derived from the model directory)"),
     "metrics.port": (lambda v: 0 <= v < 65536, "must be a TCP port (0 = ephemeral)"),
     "actor.num_envs": (lambda v: v >= 1, "must be >= 1"),
     "actor.envs": (lambda v: len(v) >= 1, "must list at least one env"),

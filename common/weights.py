@@ -98,6 +98,7 @@ import struct
 import threading
 import time
 import zlib
+from pathlib import Path
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -685,9 +686,12 @@ class WeightSubscriber:
                  curve_server_public_key_file: str | os.PathLike | None = None,
                  curve_client_key_file: str | os.PathLike | None = None,
                  window_bytes: int = 16 << 20, max_chunk_retries: int = 5, max_restarts: int = 20,
-                 resend_s: float | None = None):
+                 resend_s: float | None = None, max_bytes: int | None = None):
         if not fetch_timeout_s > 0:
             raise ValueError(f"fetch_timeout_s must be > 0, got {fetch_timeout_s!r}")
+        if max_bytes is not None and max_bytes < 8:
+            raise WeightsArgumentError("max_bytes", f"must be >= 8 bytes or None, got {max_bytes!r}")
+        self.max_bytes = max_bytes
         _check_port(pub_port, "pub_port", allow_zero=False)
         _check_port(fetch_port, "fetch_port", allow_zero=False)
         self.fetch_timeout_s = float(fetch_timeout_s)
@@ -871,9 +875,13 @@ class WeightSubscriber:
         if kind != b"MANIFEST" or len(payload) != 1:
             raise WeightsError(f"unexpected {kind[:32]!r} reply to a version request")
         try:
-            return _Manifest.parse(hdr, payload[0].buffer)
+            m = _Manifest.parse(hdr, payload[0].buffer)
         except ValueError as e:
             raise WeightsError(str(e)) from None
+        if self.max_bytes is not None and m.size > self.max_bytes:
+            raise WeightsError(f"the publisher offers v{m.version} of {m.size:,} bytes, more than this subscriber's "
+                               f"max_bytes {self.max_bytes:,} (weights.max_bytes); nothing was allocated")
+        return m
 
     def _download(self, m: _Manifest) -> tuple[int, dict[str, torch.Tensor]] | _Moved:
         """Fetch, verify and decode version ``m``; _Moved when the publisher serves another one now."""
@@ -993,6 +1001,7 @@ _CONFIG_KEYS = {
     "curve_authorized_clients": "weights.curve_client_public",
     "curve_server_public_key_file": "weights.curve_server_public",
     "curve_client_key_file": "weights.curve_client_secret",
+    "max_bytes": "weights.max_bytes",
 }
 
 
@@ -1013,15 +1022,25 @@ def publisher_from_config(cfg: Any) -> WeightPublisher:
                         curve_authorized_clients=w.curve_client_public)
 
 
+def default_max_bytes(model_dir: str | os.PathLike) -> int:
+    """The largest weight set an actor of ``model_dir`` accepts by default: 4x the bytes of its
+    ``*.safetensors`` files (a float32 set for a bfloat16 checkpoint, with room to spare) + 64 MiB."""
+    on_disk = sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+    return 4 * on_disk + (64 << 20)
+
+
 def subscriber_from_config(cfg: Any) -> WeightSubscriber:
-    """An actor's subscriber from ``cfg.weights`` (host, ports, timeout, CURVE server public + client secret)."""
+    """An actor's subscriber from ``cfg.weights`` (host, ports, timeout, CURVE server public + client
+    secret, size cap: ``weights.max_bytes`` or :func:`default_max_bytes` of ``model.path``)."""
     w = cfg.weights
+    max_bytes = w.max_bytes or default_max_bytes(cfg.model.path)
     return _from_config(WeightSubscriber, host=w.host, pub_port=w.pub_port, fetch_port=w.fetch_port,
                         fetch_timeout_s=w.fetch_timeout_s, curve_server_public_key_file=w.curve_server_public,
-                        curve_client_key_file=w.curve_client_secret)
+                        curve_client_key_file=w.curve_client_secret, max_bytes=max_bytes)
 
 
 __all__ = [
     "DTYPES", "FORMAT", "KeyFileError", "WeightPublisher", "WeightSubscriber", "WeightsArgumentError", "WeightsError",
-    "WeightsTimeout", "decode_tensors", "encode_tensors", "publisher_from_config", "subscriber_from_config",
+    "WeightsTimeout", "decode_tensors", "default_max_bytes", "encode_tensors", "publisher_from_config",
+    "subscriber_from_config",
 ]

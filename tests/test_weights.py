@@ -280,6 +280,26 @@ def test_timeouts_and_bad_publishes_give_clear_errors(publisher: WeightPublisher
         assert_fetched(sub.fetch(), 5, {"w": torch.ones(3)})
 
 
+def test_a_set_larger_than_max_bytes_is_refused_before_any_chunk_is_fetched(publisher: WeightPublisher) -> None:
+    want = {"w": torch.arange(4096, dtype=torch.float32)}  # 16 KiB of tensor data
+    publisher.publish(want, 1)
+    with tapped(publisher, lambda i, hdr, frames: frames, max_bytes=8 * 1024) as (sub, tap):
+        with pytest.raises(WeightsError, match="more than this subscriber's max_bytes 8,192"):
+            sub.fetch()
+        assert tap.chunks == []  # refused on the manifest: nothing was requested or allocated
+    with tapped(publisher, lambda i, hdr, frames: frames, max_bytes=64 * 1024) as (sub, _):
+        assert_fetched(sub.fetch(), 1, want)
+
+
+def test_default_max_bytes_follows_the_model_directory(tmp_path: Path) -> None:
+    from common.weights import default_max_bytes
+
+    (tmp_path / "model-00001.safetensors").write_bytes(b"\0" * 1000)
+    (tmp_path / "model-00002.safetensors").write_bytes(b"\0" * 500)
+    (tmp_path / "tokenizer.json").write_bytes(b"\0" * 10_000)  # not weights
+    assert default_max_bytes(tmp_path) == 4 * 1500 + (64 << 20)
+
+
 # --------------------------------------------------------------------------- CURVE
 
 
