@@ -123,13 +123,19 @@ def setup_logging(level: str = "INFO") -> None:
     )
 
 
-def _install_stack_dumps() -> None:
+def install_stack_dumps() -> bool:
     """A crash in native code prints the Python stacks, and ``kill -USR1 <pid>`` prints the stacks of
     every thread of a live process to its log (stderr) without stopping it: the first thing to look at
-    when an actor, judge or learner seems stuck."""
+    when an actor, judge or learner seems stuck. Only for a process of its own (see :func:`run`):
+    False, and nothing installed, when stderr is not a real file (e.g. captured by a caller)."""
+    try:
+        sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
+        return False
     faulthandler.enable(file=sys.stderr, all_threads=True)
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
+    return True
 
 
 def _entry(command: str) -> Callable[[Config, argparse.Namespace], int] | None:
@@ -156,7 +162,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"worldloop {args.command}: bad configuration: {e}", file=sys.stderr)
         return 2
     setup_logging(cfg.run.log_level)
-    _install_stack_dumps()
     fn = _entry(args.command)
     if fn is None:
         print(f"worldloop {args.command}: not built yet in this version of worldloop", file=sys.stderr)
@@ -171,5 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     return int(rc or 0)
 
 
-if __name__ == "__main__":  # pragma: no cover
+def run() -> None:
+    """The process entry point (the ``worldloop`` script and ``python -m common.cli``): stack dumps
+    on, then :func:`main`. Callers inside another program call :func:`main` instead."""
+    install_stack_dumps()
     sys.exit(main())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    run()

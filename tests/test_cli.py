@@ -112,3 +112,21 @@ def test_status_of_a_populated_run(redis_url: str, capsys: pytest.CaptureFixture
                  "http://127.0.0.1:9100/metrics", "judge_failures: 2", "judge_fallbacks: 1"):
         assert text in out, text
     assert "gone" not in out
+
+
+def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on(tmp_path: Path) -> None:
+    from common.metrics import free_port
+    from procs import Child, wait_for
+
+    # a judge whose Redis is not there keeps reconnecting: a live process that is "stuck"
+    judge = Child(["judge", f"redis.url=redis://127.0.0.1:{free_port()}/0", "metrics.enabled=false"],
+                  tmp_path / "judge.log")
+    try:
+        wait_for(lambda: "reconnecting" in judge.output(None), "the judge to retry Redis", 60, [judge])
+        judge.dump_stacks()
+        dumped = wait_for(lambda: "most recent call first" in judge.output(None), "a stack dump", 30, [judge])
+        text = judge.output(None)
+        assert dumped and "judge/process.py" in text and "Current thread" in text
+        assert judge.returncode is None  # the dump does not stop it
+    finally:
+        judge.kill()
