@@ -71,6 +71,7 @@ from typing import Any, Callable, Sequence
 from actor.backends import GenerationBackend, GenRequest
 from common.modeling import ChatCodec
 from common.schemas import TRAJECTORY_SCHEMA, empty_state
+from envs.base import observation_parts
 
 log = logging.getLogger(__name__)
 
@@ -148,13 +149,6 @@ class _Episode:
     def message(self) -> dict:
         return dict(self.traj, created_at=time.time(), prompt_format=self.prompt_format, turns=self.turns,
                     success=bool(self.success), scored=False, end_reason=self.end_reason)
-
-
-def _obs_parts(obs: Any) -> tuple[str, list[Any]]:
-    if not isinstance(obs, dict) or not isinstance(obs.get("text"), str):
-        raise ValueError(f"observation must be a dict with a str 'text', got {type(obs).__name__}")
-    image = obs.get("image")
-    return obs["text"], ([] if image is None else list(image) if isinstance(image, (list, tuple)) else [image])
 
 
 def _state(info: Any) -> dict:
@@ -246,7 +240,7 @@ class RolloutEngine:
 
     def _encode_next(self, ep: _Episode, obs: Any) -> None:
         """Encode the next turn's observation; end the episode when it would overflow the context."""
-        text, images = _obs_parts(obs)
+        text, images = observation_parts(obs)
         seg = self.codec.encode_obs(text, images, system=ep.system, first=not ep.turns, prev_response_ended=ep.prev_ended)
         if len(ep.context) + len(seg.ids) + self.sampling.max_new_tokens > self.max_model_len:
             ep.end_reason = "context"

@@ -380,6 +380,15 @@ def user_message(
 # --------------------------------------------------------------------------- relations
 
 
+def observation_parts(obs: Any) -> tuple[str, list[Any]]:
+    """An observation ``{"text": str, "image": array | list of arrays | None}`` as (text, images);
+    ValueError for anything else."""
+    if not isinstance(obs, dict) or not isinstance(obs.get("text"), str):
+        raise ValueError(f"observation must be a dict with a str 'text', got {type(obs).__name__}")
+    image = obs.get("image")
+    return obs["text"], ([] if image is None else list(image) if isinstance(image, (list, tuple)) else [image])
+
+
 def relative_position(pos: Sequence[int], ref: Sequence[int]) -> str:
     """Where ``pos`` is relative to ``ref`` (both (row, col), row grows downwards), App. D.1 wording.
 

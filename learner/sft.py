@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from common.modeling import ChatCodec, build_sequence, collate, load_policy, token_logprobs
+from envs.base import observation_parts
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +58,6 @@ def _spec_fields(spec: Any) -> tuple[str, dict]:
     return str(spec.id), dict(getattr(spec, "kwargs", None) or {})
 
 
-def _obs_images(obs: Any) -> tuple[str, list[Any]]:
-    if not isinstance(obs, dict):
-        return str(obs), []
-    image = obs.get("image")
-    images = [] if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
-    return str(obs.get("text", "")), images
-
-
 def _play_episode(env_id: str, kwargs: dict, seed: int, codec: ChatCodec, max_turns: int) -> dict:
     import gymnasium
 
@@ -77,7 +70,7 @@ def _play_episode(env_id: str, kwargs: dict, seed: int, codec: ChatCodec, max_tu
         turns: list[dict] = []
         success, ended = False, True
         for t in range(max_turns):
-            text, images = _obs_images(obs)
+            text, images = observation_parts(obs)
             seg = codec.encode_obs(text, images, system=system, first=t == 0, prev_response_ended=ended)
             response = str(env.unwrapped.expert_response())
             ids = codec.encode_response(response)
