@@ -198,7 +198,7 @@ def test_actor_cli_writes_token_exact_trajectories(vl_dir, policy, redis_url, tm
                 per_group[t["group_id"]] += 1
             return len(got) >= 4 and 2 in per_group.values()
 
-        trajs = reader.until(enough, "4 trajectories incl. a whole group", timeout=150, children=[child])
+        trajs = reader.until(enough, "4 trajectories incl. a whole group", timeout=300, children=[child])
         # the process announces itself and serves its metrics over HTTP
         procs = [p for p in list_processes(r, Keys(ns)) if p["role"] == "actor"]
         assert [p["id"] for p in procs] == ["test-actor"]

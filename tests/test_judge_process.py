@@ -3,11 +3,8 @@ exactly-once forwarding, pause/stop/SIGTERM, metrics, heartbeat, run-wide stats,
 logged, and a judge SIGKILLed mid-batch whose entries the other judge reclaims."""
 from __future__ import annotations
 
-import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from collections import Counter
@@ -22,10 +19,9 @@ from common.schemas import decode_trajectory, encode_trajectory
 from common.streams import StreamConsumer, StreamProducer, connect
 from judge.process import DUPLICATE, FORWARDED, LOST_RACE, Forwarder, forwarded_ids_key, touch_pending
 from tests.fake_openai import FakeOpenAI
+from tests.procs import Child, wait_for
 from tests.test_judge_llm import above_judge
 from tests.test_judge_rule import judge_trajectory, sokoban_state
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _trajectory(i: int) -> dict:
@@ -47,26 +43,18 @@ def _scored(r, keys: Keys) -> list[dict]:
     return [decode_trajectory(fields[b"data"]) for _, fields in r.xrange(keys.scored)]
 
 
-def _spawn(tmp_path: Path, name: str, cfg: dict, env: dict | None = None) -> tuple[subprocess.Popen, Path]:
+def _spawn(tmp_path: Path, name: str, cfg: dict, env: dict | None = None) -> tuple[Child, Path]:
     cfg_path = tmp_path / f"{name}.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
-    log_path = tmp_path / f"{name}.log"
-    proc = subprocess.Popen([sys.executable, "-m", "common.cli", "judge", "--config", str(cfg_path)],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log_path.open("w"),
-                            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
-    return proc, log_path
+    child = Child(["judge", "--config", str(cfg_path)], tmp_path / f"{name}.log", env=env)
+    return child, child.log
 
 
-def _wait(cond, timeout: float, what: str, procs: list[subprocess.Popen] = ()) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        for p in procs:
-            assert p.poll() is None, f"a judge exited with {p.returncode} while waiting for {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+def _wait(cond, timeout: float, what: str, procs: list[Child] = ()) -> None:
+    wait_for(cond, what, timeout, list(procs))
 
 
-def _consumer_name(proc: subprocess.Popen) -> str:
+def _consumer_name(proc: Child) -> str:
     return f"judge-{socket.gethostname()}-{proc.pid}"
 
 
@@ -144,7 +132,7 @@ def test_judge_process_scores_pauses_counts_and_stops_cleanly(redis_url: str, tm
                "metrics": {"enabled": True, "port": 0}}
         proc, log_path = _spawn(tmp_path, "judge", cfg, {"WORLDLOOP_JUDGE_TEST_KEY": secret})
         try:
-            _wait(lambda: any(p["role"] == "judge" for p in list_processes(r, keys)), 30, "the heartbeat", [proc])
+            _wait(lambda: any(p["role"] == "judge" for p in list_processes(r, keys)), 90, "the heartbeat", [proc])
             time.sleep(1.0)  # paused: it must not take work
             assert r.xlen(keys.scored) == 0 and r.xpending(keys.rollouts, ROLLOUTS_GROUP)["pending"] == 0
             write_control(r, keys, run_state="running")
@@ -154,11 +142,10 @@ def test_judge_process_scores_pauses_counts_and_stops_cleanly(redis_url: str, tm
             assert "worldloop_judge_trajectories_total 6.0" in metrics
             assert 'worldloop_judge_scored_turns_total{scorer="llm"} 6.0' in metrics
             assert 'worldloop_judge_request_seconds_count{scorer="llm"}' in metrics
-            proc.send_signal(signal.SIGTERM)
+            proc.proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=20) == 0
         finally:
-            if proc.poll() is None:
-                proc.kill()
+            proc.kill()
         scored = _scored(r, keys)
         assert sorted(t["trajectory_id"] for t in scored) == [f"traj-{i:03d}" for i in range(6)]
         for t in scored:
@@ -182,11 +169,11 @@ def test_stopped_run_state_ends_the_process_and_bad_config_is_named(redis_url: s
     write_control(r, keys, run_state="stopped")
     proc, log_path = _spawn(tmp_path, "stopped", {"redis": {"url": redis_url, "namespace": keys.ns},
                                                   "metrics": {"enabled": False}})
-    assert proc.wait(timeout=30) == 0
+    assert proc.wait(timeout=60) == 0
     assert "run_state is stopped" in log_path.read_text()
     bad, bad_log = _spawn(tmp_path, "bad", {"redis": {"url": redis_url}, "judge": {"scorers": {"default": ["llm"]}},
                                             "metrics": {"enabled": False}}, {"OPENAI_API_KEY": ""})
-    assert bad.wait(timeout=30) == 2
+    assert bad.wait(timeout=60) == 2
     assert "judge.base_url" in bad_log.read_text()
 
 
@@ -216,17 +203,16 @@ def test_killed_judge_is_reclaimed_and_every_trajectory_is_scored_exactly_once(r
             _wait(victim_mid_batch, 60, "the victim to hold pending entries mid-run", [victim, survivor])
             held_tids = {decode_trajectory(f[b"data"])["trajectory_id"]
                          for i in held for _, f in r.xrange(keys.rollouts, i, i)}
-            victim.send_signal(signal.SIGKILL)
+            victim.proc.send_signal(signal.SIGKILL)
             victim.wait(timeout=10)
             _wait(lambda: r.xlen(keys.scored) >= n, 60, "all trajectories scored", [survivor])
             time.sleep(0.5)  # anything in flight would land now
             assert _pending_of(r, keys, _consumer_name(victim)) == []
-            survivor.send_signal(signal.SIGTERM)
+            survivor.proc.send_signal(signal.SIGTERM)
             assert survivor.wait(timeout=20) == 0
         finally:
             for p in (victim, survivor):
-                if p.poll() is None:
-                    p.kill()
+                p.kill()
     ids = Counter(t["trajectory_id"] for t in _scored(r, keys))
     assert set(ids) == {f"traj-{i:03d}" for i in range(n)}
     assert max(ids.values()) == 1, [k for k, v in ids.items() if v > 1]
