@@ -74,8 +74,8 @@ class WeightsConfig:
     curve_client_secret: str | None = None  # client .key_secret (actors); null = an ephemeral client key
     fetch_timeout_s: float = 30.0  # an actor gives up when the learner has not answered for this long
     # the largest weight set an actor accepts before allocating for it (a manifest from a buggy or
-    # hostile publisher must not make it reserve terabytes); 0 = 4x the model directory's
-    # *.safetensors bytes + 64 MiB (room for a float32 set sent to a bfloat16 actor)
+    # hostile publisher must not make it reserve terabytes); 0 = 4x the model directory's weight
+    # files (*.safetensors, *.bin) + 64 MiB (room for a float32 set sent to a bfloat16 actor)
     max_bytes: int = 0
 
 

@@ -98,10 +98,10 @@ import struct
 import threading
 import time
 import zlib
-from pathlib import Path
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
@@ -1023,9 +1023,10 @@ def publisher_from_config(cfg: Any) -> WeightPublisher:
 
 
 def default_max_bytes(model_dir: str | os.PathLike) -> int:
-    """The largest weight set an actor of ``model_dir`` accepts by default: 4x the bytes of its
-    ``*.safetensors`` files (a float32 set for a bfloat16 checkpoint, with room to spare) + 64 MiB."""
-    on_disk = sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+    """The largest weight set an actor of ``model_dir`` accepts by default: 4x the bytes of its weight
+    files (``*.safetensors``, ``*.bin``; a float32 set for a bfloat16 checkpoint, with room to spare)
+    + 64 MiB."""
+    on_disk = sum(p.stat().st_size for pattern in ("*.safetensors", "*.bin") for p in Path(model_dir).glob(pattern))
     return 4 * on_disk + (64 << 20)
 
 

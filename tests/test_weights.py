@@ -296,8 +296,9 @@ def test_default_max_bytes_follows_the_model_directory(tmp_path: Path) -> None:
 
     (tmp_path / "model-00001.safetensors").write_bytes(b"\0" * 1000)
     (tmp_path / "model-00002.safetensors").write_bytes(b"\0" * 500)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\0" * 250)
     (tmp_path / "tokenizer.json").write_bytes(b"\0" * 10_000)  # not weights
-    assert default_max_bytes(tmp_path) == 4 * 1500 + (64 << 20)
+    assert default_max_bytes(tmp_path) == 4 * 1750 + (64 << 20)
 
 
 # --------------------------------------------------------------------------- CURVE
