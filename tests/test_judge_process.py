@@ -50,10 +50,6 @@ def _spawn(tmp_path: Path, name: str, cfg: dict, env: dict | None = None) -> tup
     return child, child.log
 
 
-def _wait(cond, timeout: float, what: str, procs: list[Child] = ()) -> None:
-    wait_for(cond, what, timeout, list(procs))
-
-
 def _consumer_name(proc: Child) -> str:
     return f"judge-{socket.gethostname()}-{proc.pid}"
 
@@ -132,11 +128,11 @@ def test_judge_process_scores_pauses_counts_and_stops_cleanly(redis_url: str, tm
                "metrics": {"enabled": True, "port": 0}}
         proc, log_path = _spawn(tmp_path, "judge", cfg, {"WORLDLOOP_JUDGE_TEST_KEY": secret})
         try:
-            _wait(lambda: any(p["role"] == "judge" for p in list_processes(r, keys)), 90, "the heartbeat", [proc])
+            wait_for(lambda: any(p["role"] == "judge" for p in list_processes(r, keys)), "the heartbeat", 90, [proc])
             time.sleep(1.0)  # paused: it must not take work
             assert r.xlen(keys.scored) == 0 and r.xpending(keys.rollouts, ROLLOUTS_GROUP)["pending"] == 0
             write_control(r, keys, run_state="running")
-            _wait(lambda: r.xlen(keys.scored) == 6, 30, "6 scored trajectories", [proc])
+            wait_for(lambda: r.xlen(keys.scored) == 6, "6 scored trajectories", 30, [proc])
             (info,) = [p for p in list_processes(r, keys) if p["role"] == "judge"]
             metrics = urllib.request.urlopen(info["metrics_url"], timeout=5).read().decode()
             assert "worldloop_judge_trajectories_total 6.0" in metrics
@@ -200,12 +196,12 @@ def test_killed_judge_is_reclaimed_and_every_trajectory_is_scored_exactly_once(r
                 held = _pending_of(r, keys, _consumer_name(victim))
                 return r.xlen(keys.scored) >= 4 and len(held) > 0
 
-            _wait(victim_mid_batch, 60, "the victim to hold pending entries mid-run", [victim, survivor])
+            wait_for(victim_mid_batch, "the victim to hold pending entries mid-run", 60, [victim, survivor])
             held_tids = {decode_trajectory(f[b"data"])["trajectory_id"]
                          for i in held for _, f in r.xrange(keys.rollouts, i, i)}
             victim.proc.send_signal(signal.SIGKILL)
             victim.wait(timeout=10)
-            _wait(lambda: r.xlen(keys.scored) >= n, 60, "all trajectories scored", [survivor])
+            wait_for(lambda: r.xlen(keys.scored) >= n, "all trajectories scored", 60, [survivor])
             time.sleep(0.5)  # anything in flight would land now
             assert _pending_of(r, keys, _consumer_name(victim)) == []
             survivor.proc.send_signal(signal.SIGTERM)
