@@ -12,20 +12,21 @@ Public API::
         .live -> int, .pending_reports -> int, .close()
     StepReport(finished, generated_tokens, prompt_tokens, generate_seconds, turns, format_errors)
     play_episodes(backend, specs, *, concurrency=8, sampling=Sampling(), max_model_len=4096,
-                  actor_id="local", sample_seed=None, codec=None) -> list[dict]
+                  actor_id="local", sample_seed=None, codec=None) -> list[Trajectory]
     SeedSchedule(envs, n_samples_per_seed, seed_start, seed_end, run_seed, actor_id)
         .next(max_turns) -> EpisodeSpec         # groups of n_samples_per_seed specs share a group_id
+        .next_group(max_turns) -> [EpisodeSpec] # the rest of a group, each with its trajectory id
     env_name(env_id) -> str
 
 ``play_episodes`` plays a given list of episodes to completion (``concurrency`` at a time) and
-returns one trajectory dict per spec, in the specs' order: what ``worldloop eval`` builds on.
-The actor process (:mod:`actor.process`) drives a :class:`RolloutEngine` itself so that it can
+returns one :class:`~worldloop.common.schemas.Trajectory` per spec, in the specs' order: what ``worldloop eval`` builds on.
+The actor process (:mod:`worldloop.actor.process`) drives a :class:`RolloutEngine` itself so that it can
 apply weights and control between generations.
 
 One turn of an episode
 ----------------------
 1. The env's observation (``obs["text"]`` with its ``<image>`` placeholder and ``obs["image"]``)
-   becomes the turn's ``obs_ids``/``images`` with :meth:`common.modeling.ChatCodec.encode_obs`
+   becomes the turn's ``obs_ids``/``images`` with :meth:`worldloop.common.modeling.ChatCodec.encode_obs`
    (system prompt from ``env.unwrapped.system_prompt()`` on turn 0; later turns continue after the
    previous response, closing it with ``<|im_end|>`` unless the response ended with that token:
    truncated at ``max_new_tokens``, or stopped on the other EOS ``<|endoftext|>``).
@@ -51,7 +52,7 @@ contains an image placeholder token (``<|image_pad|>``, ``<|vision_start|>``, ``
 would reject the whole sequence, and the env is not stepped with it), or when the env raises
 during ``reset``/``step`` or returns an observation the codec refuses (``"env_error"``: an env bug;
 the error is logged with its traceback and the episode is dropped, the engine goes on). Each
-trajectory carries ``end_reason`` (a key beyond the schema's table; decoders keep it). Episodes
+trajectory carries ``end_reason``. Episodes
 with ``end_reason`` env_error, or that ended before their first generation, have no turns: the
 actor drops them (``encode_trajectory`` refuses an empty ``turns``); :func:`play_episodes` returns
 them with ``turns == []`` so that a caller can count them.
@@ -68,10 +69,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from actor.backends import GenerationBackend, GenRequest
-from common.modeling import ChatCodec
-from common.schemas import TRAJECTORY_SCHEMA, empty_state
-from envs.base import observation_parts
+from worldloop.actor.generation import GenerationBackend, GenRequest
+from worldloop.common.modeling import ChatCodec
+from worldloop.common.schemas import TRAJECTORY_SCHEMA, State, Trajectory, Turn, empty_state, state_from_info
+from worldloop.envs.base import observation_parts
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class EpisodeSpec:
     env_name: str | None = None
     group_id: str | None = None  # None: a fresh id (a group of one)
     max_turns: int = 3
+    trajectory_id: str | None = None  # None: a fresh id (admission names it before the episode starts)
 
     @property
     def name(self) -> str:
@@ -110,7 +112,7 @@ class EpisodeSpec:
 class StepReport:
     """What one :meth:`RolloutEngine.step` did (the actor turns it into metrics)."""
 
-    finished: list[dict] = field(default_factory=list)  # trajectories, turns possibly empty
+    finished: list[Trajectory] = field(default_factory=list)  # turns possibly empty
     generated_tokens: int = 0
     prompt_tokens: int = 0
     generate_seconds: float = 0.0
@@ -128,35 +130,23 @@ class _Episode:
         self.prompt_format = str(spec.env_kwargs.get("prompt_format", "grounding_worldmodeling"))
         self.context: list[int] = []
         self.images: list[bytes] = []
-        self.turns: list[dict] = []
-        self.state: dict = empty_state()  # ground truth after the last reset/step
+        self.turns: list[Turn] = []
+        self.state: State = empty_state()  # ground truth after the last reset/step
         self.pending: Any = None  # the next turn's Segment (obs_ids + images), None when ended
         self.prev_ended = True
         self.success = False
         self.end_reason: str | None = None
-        self.traj = {
-            "schema": TRAJECTORY_SCHEMA,
-            "trajectory_id": uuid.uuid4().hex,
-            "group_id": spec.group_id or uuid.uuid4().hex,
-            "env_id": spec.env_id,
-            "env_name": spec.name,
-            "env_kwargs": dict(spec.env_kwargs),
-            "seed": int(spec.seed),
-            "actor_id": actor_id,
-            "max_turns": int(spec.max_turns),
-        }
+        self.trajectory_id = spec.trajectory_id or uuid.uuid4().hex
+        self.group_id = spec.group_id or uuid.uuid4().hex
+        self.actor_id = actor_id
 
-    def message(self) -> dict:
-        return dict(self.traj, created_at=time.time(), prompt_format=self.prompt_format, turns=self.turns,
-                    success=bool(self.success), scored=False, end_reason=self.end_reason)
-
-
-def _state(info: Any) -> dict:
-    state = info.get("state") if isinstance(info, dict) else None
-    if not isinstance(state, dict):
-        return empty_state()
-    return {"relations": [str(r) for r in state.get("relations") or []], "symbolic": state.get("symbolic"),
-            "structured": state.get("structured") or {}}
+    def message(self) -> Trajectory:
+        spec = self.spec
+        return Trajectory(schema=TRAJECTORY_SCHEMA, trajectory_id=self.trajectory_id, group_id=self.group_id,
+                          env_id=spec.env_id, env_name=spec.name, env_kwargs=dict(spec.env_kwargs), seed=int(spec.seed),
+                          actor_id=self.actor_id, created_at=time.time(), prompt_format=self.prompt_format,
+                          max_turns=int(spec.max_turns), turns=self.turns, success=bool(self.success), scored=False,
+                          end_reason=self.end_reason)
 
 
 def _str_or_none(x: Any) -> str | None:
@@ -183,7 +173,7 @@ class RolloutEngine:
         if make_env is None:
             import gymnasium
 
-            import envs  # noqa: F401  (registers worldloop/* ids)
+            from worldloop import envs  # noqa: F401  (registers worldloop/* ids)
 
             make_env = gymnasium.make
         self.backend = backend
@@ -196,7 +186,7 @@ class RolloutEngine:
         # image-placeholder tokens a response must not contain (see the module docstring)
         self._vision_ids = {codec.image_token_id, codec.vision_start_id, codec.vision_end_id} if codec.is_vision else set()
         self._episodes: list[_Episode] = []
-        self._done: list[dict] = []  # ended outside step() (at start): reported by the next step()
+        self._done: list[Trajectory] = []  # ended outside step() (at start): reported by the next step()
         self._calls = 0
 
     @property
@@ -223,7 +213,7 @@ class RolloutEngine:
             obs, info = ep.env.reset(seed=int(spec.seed))
             ep.system = str(ep.env.unwrapped.system_prompt())
             ep.prompt_format = str(getattr(ep.env.unwrapped, "prompt_format", ep.prompt_format))
-            ep.state = _state(info)
+            ep.state = state_from_info(info)
             ep.success = bool(info.get("success", False)) if isinstance(info, dict) else False
             if spec.max_turns < 1:
                 ep.end_reason = "max_turns"
@@ -236,7 +226,7 @@ class RolloutEngine:
             self._done.append(ep.message())
         else:
             self._episodes.append(ep)
-        return ep.traj["trajectory_id"]
+        return ep.trajectory_id
 
     def _encode_next(self, ep: _Episode, obs: Any) -> None:
         """Encode the next turn's observation; end the episode when it would overflow the context."""
@@ -245,7 +235,7 @@ class RolloutEngine:
         if len(ep.context) + len(seg.ids) + self.sampling.max_new_tokens > self.max_model_len:
             ep.end_reason = "context"
             log.info("episode %s (%s seed %d) ends: %d context + %d observation + %d new tokens exceed max_model_len %d",
-                     ep.traj["trajectory_id"], ep.spec.name, ep.spec.seed, len(ep.context), len(seg.ids),
+                     ep.trajectory_id, ep.spec.name, ep.spec.seed, len(ep.context), len(seg.ids),
                      self.sampling.max_new_tokens, self.max_model_len)
             return
         ep.pending = seg
@@ -254,7 +244,7 @@ class RolloutEngine:
         ep.end_reason = "env_error"
         ep.turns = []  # an episode interrupted by an env bug is not training data
         log.error("env %s (seed %d) raised during %s; episode %s dropped:\n%s", ep.spec.env_id, ep.spec.seed, where,
-                  ep.traj["trajectory_id"], traceback.format_exc())
+                  ep.trajectory_id, traceback.format_exc())
 
     def _end(self, ep: _Episode) -> None:
         ep.pending = None
@@ -304,39 +294,39 @@ class RolloutEngine:
         if self._vision_ids.intersection(res.response_ids):
             ep.end_reason = "vision_token"
             log.info("episode %s (%s seed %d) ends: the response holds image placeholder tokens; turn %d discarded",
-                     ep.traj["trajectory_id"], name, ep.spec.seed, len(ep.turns))
+                     ep.trajectory_id, name, ep.spec.seed, len(ep.turns))
             return
         try:
             obs, _, terminated, truncated, info = ep.env.step(res.text)
             if not isinstance(info, dict):
                 raise TypeError(f"step info must be a dict, got {type(info).__name__}")
-            after = _state(info)
+            after = state_from_info(info)
             actions = [str(a) for a in info.get("actions") or []]
-            turn = {
-                "index": len(ep.turns),
-                "policy_version": version,
-                "obs_ids": list(seg.ids),
-                "response_ids": list(res.response_ids),
-                "logprobs": [float(x) for x in res.logprobs],
-                "images": list(seg.images),
-                "response_text": res.text,
-                "observation": _str_or_none(info.get("observation")),
-                "reasoning": _str_or_none(info.get("reasoning")),
-                "prediction": _str_or_none(info.get("prediction")),
-                "actions": actions,
-                "format_ok": bool(info.get("format_ok", False)),
-                "env_reward": float(info.get("env_reward", 0.0)),
-                "format_reward": float(info.get("format_reward", 0.0)),
-                "done": bool(terminated or truncated),
-                "success": bool(info.get("success", False)),
-                "state_before": ep.state,
-                "state_after": after,
+            turn = Turn(
+                index=len(ep.turns),
+                policy_version=version,
+                obs_ids=list(seg.ids),
+                response_ids=list(res.response_ids),
+                logprobs=[float(x) for x in res.logprobs],
+                images=list(seg.images),
+                response_text=res.text,
+                observation=_str_or_none(info.get("observation")),
+                reasoning=_str_or_none(info.get("reasoning")),
+                prediction=_str_or_none(info.get("prediction")),
+                actions=actions,
+                format_ok=bool(info.get("format_ok", False)),
+                env_reward=float(info.get("env_reward", 0.0)),
+                format_reward=float(info.get("format_reward", 0.0)),
+                done=bool(terminated or truncated),
+                success=bool(info.get("success", False)),
+                state_before=ep.state,
+                state_after=after,
                 # WMAct's N counts the actions the episode ran: parsed actions left over when the
                 # task ended mid-turn were never executed
-                "actions_total": int(info.get("actions_executed", len(actions))),
-                "actions_effective": int(info.get("actions_effective", 0)),
-                "truncated_response": bool(res.truncated),
-            }
+                actions_total=int(info.get("actions_executed", len(actions))),
+                actions_effective=int(info.get("actions_effective", 0)),
+                truncated_response=bool(res.truncated),
+            )
             ep.turns.append(turn)
             ep.context += list(seg.ids) + list(res.response_ids)
             ep.images += list(seg.images)
@@ -344,11 +334,11 @@ class RolloutEngine:
             # response that stopped on <|endoftext|> or at max_new_tokens is closed by the codec)
             ep.prev_ended = bool(res.response_ids) and res.response_ids[-1] == self.codec.im_end_id
             ep.state = after
-            ep.success = turn["success"]
+            ep.success = turn.success
             report.turns[name] = report.turns.get(name, 0) + 1
-            if not turn["format_ok"]:
+            if not turn.format_ok:
                 report.format_errors[name] = report.format_errors.get(name, 0) + 1
-            if turn["done"]:
+            if turn.done:
                 ep.end_reason = "done"
             elif len(ep.turns) >= ep.spec.max_turns:
                 ep.end_reason = "max_turns"
@@ -377,10 +367,10 @@ def play_episodes(
     actor_id: str = "local",
     sample_seed: int | None = None,
     codec: ChatCodec | None = None,
-) -> list[dict]:
+) -> list[Trajectory]:
     """Play every spec to its end, ``concurrency`` episodes per batched generation.
 
-    Returns one trajectory dict per spec, in the order of ``specs`` (``turns == []`` for an
+    Returns one :class:`Trajectory` per spec, in the order of ``specs`` (``turns == []`` for an
     episode that ended before its first generation: see the module docstring).
     """
     if concurrency < 1:
@@ -388,7 +378,7 @@ def play_episodes(
     engine = RolloutEngine(backend, sampling=sampling, max_model_len=max_model_len, actor_id=actor_id,
                            codec=codec, sample_seed=sample_seed)
     index: dict[str, int] = {}  # trajectory id -> position in specs
-    out: list[dict | None] = [None] * len(specs)
+    out: list[Trajectory | None] = [None] * len(specs)
     queue = list(enumerate(specs))
     try:
         while queue or engine.live or engine.pending_reports:
@@ -396,7 +386,7 @@ def play_episodes(
                 i, spec = queue.pop(0)
                 index[engine.start(spec)] = i
             for traj in engine.step().finished:
-                out[index[traj["trajectory_id"]]] = traj
+                out[index[traj.trajectory_id]] = traj
     finally:
         engine.close()
     return [t for t in out if t is not None]
@@ -430,6 +420,15 @@ class SeedSchedule:
         self.rng = random.Random(int.from_bytes(digest[:8], "big"))
         self._group: tuple[str, dict, str, int, str] | None = None
         self._left = 0
+
+    def next_group(self, max_turns: int) -> list[EpisodeSpec]:
+        """The rest of the current group (a whole new one when none is open), each spec with its
+        own trajectory id: what rollout admission admits at once."""
+        first = self.next(max_turns)
+        group = [first] + [self.next(max_turns) for _ in range(self._left)]
+        for spec in group:
+            spec.trajectory_id = uuid.uuid4().hex
+        return group
 
     def next(self, max_turns: int) -> EpisodeSpec:
         if self._left == 0:

@@ -12,7 +12,7 @@ Public API::
         .close()
     collapse_image_pads(prompt_ids, images, codec) -> list[int]
 
-It follows every convention of :mod:`actor.backends` (read that first). How each one is met:
+It follows every convention of :mod:`worldloop.actor.generation` (read that first). How each one is met:
 
 * **In-process engine.** ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set before the engine starts, so
   the engine core, its scheduler and the model live in this process: weights are copied into the
@@ -23,7 +23,7 @@ It follows every convention of :mod:`actor.backends` (read that first). How each
 * **Token ids in, token ids out.** Prompts are ``TokensPrompt``\\ s. vLLM's Qwen2-VL processor
   always expands each ``<|image_pad|>`` of a prompt into the image's full run of pads (a prompt
   that is already expanded would be expanded again, silently), so each run made by
-  :class:`common.modeling.ChatCodec` is collapsed to one pad (:func:`collapse_image_pads`, which
+  :class:`worldloop.common.modeling.ChatCodec` is collapsed to one pad (:func:`collapse_image_pads`, which
   also checks the run length against the image) and the images go in ``multi_modal_data``
   with the processor's pixel bounds set to the codec's (``size = {shortest_edge: 28*28,
   longest_edge: max_image_side**2}``), so vLLM resizes nothing and expands each image to the
@@ -72,12 +72,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from actor.backends import GenRequest, GenResult, WeightUpdateError, cut_at_eos, validate_requests
-from common.modeling import ChatCodec, _decode_png, _resolve_dtype
-from common.tiny_model import MERGE, PATCH
+from worldloop.actor.generation import GenRequest, GenResult, WeightUpdateError, cut_at_eos, validate_requests
+from worldloop.common.modeling import MERGE, PATCH, ChatCodec, decode_png, resolve_dtype
 
 if TYPE_CHECKING:
-    from common.config import Config
+    from worldloop.common.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +263,7 @@ class VLLMBackend:
         kwargs: dict[str, Any] = dict(
             model=str(self.model_dir),
             dtype={torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[
-                _resolve_dtype(dtype, "cpu" if on_cpu else "cuda")
+                resolve_dtype(dtype, "cpu" if on_cpu else "cuda")
             ],
             max_model_len=self.max_model_len,
             enforce_eager=enforce_eager,
@@ -330,7 +329,7 @@ class VLLMBackend:
             raise ValueError(f"request {i}: {e}") from None
         prompt: dict = {"prompt_token_ids": ids}
         if r.images:
-            prompt["multi_modal_data"] = {"image": [_decode_png(bytes(png)) for png in r.images]}
+            prompt["multi_modal_data"] = {"image": [decode_png(bytes(png)) for png in r.images]}
         return prompt
 
     def generate(

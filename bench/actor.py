@@ -3,7 +3,7 @@
     python bench/actor.py [--episodes 16] [--concurrency 8] [--max-turns 3] [--max-new-tokens 64]
 
 Both play the same FrozenLake episodes (vision mode, one image per turn) through
-``actor.rollout.play_episodes`` with the embedded tiny Qwen2.5-VL model, seeded sampling at temperature 0.7 / top-p 0.95. The table
+``worldloop.actor.rollout.play_episodes`` with the embedded tiny Qwen2.5-VL model, seeded sampling at temperature 0.7 / top-p 0.95. The table
 gives episodes/s, generated tokens/s and the ratio to the HF baseline measured in the same run.
 vLLM is skipped (one row) when it is not installed. One warm-up episode per backend is excluded.
 """
@@ -21,13 +21,13 @@ sys.path.insert(0, str(ROOT))
 
 
 def _model(path: Path) -> Path:
-    import common.tiny_model as tiny
+    import worldloop.tiny_model as tiny
 
     return tiny.make_tiny_model(path, seed=0, max_image_side=112)
 
 
 def _play(backend, args) -> tuple[float, int, int]:
-    from actor.rollout import EpisodeSpec, Sampling, play_episodes
+    from worldloop.actor.rollout import EpisodeSpec, Sampling, play_episodes
 
     kw = {"size": 4, "is_slippery": False, "render_mode": "vision", "image_size": 112}
     sampling = Sampling(0.7, 0.95, args.max_new_tokens)
@@ -37,7 +37,7 @@ def _play(backend, args) -> tuple[float, int, int]:
     t0 = time.perf_counter()
     trajs = play_episodes(backend, specs, concurrency=args.concurrency, sampling=sampling, max_model_len=4096, sample_seed=0)
     seconds = time.perf_counter() - t0
-    tokens = sum(len(t["response_ids"]) for tr in trajs for t in tr["turns"])
+    tokens = sum(len(t.response_ids) for tr in trajs for t in tr.turns)
     return seconds, len(trajs), tokens
 
 
@@ -48,8 +48,8 @@ def main() -> None:
     ap.add_argument("--max-turns", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     args = ap.parse_args()
-    import envs  # noqa: F401
-    from actor.backends import HFBackend
+    from worldloop import envs  # noqa: F401
+    from worldloop.actor.hf_backend import HFBackend
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -58,7 +58,7 @@ def main() -> None:
         rows.append(("hf (baseline)", *_play(hf, args)))
         hf.close()
         try:
-            from actor.vllm_backend import VLLMBackend
+            from worldloop.actor.vllm_backend import VLLMBackend
         except ImportError as e:
             print(f"vllm not installed ({e}); only the baseline")
         else:

@@ -2,7 +2,7 @@
 
     python bench/advantages.py [--rows 128] [--length 8192] [--repeat 3] [--device cpu|cuda]
 
-Ours (``learner.advantages``) packs the generated tokens of each row to the left and scans only
+Ours (``worldloop.learner.advantages``) packs the generated tokens of each row to the left and scans only
 those (a Python loop over the packed length, one fused op per step, vectorised over the batch).
 The baseline, measured in the same run on the same batch, is the usual verl-style dense scan:
 a reverse loop over all L positions with masked carries (values and advantages carried over the
@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from learner.advantages import compute_advantages  # noqa: E402
+from worldloop.learner.advantages import compute_advantages  # noqa: E402
 
 KW = dict(gamma=1.0, lam=0.95, gamma_turn=0.95, lam_turn=1.0, gamma_token=1.0, lam_token=0.95)
 

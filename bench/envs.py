@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 import gymnasium  # noqa: E402
 
-import envs  # noqa: E402,F401  (registers the worldloop ids)
+from worldloop import envs  # noqa: E402,F401  (registers the worldloop ids)
 
 
 def _rate(fn, seconds: float) -> tuple[float, int]:

@@ -2,14 +2,14 @@
 
     python bench/judge.py [--latency 0.2] [--concurrency 1,8,64] [--seconds 3] [--no-e2e]
 
-The endpoint is tests/fake_openai.py (a real HTTP server on loopback, in its own process so its
+The endpoint is worldloop/testing/fake_openai.py (a real HTTP server on loopback, in its own process so its
 threads do not compete for this process's GIL) answering every request after ``--latency`` seconds. Each turn is scored by the ``llm`` scorer on both parts
 (grounding + world modeling = 2 requests per turn), every prompt unique (no cache hits).
 
 Columns, per judge concurrency c (``judge.concurrency``):
 * ``scorer turns/s``: TrajectoryScorer + LLMClient in one asyncio loop (no Redis);
 * ``e2e turns/s``: the same through Redis: trajectories pushed to ``rollouts``, one judge worker
-  (judge.process.JudgeWorker, batch_size = c) reading, scoring and forwarding to ``scored``;
+  (worldloop.judge.process.JudgeWorker, batch_size = c) reading, scoring and forwarding to ``scored``;
 * ``ideal``: c / (latency * 2), the limit a judge with c requests always in flight reaches;
 * ``ratio``: measured / ideal. ``baseline``: the mean latency of single sequential requests with a
   plain AsyncOpenAI client measured in the same run (what one request really costs here).
@@ -29,28 +29,28 @@ sys.path.insert(0, str(ROOT))
 
 from openai import AsyncOpenAI  # noqa: E402
 
-from common.config import JudgeConfig, config_from_dict  # noqa: E402
-from common.control import Keys  # noqa: E402
-from common.redis_local import LocalRedis  # noqa: E402
-from common.schemas import encode_trajectory  # noqa: E402
-from common.streams import StreamProducer, connect  # noqa: E402
-from judge.llm import LLMClient  # noqa: E402
-from judge.process import JudgeWorker  # noqa: E402
-from judge.scoring import TrajectoryScorer  # noqa: E402
-from tests.test_schemas import make_trajectory  # noqa: E402
+from worldloop.common.config import JudgeConfig, config_from_dict  # noqa: E402
+from worldloop.common.control import Keys  # noqa: E402
+from worldloop.common.redis_local import LocalRedis  # noqa: E402
+from worldloop.common.schemas import State, Trajectory, encode_trajectory  # noqa: E402
+from worldloop.common.streams import StreamProducer, connect  # noqa: E402
+from worldloop.judge.llm import LLMClient  # noqa: E402
+from worldloop.judge.process import JudgeWorker  # noqa: E402
+from worldloop.judge.scoring import TrajectoryScorer  # noqa: E402
+from worldloop.testing.trajectories import make_trajectory
 
 YES = "<think>ok</think><answer>YES</answer>"
-STATE = {"relations": ["box0 is above and on the left side of the player",
-                       "target0 is above and at the same column as the player"],
-         "symbolic": None, "structured": {}}
+STATE = State(relations=["box0 is above and on the left side of the player",
+                          "target0 is above and at the same column as the player"],
+              symbolic=None, structured={})
 REQUESTS_PER_TURN = 2
 
 
-def trajectory(i: int, tag: str) -> dict:
+def trajectory(i: int, tag: str) -> Trajectory:
     t = make_trajectory(f"{tag}-{i}", turns=1)
-    turn = t["turns"][0]
-    turn.update(observation=f"The box is above the player ({tag} {i}).", prediction=f"The box stays above me ({tag} {i}).",
-                state_before=STATE, state_after=STATE)
+    turn = t.turns[0]
+    turn.observation, turn.prediction = f"The box is above the player ({tag} {i}).", f"The box stays above me ({tag} {i})."
+    turn.state_before = turn.state_after = STATE
     return t
 
 
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     rows = []
     redis_srv = None if args.no_e2e else LocalRedis().start()
-    server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fake_openai.py"), "--delay", str(args.latency),
+    server = subprocess.Popen([sys.executable, "-m", "worldloop.testing.fake_openai", "--delay", str(args.latency),
                                "--answer", YES], stdout=subprocess.PIPE, text=True)
     try:
         url = server.stdout.readline().strip()

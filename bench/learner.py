@@ -3,8 +3,37 @@
     python bench/learner.py --size tiny                       # CPU smoke run (a minute)
     python bench/learner.py --size 0.5b --size 3b             # on a GPU (bf16)
         [--engines torch,zero2,zero3] [--steps 3] [--peak-tflops 989] [--json out.json]
+        [--lengths fixed|varied] [--micro-tokens 0,auto,4096] [--batch TRAIN,MINI,MICRO]
 
-What one update is: ``learner.trainer.PPOTrainer.update`` exactly as the learner runs it, on
+Micro-batching (``trainer.micro_batch_tokens``, issue 13 item 3): ``--micro-tokens`` runs every
+engine once per value: 0 = today's fixed count (``micro_batch_size`` trajectories per
+micro-batch, padded to the longest), N = micro-batches filled longest-first up to N token slots
+(rows x padded longest), ``auto`` = N = micro_batch_size x the batch's longest trajectory
+(rounded up to 8), i.e. no micro-batch larger than the fixed count's worst case.
+``--lengths varied`` draws each trajectory's turns (1 to the size's turns, x2.5 for tiny) and
+response length (1/4 to 1x the size's) from a seeded RNG, so lengths vary several-fold as in
+multi-turn RL; the batch is the same for every variant. The table's ``pad`` column is the
+fraction of the token slots computed (all forwards of the update) that are padding, ``micro``
+the micro-batches per update (training passes), ``cpu s`` the process's CPU time per update
+(less disturbed than wall time when other work shares the cores), ``peak GB`` the CUDA peak on
+a GPU and the process's peak RSS on CPU (``+MB``: its growth from before the first update, the
+activations). ``--batch`` overrides the size's train / PPO mini / micro batch sizes.
+
+Measured on CPU (2 shared cores, one torch thread; other work ran beside it, so wall times are
+noisy and cpu s is the steadier number), tiny model with images, ZeRO-2 fp32, 32 trajectories of
+1-5 turns (53 to ~290 tokens), mini-batch 16, micro 4, median of 3 updates after one warm-up:
+``OMP_NUM_THREADS=1 python bench/learner.py --size tiny --engines zero2 --lengths varied
+--batch 32,16,4 --micro-tokens 0,auto --steps 3``
+
+| micro-batches | micro/update | padding | s/update | cpu s | tokens/s | vs fixed | peak RSS GB (growth) |
+|---|---|---|---|---|---|---|---|
+| 4 rows (fixed count) | 8 | 0.303 | 6.47 | 2.0 | 793 | 1.00 | 0.71 (+172 MB) |
+| <= 1,184 tokens (auto) | 7 | 0.155 | 4.70 | 1.4 | 1,091 | 1.38 | 0.70 (+165 MB) |
+
+The policy losses of the two agree to 7 digits update by update (the same mini-batches, only
+the split differs).
+
+What one update is: ``worldloop.learner.trainer.PPOTrainer.update`` exactly as the learner runs it, on
 ``train_batch_size`` synthetic trajectories (3 turns, long observations): no-grad proximal,
 reference and critic forwards, then one epoch of PPO mini-batches (policy forward + backward,
 critic forward + backward), optimizer steps. Data comes from memory (no Redis); the weight publish
@@ -57,8 +86,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
+import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -107,6 +139,7 @@ class TorchEngine:
         self.clip = float(conf["gradient_clipping"])
         self.micro = 0
         self.norm = None
+        self.boundary: bool | None = None  # set by the trainer per micro-batch (None: count to gas)
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -115,7 +148,10 @@ class TorchEngine:
         return self.gas
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro + 1) % self.gas == 0
+        return (self.micro + 1) % self.gas == 0 if self.boundary is None else self.boundary
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        self.boundary = is_boundary
 
     def backward(self, loss: torch.Tensor) -> None:
         (loss / self.gas).backward()
@@ -138,8 +174,8 @@ def _models_for(size: str, tiny_dir: Path, device: torch.device, dtype: torch.dt
     """(policy, critic backbone, reference) built in memory, and the parameter counts for FLOPs."""
     from transformers import AutoModel, Qwen2_5_VLConfig, Qwen2Config
 
-    from common.modeling import load_policy
-    from learner.engine import load_backbone
+    from worldloop.common.modeling import load_policy
+    from worldloop.learner.engine import load_backbone
 
     if size == "tiny":
         return load_policy(tiny_dir, dtype=dtype), load_backbone(tiny_dir), load_policy(tiny_dir, dtype=dtype)
@@ -177,27 +213,58 @@ def update_flops(lengths: list[int], n_policy: int, n_head: int, layers: int, d_
     return 2 * fwd_p + fwd_c + epochs * 3 * (fwd_p + fwd_c)
 
 
-def run_variant(size: str, engine: str, steps: int, out: Path) -> dict:
-    from common.config import config_from_dict
-    from common.modeling import ChatCodec
-    from common.tiny_model import make_tiny_model
-    from common.weights import WeightPublisher
-    from learner.engine import DistInfo, assemble_models, gather_policy_weights, init_distributed
-    from learner.synthetic import synthetic_trajectory
-    from learner.trainer import PPOTrainer
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
+
+def _shapes(size: str, lengths: str, step: int, n: int) -> list[tuple[int, int, int]]:
+    """(turns, response tokens, filler tokens) of each trajectory of update ``step``."""
     spec = SIZES[size]
+    if lengths == "fixed":
+        return [(spec["turns"], spec["response"], spec["filler"])] * n
+    rng = random.Random(step * 7919 + 17)
+    max_turns = spec["turns"] * 5 // 2 if size == "tiny" else spec["turns"]
+    return [(rng.randint(1, max_turns), rng.randint(max(1, spec["response"] // 4), spec["response"]), spec["filler"])
+            for _ in range(n)]
+
+
+def run_variant(size: str, engine: str, steps: int, out: Path, lengths: str = "fixed", micro_tokens: str = "0",
+                batch_sizes: str = "") -> dict:
+    from worldloop.common.config import config_from_dict
+    from worldloop.common.modeling import ChatCodec
+    from worldloop.tiny_model import make_tiny_model
+    from worldloop.common.weights import WeightPublisher
+    from worldloop.learner.engine import DistInfo, assemble_models, gather_policy_weights, init_distributed
+    from worldloop.learner.synthetic import synthetic_trajectory
+    from worldloop.learner.trainer import PPOTrainer
+
+    spec = dict(SIZES[size])
+    if batch_sizes:
+        train, mini, micro = (int(x) for x in batch_sizes.split(","))
+        spec["trainer"] = dict(spec["trainer"], train_batch_size=train, ppo_mini_batch_size=mini, micro_batch_size=micro)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     tmp = Path(tempfile.mkdtemp(prefix="bench-learner-"))
     # the tokenizer (and, for "tiny", the model); text-only trajectories for the large shapes
     tiny_dir = make_tiny_model(tmp / "tiny", arch="qwen2_5_vl" if spec["images"] else "qwen2", max_image_side=112)
+    codec = ChatCodec(tiny_dir, max_image_side=112)
+    batch_size = spec["trainer"]["train_batch_size"]
+
+    def batch(step: int):
+        return [synthetic_trajectory(codec, trajectory_id=f"b{step}-{i}", seed=step * 1000 + i, turns=turns,
+                                     response_tokens=response, filler_tokens=filler, group_id=f"g{i // 4}",
+                                     env_reward=float(i % 3))
+                for i, (turns, response, filler) in enumerate(_shapes(size, lengths, step, batch_size))]
+
+    batches = [batch(step) for step in range(steps + 1)]
+    longest = max(sum(len(t.obs_ids) + len(t.response_ids) for t in x.turns) for b in batches for x in b)
+    budget = spec["trainer"]["micro_batch_size"] * (-(-longest // 8) * 8) if micro_tokens == "auto" else int(micro_tokens)
     trainer = dict(spec["trainer"], zero_stage=3 if engine == "zero3" else 2 if engine == "zero2" else 0,
-                   total_steps=steps, kl_coef=0.001, device="cuda" if cuda else "cpu")
+                   total_steps=steps, kl_coef=0.001, device="cuda" if cuda else "cpu", micro_batch_tokens=budget)
     cfg = config_from_dict({"model": {"path": str(tiny_dir), "max_image_side": 112, "max_model_len": 8192},
                             "trainer": trainer})
-    codec = ChatCodec(tiny_dir, max_image_side=112)
     if engine == "torch":
         dist = DistInfo(0, 1, 0, device, "none")
         make = lambda module, lr, conf: TorchEngine(module, lr, conf, device, dtype)  # noqa: E731
@@ -210,24 +277,26 @@ def run_variant(size: str, engine: str, steps: int, out: Path) -> dict:
         torch.cuda.reset_peak_memory_stats()
     models = assemble_models(cfg, dist, codec, policy, backbone, reference, engine_fn=make)
     ppo = PPOTrainer(cfg, models, seed=0)
-    batch_size = cfg.trainer.train_batch_size
     results = []
+    rss0 = _rss_bytes()
     for step in range(steps + 1):  # the first update warms up (allocator, kernels) and is not counted
-        trajs = [synthetic_trajectory(codec, trajectory_id=f"b{step}-{i}", seed=step * 1000 + i, turns=spec["turns"],
-                                      response_tokens=spec["response"], filler_tokens=spec["filler"],
-                                      group_id=f"g{i // 4}", env_reward=float(i % 3)) for i in range(batch_size)]
-        lengths = [sum(len(t["obs_ids"]) + len(t["response_ids"]) for t in x["turns"]) for x in trajs]
+        trajs = batches[step]
+        lengths = [sum(len(t.obs_ids) + len(t.response_ids) for t in x.turns) for x in trajs]
         if cuda:
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         stats = ppo.update(trajs, step)
         if cuda:
             torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
+        dt, cpu_s = time.perf_counter() - t0, time.process_time() - c0
         flops = update_flops(lengths, n_policy, n_head, layers, d_attn, models.critic is not None, cfg.trainer.ppo_epochs)
         results.append({"seconds": dt, "tokens": sum(lengths), "flops": flops, "forward": stats["forward_seconds"],
-                        "backward": stats["backward_seconds"], "loss": stats.get("policy_loss")})
-        print(f"  {size} {engine} update {step}: {dt:.2f}s, {sum(lengths) / dt:,.0f} tok/s", flush=True)
+                        "backward": stats["backward_seconds"], "loss": stats.get("policy_loss"),
+                        "pad": stats["padding_fraction"], "micro": stats["micro_batches"], "cpu": cpu_s})
+        print(f"  {size} {engine} micro_batch_tokens={budget} update {step}: {dt:.2f}s ({cpu_s:.1f} cpu s), "
+              f"{sum(lengths) / dt:,.0f} tok/s, "
+              f"padding {stats['padding_fraction']:.3f}, {stats['micro_batches']} micro-batches, "
+              f"policy loss {stats.get('policy_loss')}", flush=True)
     pub = WeightPublisher("127.0.0.1", 0, 0)
     t0 = time.perf_counter()
     weights = gather_policy_weights(models)
@@ -235,9 +304,16 @@ def run_variant(size: str, engine: str, steps: int, out: Path) -> dict:
     publish_s = time.perf_counter() - t0
     pub.close()
     timed = results[1:]
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     row = {
         "size": size, "engine": engine, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-        "params_text": n_policy, "tokens_per_update": timed[0]["tokens"],
+        "lengths": lengths, "micro_batch_tokens": budget, "micro_batch_size": cfg.trainer.micro_batch_size,
+        "padding_fraction": statistics.median(r["pad"] for r in timed),
+        "micro_batches": statistics.median(r["micro"] for r in timed),
+        "cpu_s": statistics.median(r["cpu"] for r in timed),
+        "losses": [r["loss"] for r in results],
+        "peak_rss_gb": peak_rss / 2**30, "rss_growth_mb": max(0, peak_rss - rss0) / 2**20,
+        "params_text": n_policy, "tokens_per_update": int(statistics.median(r["tokens"] for r in timed)),
         "seconds": statistics.median(r["seconds"] for r in timed),
         "tokens_per_s": statistics.median(r["tokens"] for r in timed) / statistics.median(r["seconds"] for r in timed),
         "flops_per_s": statistics.median(r["flops"] for r in timed) / statistics.median(r["seconds"] for r in timed),
@@ -272,13 +348,23 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3, help="timed updates per variant (after one warm-up)")
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument("--json", default=None, help="write all rows here")
-    ap.add_argument("--one", nargs=3, metavar=("SIZE", "ENGINE", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--lengths", choices=("fixed", "varied"), default="fixed",
+                    help="trajectory lengths: the size's fixed shape, or varied several-fold (seeded)")
+    ap.add_argument("--micro-tokens", default="0",
+                    help="comma list of trainer.micro_batch_tokens values, one variant each: 0 = fixed count, "
+                         "N = token budget, auto = micro_batch_size x longest trajectory")
+    ap.add_argument("--batch", default="", metavar="TRAIN,MINI,MICRO",
+                    help="override train_batch_size, ppo_mini_batch_size, micro_batch_size of the size")
+    ap.add_argument("--one", nargs=5, metavar=("SIZE", "ENGINE", "OUT", "LENGTHS", "MICRO_TOKENS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.batch and len(args.batch.split(",")) != 3:
+        ap.error("--batch takes TRAIN,MINI,MICRO")
     if args.one:
-        run_variant(args.one[0], args.one[1], args.steps, Path(args.one[2]))
+        run_variant(args.one[0], args.one[1], args.steps, Path(args.one[2]), args.one[3], args.one[4], args.batch)
         return 0
     sizes = args.size or ["tiny"]
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    budgets = [b.strip() for b in args.micro_tokens.split(",") if b.strip()]
     peak = peak_flops(args.peak_tflops)
     rows = []
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")}
@@ -286,14 +372,14 @@ def main() -> int:
     env.setdefault("PYTHONUNBUFFERED", "1")
     with tempfile.TemporaryDirectory() as d:
         for size in sizes:
-            for engine in engines:
-                out = Path(d) / f"{size}-{engine}.json"
+            for engine, budget in itertools.product(engines, budgets):
+                out = Path(d) / f"{size}-{engine}-{budget}.json"
                 t0 = time.monotonic()
-                proc = subprocess.run([sys.executable, __file__, "--one", size, engine, str(out), "--steps", str(args.steps)],
-                                      env=env, cwd=ROOT)
+                proc = subprocess.run([sys.executable, __file__, "--one", size, engine, str(out), args.lengths, budget,
+                                       "--steps", str(args.steps), "--batch", args.batch], env=env, cwd=ROOT)
                 if proc.returncode != 0 or not out.exists():
-                    print(f"{size} {engine}: failed (exit {proc.returncode})", flush=True)
-                    rows.append({"size": size, "engine": engine, "failed": proc.returncode})
+                    print(f"{size} {engine} micro_batch_tokens={budget}: failed (exit {proc.returncode})", flush=True)
+                    rows.append({"size": size, "engine": engine, "budget": budget, "failed": proc.returncode})
                     continue
                 row = json.loads(out.read_text())
                 row["wall_s"] = time.monotonic() - t0
@@ -301,18 +387,32 @@ def main() -> int:
                 if args.json:  # after every variant, so a run cut short keeps what it measured
                     Path(args.json).write_text(json.dumps(rows, indent=2))
     print()
-    print(f"| size | engine | tokens/update | s/update | tokens/s | vs torch | MFU | fwd s | bwd s | publish s | peak GB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"lengths: {args.lengths}; vs torch: against the torch engine with the same micro-batching; "
+          "vs fixed: against the same engine with micro_batch_tokens=0")
+    print("| size | engine | micro-batches | micro | pad | tokens/update | s/update | cpu s | tokens/s | vs torch | vs fixed "
+          "| MFU | fwd s | bwd s | publish s | peak GB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "failed" in r:
-            print(f"| {r['size']} | {r['engine']} | failed (exit {r['failed']}) |||||||||")
+            print(f"| {r['size']} | {r['engine']} | {r['budget']} | failed (exit {r['failed']}) |||||||||||||")
             continue
-        base = next((b for b in rows if b.get("size") == r["size"] and b.get("engine") == "torch" and "failed" not in b), None)
+
+        def same(b, **kw):
+            return b.get("size") == r["size"] and "failed" not in b and all(b.get(k) == v for k, v in kw.items())
+
+        base = next((b for b in rows if same(b, engine="torch", micro_batch_tokens=r["micro_batch_tokens"])), None)
+        fixed = next((b for b in rows if same(b, engine=r["engine"], micro_batch_tokens=0)), None)
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
+        vs_fixed = f"{r['tokens_per_s'] / fixed['tokens_per_s']:.2f}" if fixed else "-"
         mfu = f"{r['flops_per_s'] / peak:.3f}" if peak else "-"
-        peak_gb = f"{r['peak_gb']:.1f}" if r.get("peak_gb") is not None else "-"
-        print(f"| {r['size']} | {r['engine']} | {r['tokens_per_update']:,} | {r['seconds']:.2f} | {r['tokens_per_s']:,.0f} | "
-              f"{ratio} | {mfu} | {r['forward_s']:.2f} | {r['backward_s']:.2f} | {r['publish_s']:.2f} | {peak_gb} |")
+        if r.get("peak_gb") is not None:
+            peak_gb = f"{r['peak_gb']:.1f}"
+        else:
+            peak_gb = f"{r['peak_rss_gb']:.2f} RSS (+{r['rss_growth_mb']:,.0f} MB)"
+        how = f"<= {r['micro_batch_tokens']:,} tok" if r["micro_batch_tokens"] else f"{r['micro_batch_size']} rows"
+        print(f"| {r['size']} | {r['engine']} | {how} | {r['micro_batches']:g} | {r['padding_fraction']:.3f} | "
+              f"{r['tokens_per_update']:,} | {r['seconds']:.2f} | {r['cpu_s']:.1f} | {r['tokens_per_s']:,.0f} | "
+              f"{ratio} | {vs_fixed} | {mfu} | {r['forward_s']:.2f} | {r['backward_s']:.2f} | {r['publish_s']:.2f} | {peak_gb} |")
     if peak:
         print(f"\nMFU against {peak / 1e12:.0f} TFLOP/s (bf16 dense peak); model FLOPs as in the module docstring.")
     if args.json:

@@ -1,14 +1,24 @@
 """Does RL improve on the SFT warm start? The tiny run of `worldloop up`, evaluated before and after.
 
-    python bench/learning.py [--envs frozenlake,sokoban] [--steps 20] [--episodes 64] [--out runs/bench-learning]
+    python bench/learning.py [--envs frozenlake,sokoban] [--episodes 128] [--steps N] [--seed-start S]
+                             [--out runs/bench-learning] [key.sub=value ...]
 
 For each env this runs, as a user would, ``worldloop up configs/tiny-<env>.yaml`` with a fresh
 model directory (the embedded tiny model is made, warm-started by SFT on solver demonstrations,
-then trained by ``--steps`` learner steps with 2 actors and 1 judge), and then
-``worldloop eval`` twice on the same held-out seeds (``eval.seed_start`` onwards, disjoint from the
-training seeds): the SFT model (``model.path``, which the learner never writes) is the baseline,
-the newest learner checkpoint the result. Temperature, max tokens and max turns are the actor's;
-top-p is eval's default 1.0 (the actor samples with 0.95), the same for both models.
+then trained by the preset's learner steps, or ``--steps``, with 2 actors and 1 judge), and then
+``worldloop eval`` twice on the same held-out seeds (``--seed-start``, default ``eval.seed_start``,
+onwards): the SFT model (``model.path``, which the learner never writes) is the baseline, the
+newest learner checkpoint the result. The held-out range is checked, before anything runs, to be
+disjoint from the RL seeds ``[actor.seed_start, actor.seed_end)`` and from the demonstration seeds
+``[sft.seed_start, sft.seed_start + sft.episodes + probes)``. Temperature, max tokens and max
+turns are the actor's; top-p is eval's default 1.0 (the actor samples with 0.95), the same for
+both models. Extra ``key.sub=value`` arguments go to ``worldloop up`` and ``worldloop eval`` alike
+(for tuning runs; report runs use the presets as shipped). Tune with a ``--seed-start`` other than
+the default and report on the default held-out seeds once.
+
+Resume: rerun with the same ``--out``: a finished ``up`` (its ``up.done`` marker) is not rerun, the
+evaluations resume from their ``episodes.jsonl``, and a finished env's row (``row.json``) is reused.
+Progress goes to stdout.
 
 The table gives both success rates with Wilson 95% intervals, the difference, the paired outcome
 (seeds only RL solved / only SFT solved: a sign test on those is the fair test of a difference
@@ -30,8 +40,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from actor.eval_stats import wilson_interval  # noqa: E402
-from common.config import load_config  # noqa: E402
+from worldloop.eval.stats import wilson_interval  # noqa: E402
+from worldloop.common.config import SFT_PROBE_SEEDS, Config, load_config  # noqa: E402
 
 
 def _cli(args: list[str], log: Path) -> float:
@@ -39,7 +49,7 @@ def _cli(args: list[str], log: Path) -> float:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     start = time.monotonic()
     with open(log, "wb") as f:
-        rc = subprocess.run([sys.executable, "-m", "common.cli", *args], cwd=ROOT, env=env, stdout=f,
+        rc = subprocess.run([sys.executable, "-m", "worldloop", *args], cwd=ROOT, env=env, stdout=f,
                             stderr=subprocess.STDOUT).returncode
     if rc != 0:
         tail = log.read_text(errors="replace")[-3000:]
@@ -68,30 +78,63 @@ def _sign_test_p(wins: int, losses: int) -> float:
     return min(1.0, 2 * tail)
 
 
-def bench_env(env: str, steps: int, episodes: int, out: Path) -> dict:
+def check_held_out(cfg: Config, seed_start: int, episodes: int) -> None:
+    """The evaluated seeds must be disjoint from the RL seeds and the demonstration seeds."""
+    lo, hi = seed_start, seed_start + episodes
+    ranges = {"actor.seed_start..actor.seed_end (RL)": (cfg.actor.seed_start, cfg.actor.seed_end)}
+    if cfg.sft.enabled:
+        ranges["sft.seed_start.. (demonstrations)"] = (cfg.sft.seed_start,
+                                                        cfg.sft.seed_start + cfg.sft.episodes + SFT_PROBE_SEEDS)
+    for what, (a, b) in ranges.items():
+        if lo < b and a < hi:
+            raise SystemExit(f"held-out seeds [{lo}, {hi}) overlap {what} = [{a}, {b})")
+
+
+def bench_env(env: str, steps: int | None, episodes: int, seed_start: int | None, out: Path,
+              overrides: list[str]) -> dict:
     config = ROOT / "configs" / f"tiny-{env}.yaml"
-    cfg = load_config(config)
+    cfg = load_config(config, overrides)
+    seed_start = cfg.eval.seed_start if seed_start is None else seed_start
+    check_held_out(cfg, seed_start, episodes)
     base = out / env
+    if (base / "row.json").exists():
+        print(f"== {env}: done before, reusing {base / 'row.json'}", flush=True)
+        return json.loads((base / "row.json").read_text())
     run_dir, model_dir = base / "run", base / "model"
-    if run_dir.exists() or model_dir.exists():
-        raise SystemExit(f"{base} exists: pass a fresh --out")
-    base.mkdir(parents=True)
-    print(f"== {env}: worldloop up ({steps} learner steps) -> {run_dir}", flush=True)
-    up_s = _cli(["up", str(config), f"run.run_dir={run_dir}", f"model.path={model_dir}",
-                 f"trainer.total_steps={steps}"], base / "up.log")
+    base.mkdir(parents=True, exist_ok=True)
+    ups = list(overrides) + ([f"trainer.total_steps={steps}"] if steps else [])
+    if (base / "up.done").exists():
+        up_s = float((base / "up.done").read_text())
+        print(f"== {env}: worldloop up finished before ({up_s:.0f} s), reusing {run_dir}", flush=True)
+    else:
+        import shutil
+
+        for d in (run_dir, model_dir):  # an interrupted up: start it again from scratch
+            shutil.rmtree(d, ignore_errors=True)
+        print(f"== {env}: worldloop up ({steps or cfg.trainer.total_steps} learner steps) -> {run_dir}", flush=True)
+        up_s = _cli(["up", str(config), f"run.run_dir={run_dir}", f"model.path={model_dir}", *ups], base / "up.log")
+        (base / "up.done").write_text(f"{up_s:.1f}")
+        print(f"== {env}: worldloop up took {up_s:.0f} s", flush=True)
     sft = json.loads((run_dir / "sft.json").read_text())
-    curve = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    # the learner's step records (metrics.jsonl also holds the evaluator's {"eval": ...} lines)
+    curve = [rec for rec in (json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip())
+             if "step" in rec]
     common = ["--config", str(config), "--episodes", str(episodes), "--max-tokens", str(cfg.actor.max_new_tokens),
-              "--max-turns", str(cfg.actor.max_turns), "--temperature", str(cfg.actor.temperature)]
+              "--max-turns", str(cfg.actor.max_turns), "--temperature", str(cfg.actor.temperature),
+              f"eval.seed_start={seed_start}", *overrides]
     results = {}
     for name, model in (("sft", model_dir), ("rl", run_dir)):
-        print(f"== {env}: worldloop eval {name} ({episodes} held-out seeds)", flush=True)
+        print(f"== {env}: worldloop eval {name} (held-out seeds {seed_start}..{seed_start + episodes - 1})", flush=True)
+        t0 = time.monotonic()
         _cli(["eval", "--model", str(model), "--output", str(base / f"eval-{name}"), *common], base / f"eval-{name}.log")
         results[name] = _outcomes(base / f"eval-{name}")
+        k = sum(results[name].values())
+        print(f"== {env}: {name} solved {k}/{len(results[name])} ({time.monotonic() - t0:.0f} s)", flush=True)
     seeds = sorted(set(results["sft"]) & set(results["rl"]))
     wins = sum(results["rl"][s] and not results["sft"][s] for s in seeds)
     losses = sum(results["sft"][s] and not results["rl"][s] for s in seeds)
     row = {"env": env, "steps": curve[-1]["step"] if curve else 0, "episodes": len(seeds), "up_seconds": up_s,
+           "seed_start": seed_start, "overrides": overrides,
            "sft_format_ok": sft.get("format_ok_after"), "rl_wins": wins, "rl_losses": losses,
            "sign_test_p": _sign_test_p(wins, losses),
            "train_success_first": curve[0]["success_rate"]["all"] if curve else None,
@@ -100,6 +143,8 @@ def bench_env(env: str, steps: int, episodes: int, out: Path) -> dict:
         k = sum(results[name][s] for s in seeds)
         lo, hi = wilson_interval(k, len(seeds))
         row[name] = {"rate": k / max(len(seeds), 1), "lo": lo, "hi": hi}
+    (base / "row.json").write_text(json.dumps(row, indent=2))
+    print(render([row]), flush=True)
     return row
 
 
@@ -120,12 +165,18 @@ def render(rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--envs", default="frozenlake,sokoban", help="configs/tiny-<env>.yaml presets")
-    ap.add_argument("--steps", type=int, default=20, help="learner steps of the RL run")
-    ap.add_argument("--episodes", type=int, default=64, help="held-out episodes per model")
-    ap.add_argument("--out", default=f"runs/bench-learning-{time.strftime('%Y%m%d-%H%M%S')}")
+    ap.add_argument("--steps", type=int, default=None, help="learner steps of the RL run (default: the preset's)")
+    ap.add_argument("--episodes", type=int, default=128, help="held-out episodes per model")
+    ap.add_argument("--seed-start", type=int, default=None,
+                    help="first held-out seed (default eval.seed_start; tune on another range)")
+    ap.add_argument("--out", default=f"runs/bench-learning-{time.strftime('%Y%m%d-%H%M%S')}",
+                    help="output folder; rerun with the same folder to resume")
+    ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides for up and eval (tuning only)")
     args = ap.parse_args()
     out = Path(args.out)
-    rows = [bench_env(env, args.steps, args.episodes, out) for env in args.envs.split(",")]
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [bench_env(env, args.steps, args.episodes, args.seed_start, out, args.overrides)
+            for env in args.envs.split(",")]
     table = render(rows)
     print(table)
     (out / "learning.md").write_text(table + "\n")

@@ -19,6 +19,7 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -44,6 +45,9 @@ class RunConfig:
     run_dir: str | None = None
     seed: int = 0
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    # where the learner's per-step metrics go (learner/trackers.py): jsonl (metrics.jsonl, always
+    # written), tensorboard (<run_dir>/tensorboard), wandb (honours WANDB_MODE=offline)
+    loggers: list[str] = field(default_factory=lambda: ["jsonl"])
 
 
 @dataclass
@@ -58,6 +62,9 @@ class RedisConfig:
     claim_idle_ms: int = 60_000  # reclaim messages pending longer than this from dead consumers
     reconnect_max_s: float = 30.0  # backoff cap while Redis is unreachable
     socket_timeout_s: float = 10.0
+    # a process that has never reached Redis gives up after this long with "cannot reach Redis at
+    # ..., check redis.url" (a wrong URL); once connected it reconnects for as long as it takes
+    startup_timeout_s: float = 30.0
 
 
 @dataclass
@@ -120,6 +127,13 @@ class ActorConfig:
     # training seeds are drawn from [seed_start, seed_end); eval uses seeds >= eval.seed_start
     seed_start: int = 0
     seed_end: int = 1_000_000
+    # rollout admission (common/admission.py): an episode starts only while the run-wide budget
+    # (v + trainer.max_staleness + 1) * trainer.train_batch_size allows it, so nothing goes stale;
+    # false = actors generate freely and the learner drops what is too old
+    admission: bool = True
+    # an admitted episode whose actor stops renewing its lease (killed, partitioned) gives its
+    # budget back after this long
+    admission_lease_s: float = 120.0
     vllm_gpu_memory_utilization: float = 0.5
     vllm_enforce_eager: bool = True
     # vLLM KV-cache size in GiB; null = from vllm_gpu_memory_utilization on GPU, 1 GiB on CPU
@@ -132,6 +146,11 @@ class JudgeConfig:
     enabled: bool = True
     # scorer names per env name ("default" applies to envs not listed): rule | llm | hybrid
     scorers: dict[str, list[str]] = field(default_factory=lambda: {"default": ["rule"]})
+    # how `rule` (and `hybrid`'s extracted facts) score Sokoban/FrozenLake descriptions: f1 = per-axis
+    # relation facts over all pairs (judge/rule.py); vagen = VAGEN's code (judge/vagen_score.py): target,
+    # box, hole relative to the player, both axes; the config then gives those envs
+    # relation_prompt=vagen so that their prompt asks for exactly these relations
+    rule_mode: Literal["f1", "vagen"] = "f1"
     beta_grounding: float = 0.5
     beta_worldmodeling: float = 0.5
     concurrency: int = 16
@@ -162,6 +181,9 @@ class TrainerConfig:
     train_batch_size: int = 128  # trajectories per update
     ppo_mini_batch_size: int = 32
     micro_batch_size: int = 4  # sequences per forward; accumulation = mini / micro
+    # > 0: micro-batches are formed by this token budget instead (rows x longest incl. padding;
+    # rows sorted by length within each mini-batch, learner/trainer.py); 0 = micro_batch_size rows
+    micro_batch_tokens: int = 0
     ppo_epochs: int = 1
     actor_lr: float = 1e-6
     critic_lr: float = 1e-5
@@ -176,6 +198,9 @@ class TrainerConfig:
     lam_token: float = 1.0
     gamma_turn: float = 0.95
     lam_turn: float = 1.0
+    # bilevel_gae: the turn-end token's -kl_coef*KL stays on its own turn (own_turn) or joins that turn's
+    # turn-level reward and so reaches earlier turns discounted (turn_reward: VAGEN's code)
+    bilevel_kl_routing: Literal["own_turn", "turn_reward"] = "own_turn"
     whiten_advantages: bool = True
     max_staleness: int = 4  # drop trajectories whose oldest turn is further behind than this
     importance_weight_cap: float = 2.0  # truncation of pi_prox / pi_behaviour
@@ -196,6 +221,16 @@ class TrainerConfig:
     # stream entries are acked only after a checkpoint holds their update; when the payload bytes
     # held pending pass this, the learner checkpoints early (see learner/data.py)
     max_pending_mb: int = 1024
+    # held-out evaluation while training (worldloop/evaluator.py, started by `worldloop up`): every
+    # eval_every policy versions, eval_episodes seeds per env from eval.seed_start on; 0 = off
+    eval_every: int = 0
+    eval_episodes: int = 32
+    # after the last step the learner waits up to this long for a live evaluator's evaluation of
+    # the final version, so that TensorBoard/wandb get it too (no live evaluator: no wait); 0 = never
+    final_eval_wait_s: float = 300.0
+    # every sample_every steps the trackers get a few episodes of the batch (images, text, rewards
+    # per turn) and <run_dir>/samples.jsonl holds them (worldloop show); 0 = off
+    sample_every: int = 0
 
 
 @dataclass
@@ -208,6 +243,14 @@ class SFTConfig:
     epochs: int = 20
     lr: float = 5e-3
     batch_size: int = 8
+    # demonstrations (and the format probes after them) are played on seeds seed_start,
+    # seed_start+1, ...; this range must not overlap the RL seeds [actor.seed_start, actor.seed_end)
+    # nor the held-out eval seeds [eval.seed_start, eval.seed_start + eval.episodes)
+    seed_start: int = 5_000_000
+    # expert: the env's expert_response() as is; concise: the same answer with the observation and
+    # prediction cut to their first `observation_relations` sentences and an empty reasoning
+    answer_style: Literal["expert", "concise"] = "expert"
+    observation_relations: int = 2
 
 
 @dataclass
@@ -260,6 +303,7 @@ class Config:
 # value checks beyond types: dotted key -> (predicate, reason)
 _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "redis.max_backlog": (lambda v: v >= 1, "must be >= 1"),
+    "redis.startup_timeout_s": (lambda v: v > 0, "must be > 0"),
     "redis.url": (
         lambda v: v is None or v.startswith(("redis://", "rediss://", "unix://")),
         "must start with redis://, rediss:// or unix://",
@@ -271,6 +315,13 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "weights.max_bytes": (lambda v: v >= 0, "must be >= 0 (0 = derived from the model directory)"),
     "metrics.port": (lambda v: 0 <= v < 65536, "must be a TCP port (0 = ephemeral)"),
     "actor.num_envs": (lambda v: v >= 1, "must be >= 1"),
+    "trainer.eval_every": (lambda v: v >= 0, "must be >= 0 (0 = no evaluation during training)"),
+    "trainer.eval_episodes": (lambda v: v >= 1, "must be >= 1"),
+    "trainer.final_eval_wait_s": (lambda v: v >= 0, "must be >= 0 seconds (0 = do not wait)"),
+    "trainer.sample_every": (lambda v: v >= 0, "must be >= 0 (0 = no sampled episodes)"),
+    "run.loggers": (lambda v: set(v) <= {"jsonl", "tensorboard", "wandb"} and len(set(v)) == len(v),
+                    "must list distinct names out of jsonl, tensorboard, wandb"),
+    "actor.admission_lease_s": (lambda v: v > 0, "must be > 0"),
     "actor.envs": (lambda v: len(v) >= 1, "must list at least one env"),
     "actor.max_turns": (lambda v: v >= 1, "must be >= 1"),
     "actor.n_samples_per_seed": (lambda v: v >= 1, "must be >= 1"),
@@ -293,6 +344,7 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "trainer.train_batch_size": (lambda v: v >= 1, "must be >= 1"),
     "trainer.ppo_mini_batch_size": (lambda v: v >= 1, "must be >= 1"),
     "trainer.micro_batch_size": (lambda v: v >= 1, "must be >= 1"),
+    "trainer.micro_batch_tokens": (lambda v: v >= 0, "must be >= 0 (0 = micro_batch_size trajectories per micro-batch)"),
     "trainer.clip_ratio": (lambda v: v > 0, "must be > 0"),
     "trainer.max_staleness": (lambda v: v >= 0, "must be >= 0"),
     "trainer.importance_weight_cap": (lambda v: v >= 1.0, "must be >= 1"),
@@ -315,6 +367,8 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "sft.epochs": (lambda v: v >= 0, "must be >= 0"),
     "sft.lr": (lambda v: v > 0, "must be > 0"),
     "sft.batch_size": (lambda v: v >= 1, "must be >= 1"),
+    "sft.seed_start": (lambda v: v >= 0, "must be >= 0"),
+    "sft.observation_relations": (lambda v: v >= 1, "must be >= 1"),
     "eval.concurrency": (lambda v: v >= 1, "must be >= 1"),
     "eval.max_tokens": (lambda v: v >= 1, "must be >= 1"),
     "eval.temperature": (lambda v: v >= 0, "must be >= 0"),
@@ -342,6 +396,7 @@ def _cross_checks(cfg: Config) -> None:
         raise ConfigError("actor.seed_end", "must be greater than actor.seed_start")
     if cfg.actor.seed_start <= cfg.eval.seed_start < cfg.actor.seed_end:
         raise ConfigError("eval.seed_start", "must lie outside the training seed range [actor.seed_start, actor.seed_end)")
+    _check_demonstration_seeds(cfg)
     for name in cfg.judge.scorers.values():
         for s in name:
             if s not in ("rule", "llm", "hybrid"):
@@ -353,6 +408,23 @@ def _cross_checks(cfg: Config) -> None:
         raise ConfigError("weights.curve_server_public", "an actor's CURVE client key needs the server's public key file")
     if w.curve_client_public and not w.curve_server_secret:
         raise ConfigError("weights.curve_server_secret", "admitting CURVE client keys needs the server's secret key file")
+
+
+SFT_PROBE_SEEDS = 8  # format probes played after the demonstrations (worldloop/sft.py warm_start)
+
+
+def _check_demonstration_seeds(cfg: Config) -> None:
+    """SFT demonstrations must be played on seeds that RL and the held-out evaluation never see."""
+    if not cfg.sft.enabled:
+        return
+    lo, hi = cfg.sft.seed_start, cfg.sft.seed_start + cfg.sft.episodes + SFT_PROBE_SEEDS
+    if lo < cfg.actor.seed_end and cfg.actor.seed_start < hi:
+        raise ConfigError("sft.seed_start", f"demonstration seeds [{lo}, {hi}) overlap the RL seeds "
+                                            f"[actor.seed_start, actor.seed_end) = [{cfg.actor.seed_start}, {cfg.actor.seed_end})")
+    elo, ehi = cfg.eval.seed_start, cfg.eval.seed_start + cfg.eval.episodes
+    if lo < ehi and elo < hi:
+        raise ConfigError("sft.seed_start", f"demonstration seeds [{lo}, {hi}) overlap the held-out eval seeds "
+                                            f"[eval.seed_start, eval.seed_start + eval.episodes) = [{elo}, {ehi})")
 
 
 # --------------------------------------------------------------------------- coercion
@@ -488,6 +560,27 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+# the envs whose prompt follows judge.rule_mode (their kwarg relation_prompt, envs/grid_env.py)
+RELATION_PROMPT_ENVS = ("worldloop/Sokoban-v0", "worldloop/FrozenLake-v0")
+
+
+def _pass_rule_mode(cfg: Config) -> None:
+    """judge.rule_mode vagen: relation_prompt=vagen into the kwargs of the Sokoban/FrozenLake envs (the
+    actors, the SFT demonstrations and `worldloop eval` all build them from actor.envs); an explicit
+    relation_prompt that contradicts judge.rule_mode fails."""
+    want = "vagen" if cfg.judge.rule_mode == "vagen" else "default"
+    for i, spec in enumerate(cfg.actor.envs):
+        if spec.id not in RELATION_PROMPT_ENVS:
+            continue
+        have = spec.kwargs.get("relation_prompt", want)
+        if have != want:
+            raise ConfigError(f"actor.envs[{i}].kwargs.relation_prompt",
+                              f"is {have!r} but judge.rule_mode is {cfg.judge.rule_mode!r}: the prompt must ask for what "
+                              "the judge scores (set judge.rule_mode and leave relation_prompt out, the config passes it)")
+        if want == "vagen":
+            spec.kwargs["relation_prompt"] = "vagen"
+
+
 def config_from_dict(data: dict | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     tree: dict = dict(data or {})
     if not isinstance(tree, dict):
@@ -497,6 +590,7 @@ def config_from_dict(data: dict | None, overrides: list[str] | tuple[str, ...] =
         k, v = parse_override(ov)
         _set_dotted(tree, k, v)
     cfg = _build(Config, tree)
+    _pass_rule_mode(cfg)
     _validate_defaults(cfg)
     return cfg
 
@@ -509,13 +603,31 @@ def _deep_copy(x: Any) -> Any:
     return x
 
 
+def preset_names() -> list[str]:
+    """The presets shipped in the package (``worldloop.configs``), without ``.yaml``."""
+    return sorted(f.name[: -len(".yaml")] for f in resources.files("worldloop.configs").iterdir() if f.name.endswith(".yaml"))
+
+
+def resolve_config_path(path: str | os.PathLike) -> Path:
+    """A config file: ``path`` itself when it exists, else the shipped preset of that name
+    (``tiny-sokoban`` or ``tiny-sokoban.yaml``), so presets work from a non-editable install."""
+    p = Path(path)
+    if p.exists():
+        return p
+    name = p.name[: -len(".yaml")] if p.name.endswith(".yaml") else p.name
+    if str(p) in (name, name + ".yaml", f"configs/{name}.yaml"):
+        preset = resources.files("worldloop.configs") / f"{name}.yaml"
+        if preset.is_file():
+            return Path(str(preset))
+    raise ConfigError("<file>", f"config file {str(p)!r} does not exist and is not a preset (presets: {', '.join(preset_names())})")
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Load a YAML file (or only defaults when ``path`` is None) and apply overrides."""
     data: dict = {}
+    p = None
     if path is not None:
-        p = Path(path)
-        if not p.exists():
-            raise ConfigError("<file>", f"config file {str(p)!r} does not exist")
+        p = resolve_config_path(path)
         try:
             data = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
@@ -523,7 +635,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
         if not isinstance(data, dict):
             raise ConfigError("<root>", f"{p} must hold a mapping of sections, got {type(data).__name__}")
     cfg = config_from_dict(data, overrides)
-    cfg.source = str(path) if path is not None else None
+    cfg.source = str(p) if p is not None else None  # the file read (a preset's path inside the package)
     return cfg
 
 

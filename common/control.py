@@ -1,14 +1,5 @@
-"""Redis key names of a run and the control record the learner publishes to actors.
-
-Every key of a run is ``<namespace>:<what>``:
-
-    <ns>:rollouts     stream  actor -> judge          (trajectory messages)
-    <ns>:scored       stream  judge (or actor) -> learner
-    <ns>:deadletter   stream  messages that failed to decode or validate, with the reason
-    <ns>:control      hash    policy_version, max_turns, run_state, weights_host, updated_at
-    <ns>:procs        hash    "<role>:<id>" -> JSON {host, pid, metrics_url, seen_at}
-    <ns>:stats        hash    counter name -> int (judge failures, fallbacks, learner drops; see stats_incr)
-"""
+"""The control record the learner publishes to actors, process heartbeats and run counters, in
+Redis under the key names of :mod:`worldloop.common.keys`."""
 
 from __future__ import annotations
 
@@ -16,42 +7,9 @@ import json
 import os
 import socket
 import time
-from dataclasses import dataclass
 
-ROLLOUTS_GROUP = "judges"
-SCORED_GROUP = "learner"
-
-
-@dataclass(frozen=True)
-class Keys:
-    ns: str
-
-    @property
-    def rollouts(self) -> str:
-        return f"{self.ns}:rollouts"
-
-    @property
-    def scored(self) -> str:
-        return f"{self.ns}:scored"
-
-    @property
-    def deadletter(self) -> str:
-        return f"{self.ns}:deadletter"
-
-    @property
-    def control(self) -> str:
-        return f"{self.ns}:control"
-
-    @property
-    def procs(self) -> str:
-        return f"{self.ns}:procs"
-
-    @property
-    def stats(self) -> str:
-        return f"{self.ns}:stats"
-
-
-RUN_STATES = ("running", "paused", "stopped")
+from worldloop.common.keys import RUN_STATES, Keys
+from worldloop.common.metrics import metrics_url
 
 
 def read_control(r, keys: Keys) -> dict:
@@ -75,14 +33,17 @@ def write_control(r, keys: Keys, **fields) -> None:
     r.hset(keys.control, mapping=mapping)
 
 
-def register_process(r, keys: Keys, role: str, proc_id: str, metrics_port: int | None, host: str = "127.0.0.1") -> None:
-    """Heartbeat: record that this process is alive and where its /metrics is (call every few seconds)."""
+def register_process(r, keys: Keys, role: str, proc_id: str, metrics_port: int | None, host: str = "127.0.0.1",
+                     extra: dict | None = None) -> None:
+    """Heartbeat: record that this process is alive and where its /metrics is (call every few seconds);
+    ``extra`` adds fields such as the process's current ``phase`` (see ``common/process.py``)."""
     info = {
+        **(extra or {}),
         "role": role,
         "id": proc_id,
         "host": socket.gethostname(),
         "pid": os.getpid(),
-        "metrics_url": f"http://{host}:{metrics_port}/metrics" if metrics_port else None,
+        "metrics_url": metrics_url(host, metrics_port) if metrics_port else None,
         "seen_at": time.time(),
     }
     r.hset(keys.procs, f"{role}:{proc_id}", json.dumps(info))

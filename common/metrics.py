@@ -1,8 +1,8 @@
 """Prometheus metrics: one catalog for every process, one ``/metrics`` endpoint each.
 
 Naming scheme: ``worldloop_<role>_<what>_<unit>`` where role is one of
-actor, judge, learner, stream (the Redis transport, in any process), weights
-(the ZeroMQ channel) or up; counters end in ``_total`` (prometheus-client adds
+actor, judge, learner, eval (the held-out evaluator), stream (the Redis transport,
+in any process), weights (the ZeroMQ channel) or up; counters end in ``_total`` (prometheus-client adds
 it), durations are in ``_seconds``, sizes in ``_bytes``. Every metric a process
 exports is declared in :data:`CATALOG`; ``metric(name)`` creates it on first
 use. The Grafana dashboard in ``deploy/`` is checked against this catalog by
@@ -13,6 +13,7 @@ Each role owns its section of the catalog.
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import threading
@@ -55,6 +56,14 @@ CATALOG: dict[str, Spec] = {
     "worldloop_weights_version": Spec("gauge", "Latest complete weight version held by this process"),
     "worldloop_weights_fetch_seconds": Spec("histogram", "Seconds to fetch and verify one version", buckets=_TIME_BUCKETS),
     "worldloop_weights_rejected_chunks": Spec("counter", "Chunks rejected (checksum, version change, bad frame)"),
+    "worldloop_weights_publish_blocked_seconds": Spec(
+        "histogram", "Seconds a publish call blocked its caller (validation, host copy, wait for a free buffer)",
+        buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)),
+    "worldloop_weights_prepare_seconds": Spec(
+        "histogram", "Seconds from a publish hand-over until the version is served (checksums behind the caller)",
+        buckets=_TIME_BUCKETS),
+    "worldloop_weights_superseded_versions": Spec(
+        "counter", "Handed-over weight versions replaced by a newer one before their preparation started"),
     # ---- actor
     "worldloop_actor_episodes": Spec("counter", "Finished episodes", ("env",)),
     "worldloop_actor_successes": Spec("counter", "Finished episodes that succeeded", ("env",)),
@@ -77,6 +86,13 @@ CATALOG: dict[str, Spec] = {
     "worldloop_actor_dropped_episodes": Spec("counter", "Ended episodes not pushed (no complete turn)", ("env", "reason")),
     "worldloop_actor_weight_update_failures": Spec("counter", "Weight versions that failed to fetch or apply", ("reason",)),
     "worldloop_actor_paused": Spec("gauge", "1 while the control record pauses this actor"),
+    # ---- eval (worldloop evaluator: held-out success while training)
+    "worldloop_eval_success_rate": Spec("gauge", "Held-out success rate of the newest evaluated policy version", ("env",)),
+    "worldloop_eval_policy_version": Spec("gauge", "Policy version of the newest held-out evaluation"),
+    "worldloop_eval_episodes": Spec("counter", "Held-out episodes played"),
+    "worldloop_actor_admitted_episodes": Spec("counter", "Episodes admitted by the run's admission budget"),
+    "worldloop_actor_admission_wait_seconds": Spec("counter", "Seconds the actor had room for episodes but no admission budget"),
+    "worldloop_actor_idle_seconds": Spec("counter", "Seconds the actor generated nothing (no admitted episode running)"),
     # ---- judge
     "worldloop_judge_scored_turns": Spec("counter", "Turns scored", ("scorer",)),
     "worldloop_judge_trajectories": Spec("counter", "Trajectories scored and forwarded"),
@@ -96,6 +112,7 @@ CATALOG: dict[str, Spec] = {
     "worldloop_learner_trained_tokens": Spec("counter", "Tokens trained on"),
     "worldloop_learner_trained_trajectories": Spec("counter", "Trajectories trained on"),
     "worldloop_learner_dropped_trajectories": Spec("counter", "Trajectories dropped", ("reason",)),
+    "worldloop_learner_admission_refunds": Spec("counter", "Admitted trajectories given back to the admission budget (never trainable)"),
     "worldloop_learner_staleness_versions": Spec(
         "histogram", "Policy lag of trained trajectories (oldest turn)", buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
     ),
@@ -121,7 +138,7 @@ def metric(name: str, registry: CollectorRegistry | None = None) -> Any:
     """The process-wide metric called ``name`` (declared in CATALOG), created on first use."""
     spec = CATALOG.get(name)
     if spec is None:
-        raise KeyError(f"metric {name!r} is not declared in common.metrics.CATALOG")
+        raise KeyError(f"metric {name!r} is not declared in worldloop.common.metrics.CATALOG")
     reg = registry or REGISTRY
     key = (id(reg), name)
     with _lock:
@@ -158,10 +175,48 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+_WILDCARDS = frozenset({"", "0.0.0.0", "::", "[::]", "*"})
+
+
+@functools.lru_cache(maxsize=None)
+def _primary_address() -> str:
+    """This host's address on its default route (a UDP connect sends nothing), else the address of
+    its name, else its name where that resolves, else loopback (a machine with no network)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: only picks the outgoing interface
+            ip = s.getsockname()[0]
+        if ip and not ip.startswith("127.") and ip != "0.0.0.0":
+            return ip
+    except OSError:
+        pass
+    name = socket.getfqdn() or socket.gethostname()
+    try:
+        ip = socket.gethostbyname(name)
+    except OSError:
+        return "127.0.0.1"
+    return name if ip.startswith("127.") else ip
+
+
+def advertised_host(bind: str | None) -> str:
+    """Where other machines reach a server bound to ``bind`` (``metrics.host``): that address itself,
+    or for a wildcard bind (0.0.0.0, ::) this host's primary IP address."""
+    bind = (bind or "").strip()
+    return _primary_address() if bind in _WILDCARDS else bind
+
+
+def metrics_url(bind: str | None, port: int) -> str:
+    """The /metrics URL a heartbeat advertises for a server bound to ``bind``:``port``."""
+    host = advertised_host(bind)
+    if ":" in host and not host.startswith("["):  # an IPv6 literal
+        host = f"[{host}]"
+    return f"http://{host}:{port}/metrics"
+
+
 def serve_metrics(role: str, host: str = "127.0.0.1", port: int = 0) -> int:
     """Start the HTTP ``/metrics`` endpoint of this process; return the port it listens on."""
     server, _ = start_http_server(port, addr=host)
     port = server.server_port
     metric("worldloop_process_up").labels(role=role).set(1)
-    log.info("metrics for %s on http://%s:%d/metrics", role, host, port)
+    log.info("metrics for %s on %s (bound to %s)", role, metrics_url(host, port), host)
     return port

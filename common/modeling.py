@@ -54,12 +54,20 @@ import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
 
-from common.tiny_model import DEFAULT_SYSTEM, MERGE, PATCH
+if TYPE_CHECKING:
+    from worldloop.common.schemas import Trajectory
+
+# Qwen2.5-VL's vision token geometry (every model of the family, the tiny one included): 14-px
+# patches, 2x2 of them merged into one image token, 2 frames per temporal patch.
+PATCH = 14
+MERGE = 2
+TEMPORAL_PATCH = 2
+DEFAULT_SYSTEM = "You are a helpful assistant."  # the chat template's system turn when none is given
 
 IMAGE_PLACEHOLDER = "<image>"
 _FACTOR = PATCH * MERGE  # 28: image sides are multiples of this
@@ -82,7 +90,7 @@ def _to_pil(image: Any):
     from PIL import Image
 
     if isinstance(image, (bytes, bytearray, memoryview)):
-        return _decode_png(bytes(image))
+        return decode_png(bytes(image))
     if isinstance(image, Image.Image):
         return image.convert("RGB")
     arr = np.asarray(image)
@@ -96,7 +104,7 @@ def _to_pil(image: Any):
     return Image.fromarray(arr).convert("RGB")
 
 
-def _decode_png(data: bytes):
+def decode_png(data: bytes):
     from PIL import Image
 
     try:
@@ -237,7 +245,7 @@ class ChatCodec:
         return _png(img)
 
     def image_pad_count(self, png: bytes) -> int:
-        img = _decode_png(png)
+        img = decode_png(png)
         h, w = target_size(img.height, img.width, self.max_image_side)
         return (h // _FACTOR) * (w // _FACTOR)
 
@@ -268,7 +276,7 @@ class ChatCodec:
 
         pil = []
         for png in images:
-            img = _decode_png(bytes(png))
+            img = decode_png(bytes(png))
             h, w = target_size(img.height, img.width, self.max_image_side)
             pil.append(img if (h, w) == (img.height, img.width) else img.resize((w, h), Image.Resampling.BICUBIC))
         out = self._image_processor()(images=pil, return_tensors="pt")
@@ -278,7 +286,7 @@ class ChatCodec:
 # --------------------------------------------------------------------------- model loading
 
 
-def _resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -301,7 +309,7 @@ def load_policy(model_dir: str | Path, dtype: str | torch.dtype = "auto", device
         raise FileNotFoundError(f"no config.json in model directory {path}")
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     cls = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
-    model = cls.from_pretrained(str(path), dtype=_resolve_dtype(dtype, device), local_files_only=True)
+    model = cls.from_pretrained(str(path), dtype=resolve_dtype(dtype, device), local_files_only=True)
     return model.to(device).eval()
 
 
@@ -331,19 +339,19 @@ class SequenceLayout:
         return int(self.input_ids.numel())
 
 
-def build_sequence(traj: dict) -> SequenceLayout:
-    """Flatten a trajectory message (``common.schemas``) into a :class:`SequenceLayout`."""
+def build_sequence(traj: Trajectory) -> SequenceLayout:
+    """Flatten a trajectory message (:class:`worldloop.common.schemas.Trajectory`) into a :class:`SequenceLayout`."""
     ids: list[int] = []
     resp: list[float] = []
     tindex: list[int] = []
     lps: list[float] = []
     spans: list[tuple[int, int]] = []
     images: list[bytes] = []
-    versions = [int(t["policy_version"]) for t in traj["turns"]]
-    for t, turn in enumerate(traj["turns"]):
-        obs, out = list(turn["obs_ids"]), list(turn["response_ids"])
-        if len(turn["logprobs"]) != len(out):
-            raise ValueError(f"turn {t}: {len(turn['logprobs'])} logprobs for {len(out)} response tokens")
+    versions = [int(t.policy_version) for t in traj.turns]
+    for t, turn in enumerate(traj.turns):
+        obs, out = list(turn.obs_ids), list(turn.response_ids)
+        if len(turn.logprobs) != len(out):
+            raise ValueError(f"turn {t}: {len(turn.logprobs)} logprobs for {len(out)} response tokens")
         ids += obs
         resp += [0.0] * len(obs)
         tindex += [-1] * len(obs)
@@ -352,8 +360,8 @@ def build_sequence(traj: dict) -> SequenceLayout:
         ids += out
         resp += [1.0] * len(out)
         tindex += [t] * len(out)
-        lps += [float(x) for x in turn["logprobs"]]
-        images += [bytes(b) for b in turn["images"]]
+        lps += [float(x) for x in turn.logprobs]
+        images += [bytes(b) for b in turn.images]
     n = len(ids)
     turn_end = torch.zeros(n)
     version = torch.full((n,), -1, dtype=torch.long)
@@ -434,7 +442,15 @@ def _collate_vision(layouts: Sequence[SequenceLayout], codec: ChatCodec, input_i
 
 # --------------------------------------------------------------------------- log-probs
 
-_MODEL_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+MODEL_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+
+
+def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The model's keyword inputs of a collated batch on ``device`` (pixel values in ``dtype``)."""
+    kwargs = {k: batch[k].to(device) for k in MODEL_KEYS if k in batch}
+    if "pixel_values" in kwargs:
+        kwargs["pixel_values"] = kwargs["pixel_values"].to(dtype)
+    return kwargs
 
 
 def _hidden_states(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -442,10 +458,7 @@ def _hidden_states(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> to
     inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
     device = next(inner.parameters()).device
     dtype = next(inner.parameters()).dtype
-    kwargs = {k: batch[k].to(device) for k in _MODEL_KEYS if k in batch}
-    if "pixel_values" in kwargs:
-        kwargs["pixel_values"] = kwargs["pixel_values"].to(dtype)
-    out = inner.model(**kwargs, use_cache=False)
+    out = inner.model(**model_inputs(batch, device, dtype), use_cache=False)
     return out.last_hidden_state
 
 

@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common.metrics import free_port
+from worldloop.common.metrics import free_port
 
 
 def find_redis_server() -> str:
@@ -36,10 +36,14 @@ def find_redis_server() -> str:
 
 
 class LocalRedis:
-    """A redis-server child process on a free loopback port, without persistence by default."""
+    """A redis-server child process on a free loopback port, without persistence by default.
+
+    ``host``: the address it binds and its URL names (default loopback); e.g. an address on a link
+    that actors in other network namespaces reach (tests/test_netns.py)."""
 
     def __init__(self, port: int | None = None, data_dir: str | None = None, persist: bool = False,
-                 password: str | None = None):
+                 password: str | None = None, host: str = "127.0.0.1"):
+        self.host = host
         self.port = port or free_port()
         self._tmp = None
         if data_dir is None:
@@ -55,13 +59,13 @@ class LocalRedis:
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> "LocalRedis":
         args = [
             find_redis_server(),
             "--port", str(self.port),
-            "--bind", "127.0.0.1",
+            "--bind", self.host,
             "--dir", self.data_dir,
             "--save", "60 1" if self.persist else "",
             "--appendonly", "yes" if self.persist else "no",

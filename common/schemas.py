@@ -1,8 +1,14 @@
-"""Messages that cross a process boundary: msgpack maps with a ``schema`` tag.
+"""Messages that cross a process boundary: typed msgpack maps with a ``schema`` tag.
 
-Never pickle. Every decode validates the map against the field table below and
-raises :class:`SchemaError` with a reason; consumers send such messages to the
-dead-letter stream (``common.streams``) instead of crashing.
+Never pickle. A message is a :class:`msgspec.Struct` (:class:`Trajectory`, :class:`Turn`,
+:class:`State`, :class:`DeadLetter`) encoded as a msgpack map whose keys are the field names.
+:func:`decode_trajectory` decodes and type-checks in one pass (``msgspec.msgpack.Decoder``), then
+makes the checks a type cannot express (:func:`check_trajectory`); any failure raises
+:class:`SchemaError` whose message starts with the path of the bad field
+(``$.turns[1].logprobs: 2 values for 3 response tokens``). Consumers send such messages to the
+dead-letter stream (``worldloop.common.streams``) instead of crashing. Unknown map keys are
+ignored (a newer producer may add fields); a missing required key, a null where no null is allowed,
+a bool where an int is expected, a non-finite float or a wrong ``schema`` tag are errors.
 
 Trajectory (``worldloop.trajectory/1``): one multi-turn episode, token-in/token-out.
 The learner rebuilds the model input of the whole episode as the concatenation,
@@ -13,215 +19,202 @@ assistant header for later turns) and ``response_ids`` (what the model sampled).
 The loss mask is 1 exactly on ``response_ids``. ``images`` are the encoded (PNG)
 images whose placeholder tokens sit inside that turn's ``obs_ids``, in order.
 
-Field types use a small vocabulary: "str", "int", "float" (int accepted),
-"bool", "bytes", "list[...]", "map", "any", a trailing "?" allows None, and a
-nested field table is a sub-schema.
+Fields with a default (``end_reason``; a turn's ``reasoning``, ``truncated_response`` and the
+judge's fields) may be absent on the wire and are left out when encoding at their default.
+``structured``, ``env_kwargs`` and ``judge`` are free-form maps with string keys.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any
+import re
+import sys
+from typing import Annotated, Any, Literal
 
 import msgpack
+import msgspec
 
 TRAJECTORY_SCHEMA = "worldloop.trajectory/1"
 DEADLETTER_SCHEMA = "worldloop.deadletter/1"
 
-STATE_FIELDS: dict[str, Any] = {
-    "relations": "list[str]",  # natural-language relation sentences (VAGEN App. D.1 style)
-    "symbolic": "str?",  # grid in App. C symbols (grid envs)
-    "structured": "map",  # App. C dict
-}
-
-TURN_FIELDS: dict[str, Any] = {
-    "index": "int",
-    "policy_version": "int",  # version of the weights that generated this turn
-    "obs_ids": "list[int]",
-    "response_ids": "list[int]",
-    "logprobs": "list[float]",  # behaviour log-probs, len == len(response_ids)
-    "images": "list[bytes]",
-    "response_text": "str",
-    "observation": "str?",  # parsed <observation> (grounding)
-    "reasoning": "str?",
-    "prediction": "str?",  # parsed <prediction> (world modeling)
-    "actions": "list[str]",
-    "format_ok": "bool",
-    "env_reward": "float",  # task reward of the turn (format reward excluded)
-    "format_reward": "float",
-    "done": "bool",
-    "success": "bool",
-    "state_before": STATE_FIELDS,
-    "state_after": STATE_FIELDS,
-    "actions_total": "int",  # actions executed in the turn (WMAct N)
-    "actions_effective": "int",  # of those, the ones that changed the state (WMAct N_eff)
-    "truncated_response": "bool",  # generation hit max_new_tokens
-    # written by the judge (absent or None before scoring)
-    "grounding_score": "float?",
-    "worldmodeling_score": "float?",
-    "reasoning_reward": "float?",
-    "judge": "map?",
-}
-
-TRAJECTORY_FIELDS: dict[str, Any] = {
-    "schema": "str",
-    "trajectory_id": "str",
-    "group_id": "str",
-    "env_id": "str",
-    "env_name": "str",
-    "env_kwargs": "map",
-    "seed": "int",
-    "actor_id": "str",
-    "created_at": "float",
-    "prompt_format": "str",
-    "max_turns": "int",
-    "turns": "list[turn]",
-    "success": "bool",
-    "scored": "bool",
-    # why the episode ended: done | max_turns | context | vision_token | env_error (actor/rollout.py)
-    "end_reason": "str?",
-}
-
-OPTIONAL_TRAJECTORY_KEYS = {"end_reason"}
-
-OPTIONAL_TURN_KEYS = {"grounding_score", "worldmodeling_score", "reasoning_reward", "judge", "truncated_response", "reasoning"}
-
-DEADLETTER_FIELDS: dict[str, Any] = {
-    "schema": "str",
-    "reason": "str",
-    "source_stream": "str",
-    "source_id": "str",
-    "consumer": "str",
-    "at": "float",
-    "payload": "bytes",
-}
+# a finite float: NaN fails both bounds, +-inf fails one (msgspec accepts ints here too)
+Finite = Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
 
 
 class SchemaError(ValueError):
     """A message failed to decode or does not match its schema."""
 
 
-def packb(obj: dict) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+class State(msgspec.Struct, kw_only=True):
+    """Ground truth of the env at one moment (what the judge compares the agent's text with)."""
+
+    relations: list[str]  # natural-language relation sentences (VAGEN App. D.1 style)
+    symbolic: str | None  # grid in App. C symbols (grid envs)
+    structured: dict[str, Any]  # App. C dict
+
+
+class Turn(msgspec.Struct, kw_only=True, omit_defaults=True):
+    index: int
+    policy_version: int  # version of the weights that generated this turn
+    obs_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[Finite]  # behaviour log-probs, len == len(response_ids)
+    images: list[bytes]
+    response_text: str
+    observation: str | None  # parsed <observation> (grounding)
+    prediction: str | None  # parsed <prediction> (world modeling)
+    actions: list[str]
+    format_ok: bool
+    env_reward: Finite  # task reward of the turn (format reward excluded)
+    format_reward: Finite
+    done: bool
+    success: bool
+    state_before: State
+    state_after: State
+    actions_total: int  # actions executed in the turn (WMAct N)
+    actions_effective: int  # of those, the ones that changed the state (WMAct N_eff)
+    reasoning: str | None = None
+    truncated_response: bool = False  # generation hit max_new_tokens
+    # written by the judge (absent or None before scoring)
+    grounding_score: Finite | None = None
+    worldmodeling_score: Finite | None = None
+    reasoning_reward: Finite | None = None
+    judge: dict[str, Any] | None = None
+
+
+class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True):
+    schema: Literal["worldloop.trajectory/1"]  # always TRAJECTORY_SCHEMA
+    trajectory_id: str
+    group_id: str
+    env_id: str
+    env_name: str
+    env_kwargs: dict[str, Any]
+    seed: int
+    actor_id: str
+    created_at: Finite
+    prompt_format: str
+    max_turns: int
+    turns: list[Turn]
+    success: bool
+    scored: bool
+    # why the episode ended: done | max_turns | context | vision_token | env_error (actor/rollout.py)
+    end_reason: str | None = None
+
+
+class DeadLetter(msgspec.Struct, kw_only=True):
+    schema: Literal["worldloop.deadletter/1"]
+    reason: str
+    source_stream: str
+    source_id: str
+    consumer: str
+    at: Finite
+    payload: bytes
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_TRAJECTORY = msgspec.msgpack.Decoder(Trajectory)
+_DEADLETTER = msgspec.msgpack.Decoder(DeadLetter)
+
+
+def packb(obj: Any) -> bytes:
+    """msgpack bytes of a struct or of plain maps/lists/bytes (str as str, bytes as bin)."""
+    return _ENCODER.encode(obj)
 
 
 def unpackb(data: bytes) -> Any:
+    """Untyped decode (maps, lists, bytes); :class:`SchemaError` when it is not msgpack."""
     try:
-        return msgpack.unpackb(
-            data,
-            raw=False,
-            strict_map_key=True,
-        )
+        return msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several types; all mean "not a message"
         raise SchemaError(f"payload is not valid msgpack: {type(e).__name__}: {e}") from None
 
 
-def _check(path: str, spec: Any, value: Any, optional: frozenset[str] = frozenset()) -> None:
-    if isinstance(spec, dict):
-        if not isinstance(value, dict):
-            raise SchemaError(f"{path}: expected a map, got {type(value).__name__}")
-        for k, sub in spec.items():
-            if k not in value:
-                if k in optional:
-                    continue
-                raise SchemaError(f"{path}.{k}: missing")
-            _check(f"{path}.{k}", sub, value[k])
-        return
-    nullable = spec.endswith("?")
-    base = spec[:-1] if nullable else spec
-    if value is None:
-        if nullable:
-            return
-        raise SchemaError(f"{path}: is null, expected {base}")
-    if base.startswith("list[") and base.endswith("]"):
-        if not isinstance(value, list):
-            raise SchemaError(f"{path}: expected a list, got {type(value).__name__}")
-        inner = base[5:-1]
-        if inner == "turn":
-            for i, v in enumerate(value):
-                _check(f"{path}[{i}]", TURN_FIELDS, v, frozenset(OPTIONAL_TURN_KEYS))
-            return
-        for i, v in enumerate(value):
-            _check_scalar(f"{path}[{i}]", inner, v)
-        return
-    _check_scalar(path, base, value)
+_AT = re.compile(r"^(.*) - at `(\$[^`]*)`$", re.S)
+_MISSING = re.compile(r"^Object missing required field `([^`]*)`$")
+_BOUND = re.compile(r"^Expected `float` [<>]= -?1\.7976931348623157e\+308$")
+_ENUM = re.compile(r"^Invalid enum value (.*)$")
 
 
-def _check_scalar(path: str, base: str, value: Any) -> None:
-    ok = {
-        "str": lambda v: isinstance(v, str),
-        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-        "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
-        "bool": lambda v: isinstance(v, bool),
-        "bytes": lambda v: isinstance(v, (bytes, bytearray)),
-        "map": lambda v: isinstance(v, dict),
-        "any": lambda v: True,
-    }.get(base)
-    if ok is None:
-        raise SchemaError(f"{path}: unknown field type {base}")
-    if not ok(value):
-        shown = repr(value)
-        if len(shown) > 60:
-            shown = shown[:57] + "..."
-        raise SchemaError(f"{path}: expected {base}, got {type(value).__name__} {shown}")
+def _schema_error(e: msgspec.MsgspecError, expected_tag: str) -> SchemaError:
+    """msgspec's "<reason> - at `<path>`" as "<path>: <reason>" in this module's words."""
+    text = str(e)
+    m = _AT.match(text)
+    reason, path = (m.group(1), m.group(2)) if m else (text, "$")
+    if not isinstance(e, msgspec.ValidationError):  # (a ValidationError is a DecodeError too)
+        return SchemaError(f"payload is not valid msgpack: {text}")
+    if mm := _MISSING.match(reason):
+        return SchemaError(f"{path}.{mm.group(1)}: missing")
+    if _BOUND.match(reason):
+        return SchemaError(f"{path}: expected a finite float")
+    if (mm := _ENUM.match(reason)) and path == "$.schema":
+        return SchemaError(f"$.schema: expected {expected_tag!r}, got {mm.group(1)}")
+    reason = reason.replace("`None`", "null")
+    return SchemaError(f"{path}: {reason[:1].lower()}{reason[1:]}")
 
 
-def validate_trajectory(msg: Any) -> dict:
-    """Validate a decoded trajectory map; return it or raise SchemaError."""
-    if not isinstance(msg, dict):
-        raise SchemaError(f"message: expected a map, got {type(msg).__name__}")
-    schema = msg.get("schema")
-    if schema != TRAJECTORY_SCHEMA:
-        raise SchemaError(f"schema: expected {TRAJECTORY_SCHEMA!r}, got {schema!r}")
-    _check("trajectory", TRAJECTORY_FIELDS, msg, frozenset(OPTIONAL_TRAJECTORY_KEYS))
-    if not msg["turns"]:
-        raise SchemaError("trajectory.turns: empty")
-    for i, t in enumerate(msg["turns"]):
-        if len(t["logprobs"]) != len(t["response_ids"]):
-            raise SchemaError(
-                f"trajectory.turns[{i}].logprobs: {len(t['logprobs'])} values for {len(t['response_ids'])} response tokens"
-            )
-        if t["index"] != i:
-            raise SchemaError(f"trajectory.turns[{i}].index: is {t['index']}, expected {i}")
-        if not t["response_ids"]:
-            raise SchemaError(f"trajectory.turns[{i}].response_ids: empty")
-    return msg
+def check_trajectory(traj: Trajectory) -> Trajectory:
+    """The checks a type cannot express; return ``traj`` or raise :class:`SchemaError`."""
+    if not traj.turns:
+        raise SchemaError("$.turns: empty")
+    for i, t in enumerate(traj.turns):
+        if t.index != i:
+            raise SchemaError(f"$.turns[{i}].index: is {t.index}, expected {i}")
+        if not t.response_ids:
+            raise SchemaError(f"$.turns[{i}].response_ids: empty")
+        if len(t.logprobs) != len(t.response_ids):
+            raise SchemaError(f"$.turns[{i}].logprobs: {len(t.logprobs)} values for {len(t.response_ids)} response tokens")
+    return traj
 
 
-def encode_trajectory(traj: dict) -> bytes:
-    """Validate then pack; producers fail loudly rather than ship a bad message."""
-    validate_trajectory(traj)
-    return packb(traj)
+def decode_trajectory(data: bytes) -> Trajectory:
+    """Decode, type-check and check one trajectory message (one pass over the bytes)."""
+    try:
+        traj = _TRAJECTORY.decode(data)
+    except msgspec.MsgspecError as e:
+        raise _schema_error(e, TRAJECTORY_SCHEMA) from None
+    return check_trajectory(traj)
 
 
-def decode_trajectory(data: bytes) -> dict:
-    return validate_trajectory(unpackb(data))
+def encode_trajectory(traj: Trajectory) -> bytes:
+    """Pack, then decode the bytes back with every check: producers fail loudly rather than ship
+    a bad message (a field assigned a wrong type after construction is caught here)."""
+    if not isinstance(traj, Trajectory):
+        raise SchemaError(f"$: expected a Trajectory, got {type(traj).__name__}")
+    try:
+        data = _ENCODER.encode(traj)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise SchemaError(f"$: cannot encode: {e}") from None
+    decode_trajectory(data)
+    return data
 
 
-def deadletter_message(reason: str, source_stream: str, source_id: str, consumer: str, payload: bytes, at: float) -> dict:
-    return {
-        "schema": DEADLETTER_SCHEMA,
-        "reason": reason,
-        "source_stream": source_stream,
-        "source_id": source_id,
-        "consumer": consumer,
-        "at": float(at),
-        "payload": bytes(payload),
-    }
+def deadletter_message(reason: str, source_stream: str, source_id: str, consumer: str, payload: bytes,
+                       at: float) -> DeadLetter:
+    return DeadLetter(schema=DEADLETTER_SCHEMA, reason=reason, source_stream=source_stream, source_id=source_id,
+                      consumer=consumer, at=float(at), payload=bytes(payload))
 
 
-def decode_deadletter(data: bytes) -> dict:
-    msg = unpackb(data)
-    if not isinstance(msg, dict) or msg.get("schema") != DEADLETTER_SCHEMA:
-        raise SchemaError("not a dead-letter message")
-    _check("deadletter", DEADLETTER_FIELDS, msg)
-    return msg
+def decode_deadletter(data: bytes) -> DeadLetter:
+    try:
+        return _DEADLETTER.decode(data)
+    except msgspec.MsgspecError as e:
+        raise _schema_error(e, DEADLETTER_SCHEMA) from None
 
 
-def empty_state() -> dict:
-    return {"relations": [], "symbolic": None, "structured": {}}
+def empty_state() -> State:
+    return State(relations=[], symbolic=None, structured={})
 
 
-def total_turn_reward(turn: dict) -> float:
+def state_from_info(info: Any) -> State:
+    """The :class:`State` of an env's reset/step ``info`` (``info["state"]``, a dict), coerced to
+    the message types; the empty state when there is none."""
+    state = info.get("state") if isinstance(info, dict) else None
+    if not isinstance(state, dict):
+        return empty_state()
+    symbolic = state.get("symbolic")
+    return State(relations=[str(r) for r in state.get("relations") or []],
+                 symbolic=None if symbolic is None else str(symbolic), structured=dict(state.get("structured") or {}))
+
+
+def total_turn_reward(turn: Turn) -> float:
     """r_t = reasoning reward + format reward + env reward (reasoning reward 0 when unscored)."""
-    return float(turn["env_reward"]) + float(turn["format_reward"]) + float(turn.get("reasoning_reward") or 0.0)
+    return float(turn.env_reward) + float(turn.format_reward) + float(turn.reasoning_reward or 0.0)

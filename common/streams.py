@@ -29,7 +29,7 @@ Design decisions
   An XADD retried after a lost reply may duplicate an entry, and a reclaimed
   entry may have been half-processed: downstream dedups by trajectory id.
 * **Poison messages.** An entry whose ``data`` field is missing or whose
-  ``decode`` raises goes to the dead-letter stream (``common.schemas``
+  ``decode`` raises goes to the dead-letter stream (``worldloop.common.schemas``
   ``deadletter_message``: reason, source stream, entry id, consumer, time,
   original bytes) and is acked+deleted in the same MULTI; it is never returned
   and never crashes the consumer. Entries deleted while pending (XAUTOCLAIM
@@ -49,6 +49,7 @@ Design decisions
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, TypeVar
@@ -58,8 +59,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from common.metrics import metric
-from common.schemas import deadletter_message, packb
+from worldloop.common.metrics import metric
+from worldloop.common.schemas import deadletter_message, packb
 
 log = logging.getLogger(__name__)
 
@@ -73,16 +74,24 @@ _MAX_REASON_CHARS = 1000
 T = TypeVar("T")
 
 
-def connect(url: str, socket_timeout_s: float = 10.0) -> redis.Redis:
-    """A client for ``redis://``, ``rediss://`` (TLS) or ``unix://`` URLs, auth taken from the URL.
+# the Redis password for a URL without one: from the environment, so that it is on no process's
+# command line (``ps``, /proc/PID/cmdline) and in no config file a run writes
+REDIS_PASSWORD_ENV = "WORLDLOOP_REDIS_PASSWORD"
 
-    ``redis://:password@host:port/db`` and ``redis://user:password@...`` (ACL) both work;
-    responses stay bytes (``decode_responses=False``).
+
+def connect(url: str, socket_timeout_s: float = 10.0) -> redis.Redis:
+    """A client for ``redis://``, ``rediss://`` (TLS) or ``unix://`` URLs.
+
+    Auth: ``redis://:password@host:port/db`` and ``redis://user:password@...`` (ACL) both work;
+    a URL without a password takes ``$WORLDLOOP_REDIS_PASSWORD`` when that is set (a password
+    in the URL wins). Responses stay bytes (``decode_responses=False``).
     """
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(f"redis url must start with redis://, rediss:// or unix://, got {url.split('@')[-1]!r}")
     return redis.Redis.from_url(
         url,
+        # redis-py lets what the URL says override these keyword arguments
+        password=os.environ.get(REDIS_PASSWORD_ENV) or None,
         decode_responses=False,
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=min(socket_timeout_s, 5.0),
@@ -93,14 +102,42 @@ def _text(x: Any) -> str:
     return x.decode(errors="replace") if isinstance(x, (bytes, bytearray)) else str(x)
 
 
-class RedisLink:
-    """One Redis connection with the retry-forever wrapper shared by producer and consumer."""
+class StopRequested(Exception):
+    """A blocking stream call gave up because its ``should_stop`` turned true."""
 
-    def __init__(self, url: str, stream: str, reconnect_max_s: float, socket_timeout_s: float):
+
+class RedisUnreachable(RuntimeError):
+    """Redis was never reached within the start-up wait: most likely a wrong ``redis.url``."""
+
+
+def redis_address(url: str) -> str:
+    """``host:port/db`` (or the socket path) of a Redis URL, never its password."""
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    if u.scheme == "unix":
+        return u.path
+    return f"{u.hostname or 'localhost'}:{u.port or 6379}{u.path or ''}"
+
+
+class RedisLink:
+    """One Redis connection with the reconnecting retry wrapper shared by every stream primitive.
+
+    ``should_stop`` (here or per call) ends the retrying: the connection error is raised so that a
+    process asked to stop never hangs on an unreachable Redis. Until the first call succeeds, the
+    retrying gives up after ``startup_timeout_s`` with :class:`RedisUnreachable` (a wrong URL must
+    not look like a slow start); after that it retries for as long as Redis stays away.
+    """
+
+    def __init__(self, url: str, stream: str, reconnect_max_s: float, socket_timeout_s: float, *,
+                 should_stop: Callable[[], bool] | None = None, startup_timeout_s: float | None = None):
         self.url = url
         self.stream = stream
         self.reconnect_max_s = reconnect_max_s
         self.socket_timeout_s = socket_timeout_s
+        self.should_stop = should_stop
+        self.startup_timeout_s = startup_timeout_s
+        self.reached = False
         self.closed = False
         self.r = connect(url, socket_timeout_s)
         self._reconnects = metric("worldloop_stream_reconnects").labels(stream=stream)
@@ -108,16 +145,27 @@ class RedisLink:
     def call(self, fn: Callable[[redis.Redis], T], should_stop: Callable[[], bool] | None = None) -> T:
         """Run ``fn(client)``; on a connection-type error reconnect with backoff and run it again.
 
-        Retries until it succeeds, unless the link was closed or ``should_stop()`` turns true, in
-        which case the connection error is raised.
+        Retries until it succeeds, unless the link was closed or ``should_stop()`` (the call's or
+        the link's) turns true, in which case the connection error is raised, or Redis was never
+        reached within ``startup_timeout_s`` (:class:`RedisUnreachable`).
         """
         delay = _BACKOFF_START_S
+        first_failure: float | None = None
         while True:
             try:
-                return fn(self.r)
+                out = fn(self.r)
+                self.reached = True
+                return out
             except _RETRYABLE as e:
-                if self.closed or (should_stop is not None and should_stop()):
+                stop = should_stop or self.should_stop
+                if self.closed or (stop is not None and stop()):
                     raise
+                now = time.monotonic()
+                first_failure = first_failure if first_failure is not None else now
+                if not self.reached and self.startup_timeout_s is not None and now - first_failure >= self.startup_timeout_s:
+                    raise RedisUnreachable(
+                        f"cannot reach Redis at {redis_address(self.url)} for {self.startup_timeout_s:g}s "
+                        f"({type(e).__name__}: {e}); check redis.url") from None
                 self._reconnects.inc()
                 log.warning("redis %s (stream %s): %s; reconnecting in %.2fs", type(e).__name__, self.stream, e, delay)
                 time.sleep(delay)
@@ -150,19 +198,21 @@ class StreamProducer:
     """Appends payloads to one stream, blocking while its backlog is at ``max_backlog``."""
 
     def __init__(self, url: str, stream: str, max_backlog: int, *, reconnect_max_s: float = 30.0,
-                 socket_timeout_s: float = 10.0):
+                 socket_timeout_s: float = 10.0, should_stop: Callable[[], bool] | None = None,
+                 startup_timeout_s: float | None = None):
         if max_backlog < 1:
             raise ValueError(f"max_backlog must be >= 1, got {max_backlog}")
         self.stream = stream
         self.max_backlog = max_backlog
-        self._link = RedisLink(url, stream, reconnect_max_s, socket_timeout_s)
+        self._link = RedisLink(url, stream, reconnect_max_s, socket_timeout_s, should_stop=should_stop,
+                               startup_timeout_s=startup_timeout_s)
         self._m_produced = metric("worldloop_stream_produced_messages").labels(stream=stream)
         self._m_bytes = metric("worldloop_stream_produced_bytes").labels(stream=stream)
         self._m_wait = metric("worldloop_stream_backpressure_seconds").labels(stream=stream)
         self._m_blocked = metric("worldloop_stream_backpressure_blocked").labels(stream=stream)
         self._m_backlog = metric("worldloop_stream_backlog_messages").labels(stream=stream)
 
-    def backlog(self) -> int:
+    def backlog(self, should_stop: Callable[[], bool] | None = None) -> int:
         """Entries not yet delivered to any consumer (XLEN minus the groups' pending entries)."""
         def run(r: redis.Redis) -> int:
             p = r.pipeline(transaction=True)
@@ -176,7 +226,7 @@ class StreamProducer:
                 return 0
             return max(0, int(length) - sum(int(g.get("pending") or 0) for g in groups))
 
-        n = self._link.call(run)
+        n = self._link.call(run, should_stop)
         self._m_backlog.set(n)
         return n
 
@@ -185,13 +235,14 @@ class StreamProducer:
 
         False when ``should_stop()`` turned true first; :class:`TimeoutError` after ``timeout`` s.
         """
-        if self.backlog() < self.max_backlog:
+        should_stop = should_stop or self._link.should_stop
+        if self.backlog(should_stop) < self.max_backlog:
             return True
         start = time.monotonic()
         sleep = _POLL_MIN_S
         self._m_blocked.set(1)
         try:
-            while self.backlog() >= self.max_backlog:
+            while self.backlog(should_stop) >= self.max_backlog:
                 if should_stop is not None and should_stop():
                     return False
                 waited = time.monotonic() - start
@@ -216,7 +267,8 @@ class StreamProducer:
             if key == DATA_FIELD:
                 raise ValueError("extra field 'data' would overwrite the payload")
             entry[key] = v
-        self.wait_for_room(timeout)
+        if not self.wait_for_room(timeout):
+            raise StopRequested(f"stopped while waiting for room in {self.stream}")
         entry_id = self._link.call(lambda r: r.xadd(self.stream, entry))
         self._m_produced.inc()
         self._m_bytes.inc(len(entry[DATA_FIELD]))
@@ -242,9 +294,13 @@ class StreamConsumer:
     def __init__(self, url: str, stream: str, group: str, consumer: str, *,
                  decode: Callable[[bytes], Any] | None = None, deadletter_stream: str | None = None,
                  block_ms: int = 1000, claim_idle_ms: int = 60000, reconnect_max_s: float = 30.0,
-                 socket_timeout_s: float = 10.0):
+                 socket_timeout_s: float = 10.0, should_stop: Callable[[], bool] | None = None,
+                 startup_timeout_s: float | None = None, stats_key: str | None = None):
         self.stream = stream
         self.group = group
+        # run-wide counters (a hash, e.g. Keys.stats) that dead letters and counted acks increment in
+        # the same MULTI as the ack: exact and cumulative across restarts of this consumer
+        self.stats_key = stats_key
         self.consumer = consumer
         self.decode = decode
         # default dead-letter stream: "<stream>:deadletter" (callers normally pass Keys(ns).deadletter)
@@ -252,7 +308,8 @@ class StreamConsumer:
         self.block_ms = block_ms
         self.claim_idle_ms = claim_idle_ms
         # a blocking XREADGROUP must return before the socket times out
-        self._link = RedisLink(url, stream, reconnect_max_s, max(socket_timeout_s, block_ms / 1000 + 5))
+        self._link = RedisLink(url, stream, reconnect_max_s, max(socket_timeout_s, block_ms / 1000 + 5),
+                               should_stop=should_stop, startup_timeout_s=startup_timeout_s)
         self._link.on_nogroup = self._create_group
         self._claim_cursor = "0-0"
         self._m = {
@@ -288,6 +345,43 @@ class StreamConsumer:
             entries = fresh[0][1] if fresh else []
             out += self._decode_all(entries, reclaimed=False)
         return out
+
+    def read_own_pending(self, page: int = 256) -> list[Message]:
+        """Every entry still pending for this consumer name (what a previous process of the same
+        name read and never acked), decoded like :meth:`read`: undecodable ones go to the
+        dead-letter stream, ones deleted while pending are acked and skipped."""
+        cursor, out = "0-0", []
+        while True:
+            res = self._link.call(lambda r: r.xreadgroup(self.group, self.consumer, {self.stream: cursor}, count=page))
+            entries = res[0][1] if res else []
+            if not entries:
+                return out
+            cursor = _text(entries[-1][0])
+            gone = [_text(eid) for eid, fields in entries if not fields]
+            if gone:
+                self.ack(gone, count_metric=False)
+            out += self._decode_all([(eid, fields) for eid, fields in entries if fields], reclaimed=True)
+
+    def touch(self, ids: list[str]) -> int:
+        """Reset the idle time of entries this consumer still works on (XCLAIM to itself), so that a
+        slow but live consumer is not reclaimed from; entries no longer pending for it are left
+        alone. Returns how many were touched; 0 (logged) when Redis is away, never raises."""
+        if not ids:
+            return 0
+
+        def run(r: redis.Redis) -> int:
+            mine = {_text(row["message_id"]) for row in r.xpending_range(
+                self.stream, self.group, min="-", max="+", count=len(ids) + 1000, consumername=self.consumer)}
+            keep = [i for i in ids if i in mine]
+            if keep:
+                r.xclaim(self.stream, self.group, self.consumer, 0, keep, justid=True)
+            return len(keep)
+
+        try:
+            return self._link.call(run, should_stop=lambda: True)  # one try: the next refresh retries
+        except _RETRYABLE as e:
+            log.warning("stream %s: could not refresh %s's pending entries: %s", self.stream, self.consumer, e)
+            return 0
 
     def _reclaim(self, count: int) -> list[tuple[bytes, dict]]:
         """XAUTOCLAIM (JUSTID) idle entries, fetch the ones that still exist, ack the deleted ones."""
@@ -336,8 +430,10 @@ class StreamConsumer:
 
     # ------------------------------------------------------------------ acking
 
-    def ack(self, ids: Iterable[str], count_metric: bool = True) -> int:
-        """XACK + XDEL the entries in one MULTI; return how many were still pending."""
+    def ack(self, ids: Iterable[str], count_metric: bool = True, counts: dict[str, int] | None = None) -> int:
+        """XACK + XDEL the entries in one MULTI; return how many were still pending. ``counts``
+        (counter name -> n) are added to ``stats_key`` in the same MULTI, so a fate counted at its
+        ack is counted exactly once even when the consumer dies and another decides it again."""
         ids = list(ids)
         if not ids:
             return 0
@@ -346,6 +442,9 @@ class StreamConsumer:
             p = r.pipeline(transaction=True)
             p.xack(self.stream, self.group, *ids)
             p.xdel(self.stream, *ids)
+            for name, n in (counts or {}).items():
+                if n and self.stats_key:
+                    p.hincrby(self.stats_key, name, int(n))
             return int(p.execute()[0])
 
         n = self._link.call(run)
@@ -353,9 +452,13 @@ class StreamConsumer:
             self._m["acked"].inc(n)
         return n
 
-    def deadletter(self, message: Message, reason: str) -> None:
+    def deadletter(self, message: Message, reason: str, kind: str = "rejected") -> None:
         """Move a delivered message the caller found unusable to the dead-letter stream (and ack it)."""
-        self._deadletter(message.id, message.payload, reason, "rejected")
+        self._deadletter(message.id, message.payload, reason, kind)
+
+    def deadletter_counter(self, kind: str) -> str:
+        """The ``stats_key`` counter of dead letters of ``kind`` from this stream."""
+        return f"deadletter_{self.stream.rsplit(':', 1)[-1]}_{kind}"
 
     def _deadletter(self, entry_id: str, payload: bytes, reason: str, kind: str) -> None:
         reason = reason if len(reason) <= _MAX_REASON_CHARS else reason[:_MAX_REASON_CHARS] + "..."
@@ -366,11 +469,51 @@ class StreamConsumer:
             p.xadd(self.deadletter_stream, {DATA_FIELD: record})
             p.xack(self.stream, self.group, entry_id)
             p.xdel(self.stream, entry_id)
+            if self.stats_key:
+                p.hincrby(self.stats_key, self.deadletter_counter(kind), 1)
             p.execute()
 
         self._link.call(run)
         self._m_dead.labels(stream=self.stream, reason=kind).inc()
         log.warning("stream %s entry %s -> %s: %s", self.stream, entry_id, self.deadletter_stream, reason[:200])
+
+    def prune_consumers(self, idle_ms: int) -> list[str]:
+        """Delete the group's other consumers that hold nothing and were idle longer than
+        ``idle_ms`` (dead processes with fresh names: a restarted judge is a new consumer), so the
+        group lists only the living. One that still holds entries stays until they are reclaimed."""
+        def run(r: redis.Redis) -> list[str]:
+            gone = []
+            for c in r.xinfo_consumers(self.stream, self.group):
+                name = _text(c.get("name"))
+                if name != self.consumer and int(c.get("pending") or 0) == 0 and int(c.get("idle") or 0) > idle_ms:
+                    r.xgroup_delconsumer(self.stream, self.group, name)
+                    gone.append(name)
+            return gone
+
+        try:
+            gone = self._link.call(run, should_stop=lambda: True)
+        except _RETRYABLE as e:
+            log.debug("stream %s: consumer pruning skipped: %s", self.stream, e)
+            return []
+        if gone:
+            log.info("stream %s: removed %d idle consumers that held nothing: %s", self.stream, len(gone), gone)
+        return gone
+
+    def leave(self) -> bool:
+        """Remove this consumer from the group if it holds no pending entry (a clean stop); entries
+        it still holds keep it listed so that they can be reclaimed."""
+        def run(r: redis.Redis) -> bool:
+            mine = r.xpending_range(self.stream, self.group, min="-", max="+", count=1, consumername=self.consumer)
+            if mine:
+                return False
+            r.xgroup_delconsumer(self.stream, self.group, self.consumer)
+            return True
+
+        try:
+            return bool(self._link.call(run, should_stop=lambda: True))
+        except (*_RETRYABLE, ResponseError) as e:
+            log.debug("stream %s: %s could not leave the group: %s", self.stream, self.consumer, e)
+            return False
 
     def close(self) -> None:
         self._link.close()
@@ -380,3 +523,99 @@ def _next_id(entry_id: bytes | str) -> str:
     """The smallest stream id after ``entry_id`` (XAUTOCLAIM start is inclusive)."""
     ms, seq = _text(entry_id).split("-")
     return f"{ms}-{int(seq) + 1}"
+
+
+# --------------------------------------------------------------------------- exactly-once forward
+
+FORWARD_LUA = """
+local acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+if acked == 0 then return 0 end
+redis.call('XDEL', KEYS[1], ARGV[2])
+local now = tonumber(ARGV[5])
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - tonumber(ARGV[6]))
+if redis.call('ZADD', KEYS[3], 'NX', now, ARGV[4]) == 0 then return -1 end
+redis.call('XADD', KEYS[2], '*', ARGV[7], ARGV[3])
+return 1
+"""
+FORWARDED, LOST_RACE, DUPLICATE = 1, 0, -1
+
+
+class Forwarder:
+    """Exactly-once hand-over of a processed entry from one stream to the next, atomic in Redis
+    (one Lua script)::
+
+        XACK source group <id>     -- 0: another consumer already finished this entry -> LOST_RACE
+        XDEL source <id>
+        ZADD NX <seen_key> <now> <dedup_id>   -- 0: this id was forwarded already -> DUPLICATE
+        XADD dest * data <payload>            -- FORWARDED
+
+    A consumer that dies before the script ran left the entry pending: another one reclaims and
+    forwards it. Two consumers holding the same entry (a slow one whose entry was reclaimed) both
+    run the script, but only the first XACK removes it from the pending list, so one XADD happens.
+    A reply lost to a connection error is retried: the retry finds the entry acked and adds
+    nothing. ``seen_key`` forgets ids older than ``dedup_window_s``. The destination's backpressure
+    (``max_backlog`` undelivered entries) is waited for before the script runs.
+    """
+
+    def __init__(self, url: str, source: str, group: str, dest: str, seen_key: str, *, max_backlog: int,
+                 dedup_window_s: float, reconnect_max_s: float = 30.0, socket_timeout_s: float = 10.0,
+                 should_stop: Callable[[], bool] | None = None, startup_timeout_s: float | None = None):
+        self.source, self.group, self.dest, self.seen_key = source, group, dest, seen_key
+        self.dedup_window_s = dedup_window_s
+        self.link = RedisLink(url, dest, reconnect_max_s, socket_timeout_s, should_stop=should_stop,
+                              startup_timeout_s=startup_timeout_s)
+        self.producer = StreamProducer(url, dest, max_backlog, reconnect_max_s=reconnect_max_s,
+                                       socket_timeout_s=socket_timeout_s, should_stop=should_stop,
+                                       startup_timeout_s=startup_timeout_s)
+        self._script = self.link.r.register_script(FORWARD_LUA)
+        self._m_produced = metric("worldloop_stream_produced_messages").labels(stream=dest)
+        self._m_bytes = metric("worldloop_stream_produced_bytes").labels(stream=dest)
+        self._m_acked = metric("worldloop_stream_acked_messages").labels(stream=source)
+
+    def forward(self, entry_id: str, payload: bytes, dedup_id: str, should_stop: Callable[[], bool] | None = None) -> int | None:
+        """Run the script; FORWARDED, LOST_RACE or DUPLICATE, or None when abandoned on stop (the
+        entry then stays pending and is reclaimed)."""
+        if not self.producer.wait_for_room(should_stop=should_stop):
+            return None
+
+        def run(r: redis.Redis) -> int:
+            return int(self._script(keys=[self.source, self.dest, self.seen_key],
+                                    args=[self.group, entry_id, payload, dedup_id, time.time(), self.dedup_window_s, DATA_FIELD],
+                                    client=r))
+
+        try:
+            status = self.link.call(run, should_stop=should_stop)
+        except _RETRYABLE:
+            return None  # asked to stop while Redis is away: still pending, reclaimed later
+        if status != LOST_RACE:
+            self._m_acked.inc()
+        if status == FORWARDED:
+            self._m_produced.inc()
+            self._m_bytes.inc(len(payload))
+        return status
+
+    def close(self) -> None:
+        self.producer.close()
+        self.link.close()
+
+
+def stream_info(r: redis.Redis, stream: str) -> dict:
+    """Length, groups (pending, lag) and consumers (pending, idle ms) of one stream."""
+    length = int(r.xlen(stream))
+    groups = []
+    if r.exists(stream):
+        for g in r.xinfo_groups(stream):
+            name = _text(g["name"])
+            pending = int(g.get("pending") or 0)
+            lag = g.get("lag")
+            consumers = [
+                {"name": _text(c["name"]), "pending": int(c.get("pending") or 0), "idle_ms": int(c.get("idle") or 0)}
+                for c in r.xinfo_consumers(stream, name)
+            ]
+            groups.append({
+                "name": name,
+                "pending": pending,
+                "lag": int(lag) if lag is not None else max(length - pending, 0),
+                "consumers": consumers,
+            })
+    return {"stream": stream, "length": length, "groups": groups}

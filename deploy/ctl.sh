@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# supervisorctl for deploy/supervisord.conf, e.g. `deploy/ctl.sh status`, `deploy/ctl.sh restart actor:*`.
+# supervisorctl for deploy/supervisord.conf, e.g. `deploy/ctl.sh status`, `deploy/ctl.sh restart worldloop:actor-00`,
+# `deploy/ctl.sh stop worldloop:*` (every program is in the group worldloop).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-set -a; . "${WORLDLOOP_ENV_FILE:-$here/worldloop.env}"; set +a
+. "$here/env.sh"
 exec supervisorctl -c "$here/supervisord.conf" "$@"

@@ -3,6 +3,6 @@
 # (or the file named by $WORLDLOOP_ENV_FILE). Extra arguments go to supervisord (e.g. -n).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-set -a; . "${WORLDLOOP_ENV_FILE:-$here/worldloop.env}"; set +a
-mkdir -p "$WORLDLOOP_LOG_DIR" "$WORLDLOOP_RUN_DIR" "$WORLDLOOP_SUPERVISOR_DIR"
+. "$here/env.sh"
+mkdir -p "$WORLDLOOP_LOG_DIR" "$WORLDLOOP_RUN_DIR" "$WORLDLOOP_SUPERVISOR_DIR" "$(dirname "$WORLDLOOP_SD_FILE")"
 exec supervisord -c "$here/supervisord.conf" "$@"

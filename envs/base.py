@@ -4,8 +4,10 @@ Public API (stable; later changes only add)::
 
     PROMPT_FORMATS = ("no_think", "free_think", "grounding", "worldmodeling", "grounding_worldmodeling")
     STATE_FORMATS = ("natural_language", "symbolic", "structured")
-    RENDER_MODES = ("vision", "text")
-    IMAGE_PLACEHOLDER = "<image>"          # == common.modeling.IMAGE_PLACEHOLDER
+    RENDER_MODES = ("rgb_array", "ansi", "vision", "text")   # vision == rgb_array, text == ansi
+    RENDER_MODE_ALIASES = {"vision": "rgb_array", "text": "ansi"}
+    TEXT_CHARSET: str                      # characters of observation text (observation_space["text"])
+    IMAGE_PLACEHOLDER = "<image>"          # == worldloop.common.modeling.IMAGE_PLACEHOLDER
     FORMAT_REWARD = 0.5                    # VAGEN Tables 16-20
     MAX_RESPONSE_CHARS = 65536             # longer responses are rejected unread
 
@@ -59,6 +61,22 @@ and the issue's "invalid or unparsable text gets no format reward and changes no
 * a step after the episode ended executes nothing and earns nothing (``format_ok`` still reports the
   parse, ``info["reason"] == "episode already ended"``).
 
+Gymnasium conformance (``gymnasium.utils.env_checker.check_env`` passes for every registered env,
+tests/test_envs_gymnasium.py; the checker is on at registration):
+
+* ``render_mode`` is gymnasium's ``"rgb_array"`` (image observations; ``render()`` returns the
+  uint8 HxWx3 frame) or ``"ansi"`` (text observations; ``render()`` returns the text). The original
+  names ``"vision"`` and ``"text"`` are aliases (``RENDER_MODE_ALIASES``) accepted everywhere; the
+  env stores the standard name in ``env.render_mode`` and the modality in ``env.vision``.
+* ``observation_space`` declares exactly what ``reset``/``step`` return:
+  ``Dict(text=Text(charset=TEXT_CHARSET), image=Box(0, 255, (H, W, 3), uint8))`` in rgb_array mode,
+  ``Dict(text=Text(...))`` in ansi mode. A text-mode observation therefore has no ``"image"`` key;
+  it is an :class:`Observation` (a dict) whose ``obs["image"]`` still answers None, so callers
+  written for ``{"text", "image": None}`` keep working. ``(H, W)`` comes from :meth:`VisualEnv._image_shape`.
+* ``action_space`` is ``Text(max_length=MAX_RESPONSE_CHARS, charset=TEXT_CHARSET)``: descriptive,
+  since ``step`` accepts any text (and None/bytes) and scores what it cannot parse as a format error.
+* every observation and info is new data (no array is shared between calls).
+
 Subclass interface (override the ``_`` methods; see :class:`VisualEnv`):
 
     ACTIONS, ACTION_ALIASES, ACTION_SEP, STATE_FORMATS_SUPPORTED, DEFAULT_MAX_ACTIONS_PER_STEP,
@@ -68,6 +86,7 @@ Subclass interface (override the ``_`` methods; see :class:`VisualEnv`):
     _get_state() -> dict               {"relations", "symbolic", "structured"}        (required)
     _is_success() -> bool                                                             (required)
     _render_image() -> np.ndarray      uint8 HxWx3 (vision mode)                      (required)
+    _image_shape() -> (H, W, 3)        shape of every rendered image; default (image_size, image_size, 3)
     _render_text() -> str              text observation (text mode); default: state's symbolic
     _system_intro() -> str             role, rules, symbols, "Actions you can take: ..." (required)
     _expert_actions() -> list[str]     next actions of a competent plan (canonical strings)
@@ -88,6 +107,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import string
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -96,7 +116,17 @@ import numpy as np
 
 PROMPT_FORMATS: tuple[str, ...] = ("no_think", "free_think", "grounding", "worldmodeling", "grounding_worldmodeling")
 STATE_FORMATS: tuple[str, ...] = ("natural_language", "symbolic", "structured")
-RENDER_MODES: tuple[str, ...] = ("vision", "text")
+# gymnasium's standard names first; "vision" / "text" are the original names, kept as aliases
+RENDER_MODES: tuple[str, ...] = ("rgb_array", "ansi", "vision", "text")
+RENDER_MODE_ALIASES: dict[str, str] = {"vision": "rgb_array", "text": "ansi"}
+# Characters an observation text may hold: printable ASCII with white space, plus the Unicode blocks
+# env texts may draw on (Latin-1 and Latin Extended-A, Greek, punctuation, super/subscripts, letterlike
+# symbols, arrows, mathematical operators, box drawing, blocks, geometric shapes, misc symbols).
+# gymnasium's default Text charset (letters and digits) rejects even a space.
+_UNICODE_BLOCKS = ((0x00A0, 0x017F), (0x0370, 0x03FF), (0x2000, 0x206F), (0x2070, 0x209F), (0x20A0, 0x20BF),
+                   (0x2100, 0x214F), (0x2190, 0x21FF), (0x2200, 0x22FF), (0x2500, 0x25FF), (0x2600, 0x26FF))
+TEXT_CHARSET: str = string.printable + "".join(chr(c) for lo, hi in _UNICODE_BLOCKS for c in range(lo, hi + 1))
+MAX_OBSERVATION_CHARS = 1 << 20
 IMAGE_PLACEHOLDER = "<image>"
 FORMAT_REWARD = 0.5
 MAX_RESPONSE_CHARS = 65536
@@ -431,6 +461,26 @@ def to_plain(obj: Any) -> Any:
 # --------------------------------------------------------------------------- the env
 
 
+class Observation(dict):
+    """An observation dict. It holds exactly the keys of ``observation_space`` (``text``, plus
+    ``image`` in rgb_array mode); a missing ``"image"`` reads as None, as it did before text-mode
+    observations dropped the key."""
+
+    __slots__ = ()
+
+    def __missing__(self, key: str) -> Any:
+        if key == "image":
+            return None
+        raise KeyError(key)
+
+
+def canonical_render_mode(render_mode: Any) -> str:
+    """``"vision"`` -> ``"rgb_array"``, ``"text"`` -> ``"ansi"``; ValueError for an unknown mode."""
+    if render_mode not in RENDER_MODES:
+        raise ValueError(f"render_mode must be one of {RENDER_MODES}, got {render_mode!r}")
+    return RENDER_MODE_ALIASES.get(render_mode, render_mode)
+
+
 @dataclass(frozen=True)
 class ActionResult:
     """Outcome of one action: did the state change (WMAct "effective"), env-specific reward."""
@@ -442,13 +492,14 @@ class ActionResult:
 class VisualEnv(gymnasium.Env):
     """Text-in env with image (or text) observations; see the module docstring for the contract.
 
-    Constructor kwargs (common to all envs): ``render_mode`` "vision" | "text", ``prompt_format``,
+    Constructor kwargs (common to all envs): ``render_mode`` "rgb_array" | "ansi" (aliases "vision" |
+    "text"), ``prompt_format``,
     ``state_format``, ``max_actions_per_step``, ``image_size`` (side in pixels; None: env default),
     ``max_steps`` (executed actions per episode; None: env default), ``add_example`` (prompt example
     in the system prompt). Attributes after ``reset``: ``task`` (sub-task label), ``steps``.
     """
 
-    metadata = {"render_modes": list(RENDER_MODES)}
+    metadata = {"render_modes": list(RENDER_MODES), "render_fps": 4}
 
     ACTIONS: tuple[str, ...] = ()
     ACTION_ALIASES: Mapping[str, str] = {}
@@ -461,7 +512,7 @@ class VisualEnv(gymnasium.Env):
     STEP_PENALTY = 0.1
     # attributes never copied by the default _snapshot (caches, gymnasium bookkeeping)
     _SNAPSHOT_SKIP: frozenset[str] = frozenset({"spec", "_vocab", "_state_cache", "_sprites", "action_space",
-                                                "observation_space"})
+                                                "observation_space", "_observation_space"})
 
     def __init__(
         self,
@@ -475,8 +526,7 @@ class VisualEnv(gymnasium.Env):
         add_example: bool = True,
     ) -> None:
         super().__init__()
-        if render_mode not in RENDER_MODES:
-            raise ValueError(f"render_mode must be one of {RENDER_MODES}, got {render_mode!r}")
+        render_mode = canonical_render_mode(render_mode)
         if prompt_format not in PROMPT_FORMATS:
             raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}, got {prompt_format!r}")
         if state_format not in STATE_FORMATS:
@@ -495,7 +545,8 @@ class VisualEnv(gymnasium.Env):
         limit = self.DEFAULT_MAX_STEPS if max_steps is None else max_steps
         if isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit < 1:
             raise ValueError(f"max_steps must be an int >= 1, got {max_steps!r}")
-        self.render_mode = render_mode
+        self.render_mode = render_mode  # the standard name: "rgb_array" or "ansi"
+        self.vision = render_mode == "rgb_array"  # image observations
         self.prompt_format = prompt_format
         self.state_format = state_format
         self.max_actions_per_step = int(n_act)
@@ -509,9 +560,31 @@ class VisualEnv(gymnasium.Env):
         self._done = False
         self._was_reset = False
         self._last_actions: list[str] | None = None
-        # descriptive only (the env checker is disabled): actions are free text, observations a dict
-        self.action_space = gymnasium.spaces.Text(max_length=MAX_RESPONSE_CHARS)
-        self.observation_space = gymnasium.spaces.Dict({"text": gymnasium.spaces.Text(max_length=1 << 20)})
+        # actions are free text (descriptive: step takes any text); the observation space is built on
+        # first use, once the subclass has set what its image shape depends on (see _image_shape)
+        self.action_space = gymnasium.spaces.Text(max_length=MAX_RESPONSE_CHARS, min_length=0, charset=TEXT_CHARSET)
+        self._observation_space: gymnasium.spaces.Dict | None = None
+
+    @property
+    def observation_space(self) -> gymnasium.spaces.Dict:  # type: ignore[override]
+        """``Dict(text=Text, image=Box(0, 255, _image_shape(), uint8))``; no ``image`` in ansi mode."""
+        if self._observation_space is None:
+            parts: dict[str, gymnasium.spaces.Space] = {
+                "text": gymnasium.spaces.Text(max_length=MAX_OBSERVATION_CHARS, min_length=1, charset=TEXT_CHARSET)}
+            if self.vision:
+                shape = tuple(int(v) for v in self._image_shape())
+                parts["image"] = gymnasium.spaces.Box(0, 255, shape, dtype=np.uint8)
+            self._observation_space = gymnasium.spaces.Dict(parts)
+        return self._observation_space
+
+    @observation_space.setter
+    def observation_space(self, space: gymnasium.spaces.Dict) -> None:
+        self._observation_space = space
+
+    def _image_shape(self) -> tuple[int, int, int]:
+        """The shape of every image :meth:`_render_image` returns (override when it is not square
+        ``image_size``, e.g. a grid of whole cells)."""
+        return (self.image_size, self.image_size, 3)
 
     # ------------------------------------------------------------------ subclass hooks (required)
 
@@ -608,15 +681,17 @@ class VisualEnv(gymnasium.Env):
         """System message: the env's guide plus the format instructions with an example."""
         return f"{self._system_intro().rstrip()}\n{self.format_instructions(example=self.add_example)}"
 
-    def _observation(self, initial: bool) -> dict:
-        if self.render_mode == "vision":
-            image = np.ascontiguousarray(self._render_image(), dtype=np.uint8)
+    def _observation(self, initial: bool) -> Observation:
+        if self.vision:
             slot = IMAGE_PLACEHOLDER
         else:
-            image, slot = None, self._render_text()
+            slot = self._render_text()
         text = user_message(slot, initial=initial, valid_actions=self._last_actions, context=self._turn_context(),
                             format_text=self.format_instructions(example=False))
-        return {"text": text, "image": image}
+        obs = Observation(text=text)
+        if self.vision:  # a fresh array every time: renderers may return a cached one
+            obs["image"] = np.array(self._render_image(), dtype=np.uint8, order="C", copy=True)
+        return obs
 
     # ------------------------------------------------------------------ gymnasium API
 
@@ -700,8 +775,11 @@ class VisualEnv(gymnasium.Env):
         return self._observation(initial=False), env_reward + format_reward, terminated, truncated, info
 
     def render(self) -> np.ndarray | str:
-        """The current image (vision mode) or text observation (text mode)."""
-        return self._render_image() if self.render_mode == "vision" else self._render_text()
+        """The current frame, uint8 HxWx3 (rgb_array / vision mode), or the text observation's
+        state text (ansi / text mode)."""
+        if self.vision:
+            return np.array(self._render_image(), dtype=np.uint8, order="C", copy=True)
+        return self._render_text()
 
     # ------------------------------------------------------------------ expert
 

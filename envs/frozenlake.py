@@ -4,8 +4,9 @@ Knobs: ``size`` (4; ignored when ``desc`` is given), ``is_slippery`` (False), ``
 list of equal-length strings over ``S F H G``, one ``S``; None: a new random map every reset),
 ``p`` (0.8: probability that a generated cell is frozen, as gymnasium's ``generate_random_map``),
 ``min_actions_to_succeed`` (5; enforced on generated maps only), ``max_actions_per_step`` (3),
-``max_steps`` (100 executed actions), ``image_size`` (default 48 px per cell), plus the common
-kwargs of :class:`envs.base.VisualEnv`.
+``max_steps`` (100 executed actions), ``image_size`` (default 48 px per cell), ``relation_prompt``
+("default"; "vagen": both relations of goal and holes to the player, see
+:mod:`worldloop.envs.grid_env`), plus the common kwargs of :class:`worldloop.envs.base.VisualEnv`.
 
 Dynamics are gymnasium's own ``FrozenLakeEnv`` (wrapped, seeded from the episode seed; with
 ``is_slippery`` the move goes perpendicular with gymnasium's probabilities). Generated maps put
@@ -31,10 +32,10 @@ from typing import Any, Hashable, Sequence
 import numpy as np
 from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv as GymFrozenLake
 
-from envs.base import ActionResult, relation_sentence
-from envs.grid_env import GridEnv, check_int, generate_level
-from envs.render import cell_size, compose, tile_stack
-from envs.solvers import DIRECTIONS, Plan, bfs
+from worldloop.envs.base import ActionResult, relation_sentence
+from worldloop.envs.grid_env import GridEnv, check_int, generate_level
+from worldloop.envs.render import cell_size, compose, grid_image_shape, tile_stack
+from worldloop.envs.solvers import DIRECTIONS, Plan, bfs
 
 _GYM_ACTION = {"Left": 0, "Down": 1, "Right": 2, "Up": 3}
 _TILE_NAMES = ("ice", "hole", "goal", "elf", "elf_hole", "elf_goal")
@@ -112,6 +113,10 @@ class FrozenLakeEnv(GridEnv):
     NL_HINT = ('Describe where things are relative to the player, such as "goal is below and on the right side of '
                'the player", "hole0 is at the same row and to the left of the player" (names: the player, goal, '
                'hole0, hole1, ...).')
+    VAGEN_NL_HINT = ('Describe the position of the goal and of each hole relative to the player only: give every '
+                     'object both its vertical relation (above, below or same row) and its horizontal relation (left, '
+                     'right or same column) to the player, such as "goal is below and on the right side of the '
+                     'player", "hole0 is at the same row and to the left of the player".')
 
     def __init__(
         self,
@@ -208,6 +213,9 @@ class FrozenLakeEnv(GridEnv):
         return shortest_path(self.desc, self.player)
 
     # ----------------------------------------------------------- rendering and prompts
+
+    def _image_shape(self) -> tuple[int, int, int]:
+        return grid_image_shape(self.size, self.size, self.image_size)
 
     def _render_image(self) -> np.ndarray:
         codes = np.array([[_CODE[ch] for ch in row] for row in self.desc], dtype=np.intp)

@@ -5,6 +5,13 @@ caches the BFS plan of every state it passes through (one search per episode whe
 followed), cheap snapshots of the attributes named in ``_SNAP_ATTRS``, the state-format hints of
 the prompt, integer-kwarg validation and the generate-until-hard-enough loop used for
 ``min_actions_to_succeed``.
+
+``relation_prompt`` (kwarg of the envs that set ``VAGEN_NL_HINT``: Sokoban, FrozenLake): ``"default"``
+keeps the env's own natural-language hint; ``"vagen"`` asks for what VAGEN's judge scores (the
+``vagen`` rule mode, :mod:`worldloop.judge.vagen_score`): the position of every object relative to
+the player only, with both a vertical and a horizontal relation each, and the prompt example and
+the expert's descriptions (SFT demonstrations) then state only the player-relative sentences. The
+config passes it when ``judge.rule_mode`` is ``vagen``.
 """
 
 from __future__ import annotations
@@ -14,8 +21,8 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from envs.base import VisualEnv
-from envs.solvers import Plan
+from worldloop.envs.base import VisualEnv
+from worldloop.envs.solvers import Plan
 
 MOVES = ("Left", "Down", "Right", "Up")  # VAGEN's order ("Actions you can take: Left, Down, Right, Up.")
 
@@ -25,6 +32,7 @@ for _word, _syn in (("Left", "west"), ("Down", "south"), ("Right", "east"), ("Up
     MOVE_ALIASES.update({f"move {low}": _word, f"push {low}": _word, f"go {low}": _word, _syn: _word})
 
 MAX_GENERATION_ATTEMPTS = 300
+RELATION_PROMPTS = ("default", "vagen")
 
 
 def generate_level(rng: np.random.Generator, make, solve, min_actions: int, what: str):
@@ -64,8 +72,15 @@ class GridEnv(VisualEnv):
     # prompt texts per state format (subclass): entities / symbolic note / structured keys
     NL_HINT = ""
     STRUCT_KEYS: tuple[str, ...] = ()
+    # the natural-language hint of relation_prompt="vagen" ("" = the env does not offer it)
+    VAGEN_NL_HINT = ""
 
-    def __init__(self, *, min_actions_to_succeed: int = 0, **common: Any) -> None:
+    def __init__(self, *, min_actions_to_succeed: int = 0, relation_prompt: str = "default", **common: Any) -> None:
+        offered = RELATION_PROMPTS if self.VAGEN_NL_HINT else RELATION_PROMPTS[:1]
+        if relation_prompt not in offered:
+            raise ValueError(f"relation_prompt must be one of {list(offered)} for {type(self).__name__}, "
+                             f"got {relation_prompt!r}")
+        self.relation_prompt = relation_prompt
         super().__init__(**common)
         self.min_actions_to_succeed = check_int("min_actions_to_succeed", min_actions_to_succeed, 0, 10_000)
         self._plan_cache: dict[Hashable, list[str]] = {}
@@ -141,7 +156,15 @@ class GridEnv(VisualEnv):
             keys = ", ".join(f'"{k}"' for k in self.STRUCT_KEYS)
             return (f"Write the observation and the prediction as a JSON dictionary with keys {keys}; "
                     "positions are [row, column] counted from 0 at the top-left.")
-        return self.NL_HINT
+        return self.VAGEN_NL_HINT if self.relation_prompt == "vagen" else self.NL_HINT
+
+    def describe_state(self, state: Any) -> str:
+        """As :meth:`VisualEnv.describe_state`; with ``relation_prompt="vagen"`` the sentences are only
+        those relative to the player (what that prompt asks for and the ``vagen`` judge scores)."""
+        if self.relation_prompt == "vagen" and self.state_format == "natural_language":
+            rel = [r for r in state.get("relations") or [] if str(r).endswith(" the player")]
+            state = {**state, "relations": rel}
+        return super().describe_state(state)
 
     def _metrics(self) -> dict[str, float]:
         return {} if self.optimal_actions is None else {"optimal_actions": float(self.optimal_actions)}

@@ -3,7 +3,7 @@
 Knobs: ``size`` (11, odd, >= 5: the board is size x size; WMAct uses 11 standard and 15 hard),
 ``min_actions_to_succeed`` (1), ``max_actions_per_step`` (10: WMAct lets a turn carry several
 commands and maze solutions are 20-60 moves long), ``max_steps`` (200 executed actions),
-``image_size`` (default 16 px per cell), plus the common kwargs of :class:`envs.base.VisualEnv`.
+``image_size`` (default 16 px per cell), plus the common kwargs of :class:`worldloop.envs.base.VisualEnv`.
 
 Levels: randomized Prim's algorithm over the cells at even coordinates (a perfect maze: one path
 between any two cells), the player starts in a random corner (all four are open), the goal is the
@@ -25,10 +25,10 @@ from typing import Any, Hashable
 
 import numpy as np
 
-from envs.base import ActionResult, relation_sentence
-from envs.grid_env import GridEnv, check_int, generate_level
-from envs.render import cell_size, compose, tile_stack
-from envs.solvers import DIRECTIONS, Plan, bfs
+from worldloop.envs.base import ActionResult, relation_sentence
+from worldloop.envs.grid_env import GridEnv, check_int, generate_level
+from worldloop.envs.render import cell_size, compose, grid_image_shape, tile_stack
+from worldloop.envs.solvers import DIRECTIONS, Plan, bfs
 
 _TILE_NAMES = ("maze_wall", "maze_path", "maze_player", "maze_goal", "maze_player_goal")
 
@@ -189,6 +189,9 @@ class MazeEnv(GridEnv):
 
     def _solve(self) -> Plan | None:
         return self._solve_level((self.walls, self.player, self.goal))
+
+    def _image_shape(self) -> tuple[int, int, int]:
+        return grid_image_shape(self.size, self.size, self.image_size)
 
     def _render_image(self) -> np.ndarray:
         codes = np.where(self.walls, 0, 1).astype(np.intp)

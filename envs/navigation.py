@@ -2,16 +2,16 @@
 
 The agent sees a first-person view of an indoor room and must get within ``success_threshold``
 metres of the object named (``split="base"``) or described by its use (``split="common_sense"``)
-in the instruction. The default backend is the self-contained world of :mod:`envs.nav_world`
+in the instruction. The default backend is the self-contained world of :mod:`worldloop.envs.nav_world`
 (numpy ray casting; rooms with walls, an optional partition and typed furniture); ``backend="ai2thor"``
-runs the same task in AI2-THOR through :mod:`envs.adapters.ai2thor` when it is installed and can render.
+runs the same task in AI2-THOR through :mod:`worldloop.envs.adapters.ai2thor` when it is installed and can render.
 
 Knobs: ``split`` ("base" | "common_sense"), ``fov`` (100 degrees), ``step_length`` (0.25 m),
 ``success_threshold`` (1.0 m, distance from the agent to the target's centre on the floor plane),
 ``resolution`` (Table 11's name for ``image_size``; default 255), ``max_actions_per_step`` (5),
 ``max_steps`` (30 executed actions), ``max_objects_in_state`` (8), ``min_plan``/``max_plan``
 (3/12: the start is this many expert actions away from success), ``backend`` ("builtin" | "ai2thor"),
-``thor_options`` (dict passed to the adapter), plus the common kwargs of :class:`envs.base.VisualEnv`.
+``thor_options`` (dict passed to the adapter), plus the common kwargs of :class:`worldloop.envs.base.VisualEnv`.
 
 Actions (Table 10): ``moveahead, moveback, moveright, moveleft, rotateright, rotateleft, lookup,
 lookdown`` (aliases such as ``move ahead``, ``move forward``, ``turn left`` and the paper's typo
@@ -43,9 +43,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from envs.base import ActionResult, VisualEnv
-from envs.grid_env import check_int
-from envs.nav_world import ACTION_DESCRIPTIONS, ACTIONS, SPLITS, World, type_label
+from worldloop.envs.base import ActionResult, VisualEnv
+from worldloop.envs.grid_env import check_int
+from worldloop.envs.nav_world import ACTION_DESCRIPTIONS, ACTIONS, SPLITS, World, type_label
 
 BACKENDS = ("builtin", "ai2thor")
 
@@ -117,7 +117,7 @@ class NavigationEnv(VisualEnv):
         self._feedback = ""
         self._thor = None
         if backend == "ai2thor":
-            from envs.adapters.ai2thor import ThorNavigation
+            from worldloop.envs.adapters.ai2thor import ThorNavigation
 
             self._thor = ThorNavigation(fov=self.fov, size=self.image_size, step_length=self.step_length,
                                         success_threshold=self.success_threshold, min_plan=self.min_plan,

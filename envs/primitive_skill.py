@@ -6,15 +6,15 @@ A Panda-like arm on a tabletop, commanded with ``pick(x, y, z)``, ``place(x, y, 
 (``task`` kwarg) are VAGEN's: ``place`` (red cube on the left target, green cube on the right one),
 ``stack`` (red on green, purple on red), ``drawer`` (apple into the drawer, then close it) and
 ``align`` (both cubes at x = 0 +- 10 mm). The rules (workspace reach, grasping, support, collisions,
-drawer) and stages are documented in :mod:`envs.tabletop_world`; a primitive whose coordinates are
+drawer) and stages are documented in :mod:`worldloop.envs.tabletop_world`; a primitive whose coordinates are
 wrong fails, changes nothing and says why in the next observation.
 
 Knobs: ``task`` (default "place"), ``max_actions_per_step`` (2), ``max_steps`` (10 executed
 primitives), ``image_size`` (256), ``named_positions`` (False: in vision mode the prompt lists the
 object positions as an unnamed list in a per-episode random order, as the paper's prompt, so the
 agent must match them to the image; True, and always in text mode: ``{name: (x, y, z)}``),
-``backend`` ("builtin" numpy renderer | "maniskill" SAPIEN renderer, :mod:`envs.adapters.maniskill`),
-plus the common kwargs of :class:`envs.base.VisualEnv`. ``state_format``: "natural_language" or
+``backend`` ("builtin" numpy renderer | "maniskill" SAPIEN renderer, :mod:`worldloop.envs.adapters.maniskill`),
+plus the common kwargs of :class:`worldloop.envs.base.VisualEnv`. ``state_format``: "natural_language" or
 "structured" (the paper uses structured for this task; the presets do too).
 
 Rewards per executed primitive (Table 19): a stage reward when the highest stage reached so far in
@@ -40,8 +40,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from envs.base import ActionParse, ActionResult, VisualEnv
-from envs.tabletop_world import (INSTRUCTIONS, TASKS, WORKSPACES, Action, Tabletop, format_action,
+from worldloop.envs.base import ActionParse, ActionResult, VisualEnv
+from worldloop.envs.tabletop_world import (INSTRUCTIONS, TASKS, WORKSPACES, Action, Tabletop, format_action,
                                  parse_action)
 
 BACKENDS = ("builtin", "maniskill")
@@ -66,7 +66,7 @@ class PrimitiveSkillEnv(VisualEnv):
             raise ValueError(f"named_positions must be a bool, got {named_positions!r}")
         super().__init__(**common)
         self.task = task
-        self.named_positions = named_positions or self.render_mode == "text"
+        self.named_positions = named_positions or not self.vision
         self.backend = backend
         self.tt: Tabletop | None = None
         self.best_stage = -1
@@ -74,7 +74,7 @@ class PrimitiveSkillEnv(VisualEnv):
         self._feedback: list[str] = []
         self._renderer = None
         if backend == "maniskill":
-            from envs.adapters.maniskill import ManiSkillRenderer
+            from worldloop.envs.adapters.maniskill import ManiSkillRenderer
 
             self._renderer = ManiSkillRenderer(self.image_size)
 

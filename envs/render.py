@@ -9,6 +9,7 @@ Public API::
     pad_square(img, side) -> np.ndarray        # centre on a black side x side canvas
     overlay(image, rgba, y, x) -> None         # alpha-blend a sprite at pixel (y, x), in place
     cell_size(grid_side, image_size) -> int
+    grid_image_shape(rows, cols, side) -> (H, W, 3)   shape of compose(...) padded to side
 
 Sprite names: Sokoban ``wall floor target box box_target player player_target``; FrozenLake
 ``ice hole goal elf elf_hole elf_goal``; Maze ``maze_wall maze_path maze_player maze_goal
@@ -291,6 +292,13 @@ def tile_stack(names: tuple[str, ...], cell: int) -> np.ndarray:
 def cell_size(grid_side: int, image_size: int) -> int:
     """Pixels per cell so that ``grid_side`` cells fit in ``image_size`` (at least 4)."""
     return max(4, int(image_size) // max(1, int(grid_side)))
+
+
+def grid_image_shape(rows: int, cols: int, side: int) -> tuple[int, int, int]:
+    """The shape of ``compose`` of a ``rows`` x ``cols`` grid at ``cell_size(max(rows, cols), side)``
+    padded to ``side``: (side, side, 3) unless the cells (at least 4 px) do not fit."""
+    cell = cell_size(max(rows, cols), side)
+    return (max(int(side), rows * cell), max(int(side), cols * cell), 3)
 
 
 def compose(codes: np.ndarray, tiles: np.ndarray, side: int | None = None) -> np.ndarray:

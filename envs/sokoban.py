@@ -3,7 +3,9 @@
 Knobs: ``dim_room`` [rows, cols] incl. the outer wall (default [6, 6]), ``num_boxes`` (1),
 ``max_steps`` (100 executed actions), ``min_actions_to_succeed`` (5: the optimal solution of every
 generated level is at least this long), ``max_actions_per_step`` (3), ``image_size`` (default
-32 px per cell), plus the common kwargs of :class:`envs.base.VisualEnv`.
+32 px per cell), ``relation_prompt`` ("default"; "vagen": describe target and boxes relative to the
+player only, see :mod:`worldloop.envs.grid_env`), plus the common kwargs of
+:class:`worldloop.envs.base.VisualEnv`.
 
 Actions: ``Left, Down, Right, Up`` (aliases ``move up``, ``push up``, ``north``, ...). Walking into a
 box pushes it when the cell behind it is free; a blocked move changes nothing (not "effective").
@@ -14,7 +16,7 @@ one (gym-sokoban, so on/off cycling earns nothing), +10 when the action solves t
 
 Levels: a random room (gym-sokoban's random-walk topology) with targets on random floor cells,
 then reverse play from the solved room (boxes on the targets, the player anywhere): an exhaustive
-breadth-first reverse play by moves and pulls (:meth:`envs.solvers.SokobanSolver.reverse_search`),
+breadth-first reverse play by moves and pulls (:meth:`worldloop.envs.solvers.SokobanSolver.reverse_search`),
 so every state it reaches is solvable and its depth is its exact minimum number of actions. The
 start is a random state at a distance drawn uniformly from [``min_actions_to_succeed``, deepest];
 a room whose deepest state is closer than that is redrawn. The optimal plan comes with it (the
@@ -36,10 +38,10 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from envs.base import ActionResult, relation_sentence
-from envs.grid_env import GridEnv, check_int, generate_level
-from envs.render import cell_size, compose, tile_stack
-from envs.solvers import DIRECTIONS, Plan, SokobanSolver
+from worldloop.envs.base import ActionResult, relation_sentence
+from worldloop.envs.grid_env import GridEnv, check_int, generate_level
+from worldloop.envs.render import cell_size, compose, grid_image_shape, tile_stack
+from worldloop.envs.solvers import DIRECTIONS, Plan, SokobanSolver
 
 Pos = tuple[int, int]
 
@@ -134,6 +136,10 @@ class SokobanEnv(GridEnv):
     NL_HINT = ('Describe where things are relative to each other, such as "box0 is above and on the left side of the '
                'player", "target0 is below and at the same column as box0" (names: the player, box0, box1, ..., '
                'target0, target1, ...).')
+    VAGEN_NL_HINT = ('Describe the position of the target and of each box relative to the player only: give every '
+                     'object both its vertical relation (above, below or same row) and its horizontal relation (left, '
+                     'right or same column) to the player, such as "box0 is below and on the right side of the '
+                     'player", "target0 is below and at the same column as the player".')
 
     def __init__(
         self,
@@ -238,6 +244,9 @@ class SokobanEnv(GridEnv):
         return self._solver.solve(self.player, self.boxes, SOLVER_MAX_STATES)
 
     # ----------------------------------------------------------- rendering and prompts
+
+    def _image_shape(self) -> tuple[int, int, int]:
+        return grid_image_shape(*self.dim_room, self.image_size)
 
     def _render_image(self) -> np.ndarray:
         h, w = self.walls.shape

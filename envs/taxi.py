@@ -2,7 +2,7 @@
 
 Knobs: ``min_actions_to_succeed`` (1), ``max_actions_per_step`` (10: WMAct lets a turn carry several
 commands), ``max_steps`` (200 executed actions, gymnasium's time limit for Taxi), ``image_size``
-(default 40 px per cell), plus the common kwargs of :class:`envs.base.VisualEnv`.
+(default 40 px per cell), plus the common kwargs of :class:`worldloop.envs.base.VisualEnv`.
 
 Dynamics are gymnasium's own ``TaxiEnv`` (dry roads, no fickle passenger), wrapped: the episode's
 taxi cell, passenger depot and destination depot (different from the passenger's) are drawn from the
@@ -34,10 +34,10 @@ from typing import Any, Hashable
 import numpy as np
 from gymnasium.envs.toy_text.taxi import MAP, TaxiEnv as GymTaxi
 
-from envs.base import ActionResult, relation_sentence
-from envs.grid_env import MOVE_ALIASES, MOVES, GridEnv, generate_level
-from envs.render import cell_size, compose, overlay, pad_square, sprite_rgba, tile_stack
-from envs.solvers import Plan, bfs
+from worldloop.envs.base import ActionResult, relation_sentence
+from worldloop.envs.grid_env import MOVE_ALIASES, MOVES, GridEnv, generate_level
+from worldloop.envs.render import cell_size, compose, grid_image_shape, overlay, pad_square, sprite_rgba, tile_stack
+from worldloop.envs.solvers import Plan, bfs
 
 ACTIONS = (*MOVES, "Pickup", "Dropoff")
 _GYM_ACTION = {"Down": 0, "Up": 1, "Right": 2, "Left": 3, "Pickup": 4, "Dropoff": 5}
@@ -208,6 +208,9 @@ class TaxiEnv(GridEnv):
             img.setflags(write=False)
             self._base = (cell, img)
         return self._base[1]
+
+    def _image_shape(self) -> tuple[int, int, int]:
+        return grid_image_shape(5, 5, self.image_size)
 
     def _render_image(self) -> np.ndarray:
         cell = cell_size(5, self.image_size)

@@ -36,9 +36,9 @@ from typing import Any, Callable
 
 from openai import AsyncOpenAI
 
-from common.config import JudgeConfig
-from common.metrics import metric
-from common.openai_retry import PermanentError, RetryableError, call_with_retries
+from worldloop.common.config import JudgeConfig
+from worldloop.common.metrics import metric
+from worldloop.common.openai_retry import PermanentError, RetryableError, call_with_retries
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class LLMClient:
         return text.replace(self._key, "***") if self._key else text
 
     async def _request(self, messages: list[dict], scorer: str) -> tuple[str, float]:
-        """One attempt: the reply text and its latency (endpoint errors raise; see common.openai_retry)."""
+        """One attempt: the reply text and its latency (endpoint errors raise; see worldloop.common.openai_retry)."""
         async with self._sem:
             self.requests += 1
             self._m_inflight.inc()

@@ -2,32 +2,21 @@
 
 Loop: read up to ``judge.batch_size`` trajectories from ``<ns>:rollouts`` (consumer group
 ``judges``; entries idle longer than ``redis.claim_idle_ms`` in a dead judge's pending list are
-reclaimed first), score them concurrently on one asyncio loop (:class:`judge.scoring.TrajectoryScorer`,
+reclaimed first), score them concurrently on one asyncio loop (:class:`worldloop.judge.scoring.TrajectoryScorer`,
 LLM requests limited by ``judge.concurrency``), and hand each scored trajectory to ``<ns>:scored``
 as soon as it is done. At most ``batch_size`` trajectories are held at once. Undecodable entries go
 to the dead-letter stream (done by the consumer); a trajectory whose scoring raises is forwarded
 with flagged fallback scores, so nothing stalls.
 
-Exactly once into ``scored``. Forwarding is one Lua script, atomic in Redis::
+Exactly once into ``scored``: each scored trajectory is handed over with
+:class:`worldloop.common.streams.Forwarder` (XACK + XDEL of the rollouts entry, a trajectory-id
+dedup set ``<ns>:judge:forwarded`` and the XADD to ``scored``, in one Lua script; see there). A
+live judge refreshes the idle time of the entries it works on every ``claim_idle_ms / 3``
+(:meth:`StreamConsumer.touch`), so a slow endpoint does not make other judges reclaim live work;
+a dead judge refreshes nothing and its entries are reclaimed.
 
-    XACK rollouts judges <id>      -- 0: another judge already finished this entry -> drop ours
-    XDEL rollouts <id>
-    ZADD NX <ns>:judge:forwarded <now> <trajectory_id>   -- 0: this trajectory id was forwarded
-                                                         --    already (an actor's duplicate) -> drop
-    XADD scored * data <payload>
-
-A judge that dies before the script ran left the entry pending: another judge reclaims and
-forwards it. A judge that dies after it ran has nothing left to do. Two judges holding the same
-entry (a slow judge whose entry was reclaimed) both run the script, but only the first XACK
-removes it from the pending list, so only one XADD happens. (A live judge refreshes the idle time
-of the entries it works on every ``claim_idle_ms / 3``, so a slow endpoint does not make other
-judges reclaim live work; a dead judge refreshes nothing.) A reply lost to a connection error is
-retried: the retry finds the entry acked and adds nothing. The id set forgets ids older than
-``judge.dedup_window_s``. The scored stream's backpressure (``redis.max_backlog`` undelivered
-entries) is waited for before the script runs.
-
-Process conventions: Prometheus ``/metrics`` (``metrics.*``), a heartbeat in ``<ns>:procs`` every
-2 s, run-wide counters ``judge_failures`` (failed LLM attempts) and ``judge_fallbacks`` in
+Process conventions (:class:`worldloop.common.process.ProcessScaffold`): Prometheus ``/metrics``
+(``metrics.*``), a heartbeat in ``<ns>:procs`` every 2 s with the current phase, run-wide counters ``judge_failures`` (failed LLM attempts) and ``judge_fallbacks`` in
 ``<ns>:stats``, new work paused while the control record says ``paused``, a clean stop (exit 0) on
 SIGTERM/SIGINT or ``stopped``: no new reads, the trajectories in flight get
 ``STOP_GRACE_S`` to finish; any left unfinished stay pending and are reclaimed by another judge.
@@ -37,86 +26,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from common.config import Config, ConfigError
-from common.control import ROLLOUTS_GROUP, Keys, default_proc_id, read_control, register_process, stats_incr
-from common.metrics import metric, serve_metrics
-from common.schemas import SchemaError, decode_trajectory, encode_trajectory
-from common.streams import DATA_FIELD, Message, RedisLink, StreamConsumer, StreamProducer, connect
-from judge.llm import LLMClient, api_key_from_env
-from judge.scoring import TrajectoryScorer, fallback_trajectory, needs_llm
+from worldloop.common.config import Config, ConfigError
+from worldloop.common.control import default_proc_id, stats_incr
+from worldloop.common.keys import ROLLOUTS_GROUP, Keys
+from worldloop.common.metrics import metric
+from worldloop.common.process import HEARTBEAT_S, ProcessScaffold
+from worldloop.common.schemas import SchemaError, decode_trajectory, encode_trajectory
+from worldloop.common.streams import DUPLICATE, FORWARDED, LOST_RACE, Forwarder, Message, StreamConsumer, connect
+from worldloop.judge.llm import LLMClient, api_key_from_env
+from worldloop.judge.scoring import TrajectoryScorer, fallback_trajectory, needs_llm
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_S = 2.0
-CONTROL_POLL_S = 0.5
 STOP_GRACE_S = 10.0
+PRUNE_EVERY_S = 60.0
+PRUNE_IDLE_MS = 300_000  # a consumer idle this long (and 10x claim_idle_ms) holding nothing is gone
 BUSY_BLOCK_MS = 50  # XREADGROUP block while trajectories are in flight (they need the loop)
-
-FORWARD_LUA = """
-local acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-if acked == 0 then return 0 end
-redis.call('XDEL', KEYS[1], ARGV[2])
-local now = tonumber(ARGV[5])
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - tonumber(ARGV[6]))
-if redis.call('ZADD', KEYS[3], 'NX', now, ARGV[4]) == 0 then return -1 end
-redis.call('XADD', KEYS[2], '*', ARGV[7], ARGV[3])
-return 1
-"""
-FORWARDED, LOST_RACE, DUPLICATE = 1, 0, -1
-
-
-def forwarded_ids_key(keys: Keys) -> str:
-    """Sorted set of trajectory ids already forwarded to ``scored`` (score: time forwarded)."""
-    return f"{keys.ns}:judge:forwarded"
-
-
-class Forwarder:
-    """The atomic ack-and-forward of one scored trajectory (see the module docstring)."""
-
-    def __init__(self, url: str, keys: Keys, *, max_backlog: int, dedup_window_s: float,
-                 reconnect_max_s: float = 30.0, socket_timeout_s: float = 10.0):
-        self.keys = keys
-        self.dedup_window_s = dedup_window_s
-        self.link = RedisLink(url, keys.scored, reconnect_max_s, socket_timeout_s)
-        self.producer = StreamProducer(url, keys.scored, max_backlog, reconnect_max_s=reconnect_max_s,
-                                       socket_timeout_s=socket_timeout_s)
-        self._m_produced = metric("worldloop_stream_produced_messages").labels(stream=keys.scored)
-        self._m_bytes = metric("worldloop_stream_produced_bytes").labels(stream=keys.scored)
-        self._m_acked = metric("worldloop_stream_acked_messages").labels(stream=keys.rollouts)
-
-    def forward(self, entry_id: str, payload: bytes, trajectory_id: str, should_stop=lambda: False) -> int | None:
-        """Run the script; FORWARDED, LOST_RACE or DUPLICATE, or None when abandoned on stop."""
-        if not self.producer.wait_for_room(should_stop=should_stop):
-            return None
-
-        def run(r) -> int:
-            return int(r.register_script(FORWARD_LUA)(
-                keys=[self.keys.rollouts, self.keys.scored, forwarded_ids_key(self.keys)],
-                args=[ROLLOUTS_GROUP, entry_id, payload, trajectory_id, time.time(), self.dedup_window_s, DATA_FIELD]))
-
-        try:
-            status = self.link.call(run, should_stop=should_stop)  # reconnects with backoff meanwhile
-        except (RedisConnectionError, RedisTimeoutError):
-            return None  # asked to stop while Redis is away: still pending, another judge (or our restart) reclaims it
-        if status != LOST_RACE:
-            self._m_acked.inc()
-        if status == FORWARDED:
-            self._m_produced.inc()
-            self._m_bytes.inc(len(payload))
-        return status
-
-    def close(self) -> None:
-        self.producer.close()
-        self.link.close()
-
 
 class JudgeWorker:
     """One judge process's state; :meth:`run` blocks until stopped."""
@@ -130,8 +61,9 @@ class JudgeWorker:
         self.cfg = cfg
         self.keys = Keys(cfg.redis.namespace)
         self.proc_id = proc_id or f"judge-{default_proc_id()}"
-        self.stop_event = threading.Event()
-        self.metrics_port: int | None = None
+        self.proc = ProcessScaffold(cfg, "judge", self.proc_id,
+                                    stop_message="no new reads; finishing the trajectories in flight")
+        self.stop_event = self.proc.stop
         self._pool = ThreadPoolExecutor(max_workers=cfg.judge.batch_size + 2, thread_name_prefix="judge-io")
         self._sent = {"judge_failures": 0, "judge_fallbacks": 0}
         self.scorer: TrajectoryScorer | None = None
@@ -140,7 +72,11 @@ class JudgeWorker:
         self._held: dict[asyncio.Task, str] = {}
 
     def stop(self, *_args) -> None:
-        self.stop_event.set()
+        self.proc.request_stop()
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.proc.metrics_port
 
     # ------------------------------------------------------------------ entry
 
@@ -149,31 +85,37 @@ class JudgeWorker:
         if not cfg.judge.enabled:
             log.warning("judge.enabled is false: actors write straight to %s and nothing will arrive here",
                         self.keys.scored)
-        if cfg.metrics.enabled:
-            self.metrics_port = serve_metrics("judge", cfg.metrics.host, cfg.metrics.port)
-        r = connect(cfg.redis.url, cfg.redis.socket_timeout_s)
-        consumer = StreamConsumer(cfg.redis.url, self.keys.rollouts, ROLLOUTS_GROUP, self.proc_id,
-                                  decode=decode_trajectory, deadletter_stream=self.keys.deadletter,
-                                  block_ms=cfg.redis.block_ms, claim_idle_ms=cfg.redis.claim_idle_ms,
-                                  reconnect_max_s=cfg.redis.reconnect_max_s,
-                                  socket_timeout_s=cfg.redis.socket_timeout_s)
-        forwarder = Forwarder(cfg.redis.url, self.keys, max_backlog=cfg.redis.max_backlog,
-                              dedup_window_s=cfg.judge.dedup_window_s, reconnect_max_s=cfg.redis.reconnect_max_s,
-                              socket_timeout_s=cfg.redis.socket_timeout_s)
-        heartbeat = threading.Thread(target=self._heartbeat, args=(r,), name="judge-heartbeat", daemon=True)
-        heartbeat.start()
-        log.info("judge %s: %s -> %s, scorers %s, concurrency %d", self.proc_id, self.keys.rollouts,
-                 self.keys.scored, cfg.judge.scorers, cfg.judge.concurrency)
-        try:
-            asyncio.run(self._main(consumer, forwarder, r))
-        finally:
-            self.stop_event.set()
-            heartbeat.join(timeout=HEARTBEAT_S + 1)
-            self._flush_stats(r)
-            consumer.close()
-            forwarder.close()
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            r.close()
+        links = dict(reconnect_max_s=cfg.redis.reconnect_max_s, socket_timeout_s=cfg.redis.socket_timeout_s,
+                     should_stop=self.stop_event.is_set, startup_timeout_s=cfg.redis.startup_timeout_s)
+        consumer = forwarder = r = None
+        with self.proc:
+            self.proc.ready()
+            try:
+                consumer = StreamConsumer(cfg.redis.url, self.keys.rollouts, ROLLOUTS_GROUP, self.proc_id,
+                                          decode=decode_trajectory, deadletter_stream=self.keys.deadletter,
+                                          block_ms=cfg.redis.block_ms, claim_idle_ms=cfg.redis.claim_idle_ms,
+                                          stats_key=self.keys.stats, **links)  # dead letters counted run-wide
+                forwarder = Forwarder(cfg.redis.url, self.keys.rollouts, ROLLOUTS_GROUP, self.keys.scored,
+                                      self.keys.judge_forwarded, max_backlog=cfg.redis.max_backlog,
+                                      dedup_window_s=cfg.judge.dedup_window_s, **links)
+                r = connect(cfg.redis.url, cfg.redis.socket_timeout_s)
+                log.info("judge %s: %s -> %s, scorers %s, concurrency %d", self.proc_id, self.keys.rollouts,
+                         self.keys.scored, cfg.judge.scorers, cfg.judge.concurrency)
+                asyncio.run(self._main(consumer, forwarder, r))
+            except (RedisConnectionError, RedisTimeoutError):
+                if not self.stop_event.is_set():
+                    raise
+                log.info("judge %s: stopped while Redis is unreachable", self.proc_id)
+            finally:
+                self.stop_event.set()
+                if r is not None:
+                    self._flush_stats(r)
+                if consumer is not None and not self._held:
+                    consumer.leave()  # nothing pending: the group no longer lists this judge
+                for obj in (consumer, forwarder, r):
+                    if obj is not None:
+                        obj.close()
+                self._pool.shutdown(wait=False, cancel_futures=True)
         log.info("judge %s stopped after forwarding %d trajectories", self.proc_id, self.forwarded)
         return 0
 
@@ -186,21 +128,24 @@ class JudgeWorker:
         self.scorer = TrajectoryScorer(cfg.judge, self.llm)
         inflight: set[asyncio.Task] = set()
         self._held = {}  # task -> the rollouts entry id it works on
-        run_state, checked, touched = "running", 0.0, time.monotonic()
+        touched = flushed = time.monotonic()
+        pruned = 0.0
         touch_every = max(0.05, cfg.redis.claim_idle_ms / 3000)
         try:
-            while not self.stop_event.is_set():
-                if time.monotonic() - checked >= CONTROL_POLL_S:
-                    checked = time.monotonic()
-                    run_state = await self._io(loop, _run_state, r, self.keys, run_state)
+            while not self.proc.should_stop():
                 if self._held and time.monotonic() - touched >= touch_every:
                     touched = time.monotonic()
-                    await self._io(loop, touch_pending, r, self.keys, self.proc_id, list(self._held.values()))
-                if run_state == "stopped":
-                    log.info("judge %s: run_state is stopped", self.proc_id)
-                    break
+                    await self._io(loop, consumer.touch, list(self._held.values()))
+                if time.monotonic() - flushed >= HEARTBEAT_S:
+                    flushed = time.monotonic()
+                    await self._io(loop, self._flush_stats, r)
+                if time.monotonic() - pruned >= PRUNE_EVERY_S:
+                    pruned = time.monotonic()  # dead judges' names, once they hold nothing
+                    await self._io(loop, consumer.prune_consumers, max(PRUNE_IDLE_MS, 10 * cfg.redis.claim_idle_ms))
                 room = cfg.judge.batch_size - len(inflight)
-                if run_state == "paused" or room <= 0:
+                self.proc.set_phase("paused" if self.proc.paused else "scoring" if inflight else "waiting for rollouts",
+                                    in_flight=len(inflight), forwarded=self.forwarded)
+                if self.proc.paused or room <= 0:
                     inflight = await _wait_some(inflight, 0.2)
                     continue
                 block = BUSY_BLOCK_MS if inflight else min(cfg.redis.block_ms, 1000)
@@ -227,7 +172,7 @@ class JudgeWorker:
     async def _handle(self, msg: Message, consumer: StreamConsumer, forwarder: Forwarder) -> None:
         loop = asyncio.get_running_loop()
         traj = msg.value
-        tid = str(traj.get("trajectory_id"))
+        tid = traj.trajectory_id
         try:
             scored = await self.scorer.score(traj)
         except asyncio.CancelledError:
@@ -253,17 +198,7 @@ class JudgeWorker:
             log.info("judge %s: trajectory %s was already forwarded; acked the duplicate entry %s",
                      self.proc_id, tid, msg.id)
 
-    # ------------------------------------------------------------------ heartbeat and stats
-
-    def _heartbeat(self, r) -> None:
-        while True:
-            try:
-                register_process(r, self.keys, "judge", self.proc_id, self.metrics_port, self.cfg.metrics.host)
-                self._flush_stats(r)
-            except (RedisConnectionError, RedisTimeoutError) as e:
-                log.warning("judge %s: heartbeat failed: %s", self.proc_id, e)
-            if self.stop_event.wait(HEARTBEAT_S):
-                return
+    # ------------------------------------------------------------------ stats
 
     def _flush_stats(self, r) -> None:
         now = {"judge_failures": self.llm.failures if self.llm else 0,
@@ -276,31 +211,6 @@ class JudgeWorker:
                     self._sent[name] = value
                 except (RedisConnectionError, RedisTimeoutError):
                     return
-
-
-def touch_pending(r, keys: Keys, consumer: str, ids: list[str]) -> int:
-    """Reset the idle time of the entries this judge is still working on (XCLAIM to itself), so
-    that a slow endpoint does not make other judges reclaim live work; only entries still pending
-    for ``consumer`` are touched. A dead judge touches nothing and its entries go idle."""
-    if not ids:
-        return 0
-    try:
-        mine = {row["message_id"].decode() for row in r.xpending_range(
-            keys.rollouts, ROLLOUTS_GROUP, min="-", max="+", count=len(ids) + 1000, consumername=consumer)}
-        keep = [i for i in ids if i in mine]
-        if keep:
-            r.xclaim(keys.rollouts, ROLLOUTS_GROUP, consumer, 0, keep, justid=True)
-        return len(keep)
-    except (RedisConnectionError, RedisTimeoutError) as e:
-        log.warning("judge %s: could not refresh pending entries: %s", consumer, e)
-        return 0
-
-
-def _run_state(r, keys: Keys, previous: str) -> str:
-    try:
-        return read_control(r, keys)["run_state"]
-    except (RedisConnectionError, RedisTimeoutError):
-        return previous
 
 
 async def _wait_some(tasks: set[asyncio.Task], timeout: float) -> set[asyncio.Task]:
@@ -318,8 +228,4 @@ async def _wait_some(tasks: set[asyncio.Task], timeout: float) -> set[asyncio.Ta
 
 def run(cfg: Config, args: argparse.Namespace | None = None) -> int:
     """CLI entry of ``worldloop judge``: run until SIGTERM/SIGINT or run_state ``stopped``."""
-    worker = JudgeWorker(cfg)
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, worker.stop)
-        signal.signal(signal.SIGINT, worker.stop)
-    return worker.run()
+    return JudgeWorker(cfg).run()

@@ -9,7 +9,7 @@ placeholders are substituted with ``str.replace``, the agent's text last, so bra
 names in it are inert.
 
 The ``hybrid`` prompt never contains the ground truth: the model only turns the agent's text into a
-JSON list of relations, which :mod:`judge.rule` compares by F1. A hijacked extraction therefore
+JSON list of relations, which :mod:`worldloop.judge.rule` compares by F1. A hijacked extraction therefore
 cannot know what would be correct, and "answer YES" is not a relation.
 """
 from __future__ import annotations

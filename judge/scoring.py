@@ -8,8 +8,8 @@ response did not parse) scores 0.0. A part that does not apply, or whose state o
 compare with (every scorer says "not applicable", e.g. SVG), scores None.
 
 Scorers (``judge.scorers[env_name]``, else ``judge.scorers["default"]``):
-``rule`` (:mod:`judge.rule`, F1, no model), ``llm`` (YES=1/NO=0 with the App. D.1 prompt of the env),
-``hybrid`` (the LLM lists the relations the text states, :mod:`judge.rule` scores them by F1; the
+``rule`` (:mod:`worldloop.judge.rule`, F1, no model), ``llm`` (YES=1/NO=0 with the App. D.1 prompt of the env),
+``hybrid`` (the LLM lists the relations the text states, :mod:`worldloop.judge.rule` scores them by F1; the
 LLM never sees the ground truth).
 
 Gated aggregation (Argos Eq. 9) when several scorers apply to a part: the first listed scorer
@@ -29,7 +29,7 @@ flagged ``fallback`` and the turn's ``judge["fallback"]`` is True. Fallback scor
 aggregation only when no scorer of the part produced a real score.
 
 Repetition penalty (VAGEN App. D.1.2): per part, the judge process keeps the frequency of every
-sentence the agent wrote (:class:`judge.rule.RepetitionTracker`); a part whose text repeats one of
+sentence the agent wrote (:class:`worldloop.judge.rule.RepetitionTracker`); a part whose text repeats one of
 the ``repetition_top_k`` most frequent sentences (seen at least twice) while its score is below
 ``repetition_f1_threshold`` gets ``-repetition_penalty``. Parts scored by fallback only are not
 penalised.
@@ -38,6 +38,18 @@ Reward. ``grounding_score``/``worldmodeling_score`` = part score + penalty (None
 not apply) and ``reasoning_reward = beta_g * grounding + beta_w * worldmodeling`` with a None part
 contributing 0 (no renormalisation: a worldmodeling-only strategy earns at most beta_w, as in
 VAGEN). A turn with no applicable part gets reasoning_reward 0.0.
+
+Format gate (VAGEN ``state_reward_text_utils.py``: no format reward, no state reward). The reasoning
+reward is paid only on a turn that earned the format reward (:func:`format_rewarded`): on a turn
+rejected for its format or for an unknown action word (``format_reward`` 0) every applicable part
+scores 0.0 (detail ``no_format_reward``) without asking any scorer and without entering the
+repetition history, so good descriptions next to junk actions earn nothing. The same holds for
+:func:`fallback_trajectory`.
+
+Rule mode (``judge.rule_mode``): ``f1`` scores ``rule`` (and ``hybrid``'s extracted facts) by the
+per-axis F1 above; ``vagen`` scores Sokoban and FrozenLake natural-language texts as VAGEN's code
+does (:mod:`worldloop.judge.vagen_score`: target/box/hole relative to the player, both axes), other
+envs and state formats as ``f1``.
 """
 from __future__ import annotations
 
@@ -46,11 +58,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.config import JudgeConfig
-from common.metrics import metric
-from judge.llm import LLMClient
-from judge.prompts import extract_messages, parse_extraction, parse_verdict, verdict_messages
-from judge.rule import RepetitionTracker, Truth, build_truth, entity_names, extract_items, items_from_extraction, score_items
+from worldloop.common.config import JudgeConfig
+from worldloop.common.metrics import metric
+from worldloop.common.schemas import Trajectory, Turn
+from worldloop.judge.llm import LLMClient
+from worldloop.judge.prompts import extract_messages, parse_extraction, parse_verdict, verdict_messages
+from worldloop.judge.rule import RepetitionTracker, Truth, build_truth, entity_names, extract_items, items_from_extraction, score_items
+from worldloop.judge.vagen_score import vagen_score, vagen_score_facts
 
 log = logging.getLogger(__name__)
 
@@ -115,38 +129,41 @@ class TrajectoryScorer:
         self._m_fallbacks = metric("worldloop_judge_fallbacks")
         self._m_score = metric("worldloop_judge_score")
 
-    async def score(self, traj: dict) -> dict:
+    async def score(self, traj: Trajectory) -> Trajectory:
         """Score every turn of ``traj`` in place, set ``scored = True`` and return it."""
-        env = str(traj.get("env_name") or "")
-        names = scorers_for(self.cfg, env, str(traj.get("env_id") or ""))
+        env = traj.env_name
+        names = scorers_for(self.cfg, env, traj.env_id)
         if any(n in LLM_SCORERS for n in names) and self.llm is None:
             raise RuntimeError(f"scorers {names} for env {env!r} need an LLM client")
-        parts = FORMAT_PARTS.get(str(traj.get("prompt_format")))
+        parts = FORMAT_PARTS.get(traj.prompt_format)
         jobs = []
-        for turn in traj["turns"]:
+        for turn in traj.turns:
+            rewarded = format_rewarded(turn)
             for part, (text_key, state_key) in PARTS.items():
-                applies = part in parts if parts is not None else turn.get(text_key) is not None
-                jobs.append(self._score_part(env, part, turn.get(text_key), turn.get(state_key), names)
+                applies = part in parts if parts is not None else getattr(turn, text_key) is not None
+                jobs.append(self._score_part(env, part, rewarded, getattr(turn, text_key), getattr(turn, state_key), names)
                             if applies else _none())
         results = await asyncio.gather(*jobs)
-        for i, turn in enumerate(traj["turns"]):
+        for i, turn in enumerate(traj.turns):
             self._fill_turn(turn, dict(zip(PARTS, results[2 * i: 2 * i + 2])), names)
-        traj["scored"] = True
+        traj.scored = True
         return traj
 
     # ------------------------------------------------------------------ one part
 
-    async def _score_part(self, env: str, part: str, text: Any, state: Any, names: list[str]) -> PartResult:
+    async def _score_part(self, env: str, part: str, rewarded: bool, text: Any, state: Any, names: list[str]) -> PartResult:
         missing = not isinstance(text, str) or not text.strip()
         truth = build_truth("" if missing else text, state, env)
         if truth is None:
             return PartResult(None, False, {"applicable": False})
+        if not rewarded:  # no format reward, no reasoning reward: no scorer is asked
+            return PartResult(0.0, False, {"no_format_reward": True}, real=True)
         if missing:
             return PartResult(0.0, False, {"missing": True}, real=True)
         results: dict[str, ScorerResult] = {}
         rest = list(names)
         if rest and rest[0] == "rule" and len(rest) > 1:  # a failing rule gate decides alone
-            results["rule"] = self._rule(text, truth)
+            results["rule"] = self._rule(text, truth, env)
             rest = rest[1:]
             if results["rule"].score is not None and results["rule"].score < self.cfg.gate_threshold:
                 for n in rest:
@@ -170,7 +187,7 @@ class TrajectoryScorer:
 
     async def _one(self, name: str, env: str, part: str, text: str, truth: Truth) -> ScorerResult:
         if name == "rule":
-            return self._rule(text, truth)
+            return self._rule(text, truth, env)
         if name == "llm":
             answer = await self.llm.ask(verdict_messages(env, part, truth.method, truth.info, text),
                                         parse_verdict, "llm")
@@ -183,13 +200,15 @@ class TrajectoryScorer:
             answer = await self.llm.ask(extract_messages(entity_names(truth), text), parse_extraction, "hybrid")
             if not answer.ok:
                 return self._fallback(answer)
-            r = score_items(items_from_extraction(answer.value, truth), truth)
+            items = items_from_extraction(answer.value, truth)
+            r = vagen_score_facts(items, truth, env) if self.cfg.rule_mode == "vagen" else None
+            r = r if r is not None else score_items(items, truth)
             return ScorerResult(r.score, detail={**_answer_detail(answer), **r.to_dict()})
         raise ValueError(f"unknown scorer {name!r}")
 
-    @staticmethod
-    def _rule(text: str, truth: Truth) -> ScorerResult:
-        r = score_items(extract_items(text, truth), truth)
+    def _rule(self, text: str, truth: Truth, env: str) -> ScorerResult:
+        r = vagen_score(text, truth, env) if self.cfg.rule_mode == "vagen" else None
+        r = r if r is not None else score_items(extract_items(text, truth), truth)
         return ScorerResult(r.score, detail=r.to_dict())
 
     def _fallback(self, answer) -> ScorerResult:
@@ -200,14 +219,14 @@ class TrajectoryScorer:
 
     # ------------------------------------------------------------------ one turn
 
-    def _fill_turn(self, turn: dict, parts: dict[str, PartResult], names: list[str]) -> None:
+    def _fill_turn(self, turn: Turn, parts: dict[str, PartResult], names: list[str]) -> None:
         cfg = self.cfg
         final: dict[str, float | None] = {}
         details: dict[str, Any] = {}
         for part, res in parts.items():
-            text = turn.get(PARTS[part][0])
+            text = getattr(turn, PARTS[part][0])
             penalty = 0.0
-            if res.score is not None and not res.detail.get("missing"):
+            if res.score is not None and not res.detail.get("missing") and not res.detail.get("no_format_reward"):
                 penalty = self.trackers[part].apply(text, res.score if res.real else None)
             final[part] = None if res.score is None else res.score + penalty
             details[part] = {"score": final[part], "raw": res.score, "penalty": penalty, "fallback": res.fallback,
@@ -215,11 +234,11 @@ class TrajectoryScorer:
             if final[part] is not None:
                 self._m_score.labels(field=part).observe(final[part])
         g, w = final["grounding"], final["worldmodeling"]
-        turn["grounding_score"] = g
-        turn["worldmodeling_score"] = w
-        turn["reasoning_reward"] = cfg.beta_grounding * (g or 0.0) + cfg.beta_worldmodeling * (w or 0.0)
-        turn["judge"] = {"scorers": names, "fallback": any(r.fallback for r in parts.values()), **details}
-        self._m_score.labels(field="reasoning").observe(turn["reasoning_reward"])
+        turn.grounding_score = g
+        turn.worldmodeling_score = w
+        turn.reasoning_reward = cfg.beta_grounding * (g or 0.0) + cfg.beta_worldmodeling * (w or 0.0)
+        turn.judge = {"scorers": names, "fallback": any(r.fallback for r in parts.values()), **details}
+        self._m_score.labels(field="reasoning").observe(turn.reasoning_reward)
         used = {n for r in parts.values() for n, d in r.detail.get("scorers", {}).items() if d.get("score") is not None}
         for n in used:
             self._m_turns.labels(scorer=n).inc()
@@ -229,27 +248,28 @@ def _answer_detail(answer, **extra) -> dict:
     return {"cached": answer.cached, "attempts": answer.attempts, **extra}
 
 
+def format_rewarded(turn: Any) -> bool:
+    """Whether ``turn`` earned the format reward, the condition of any reasoning reward."""
+    value = turn.get("format_reward") if isinstance(turn, dict) else getattr(turn, "format_reward", 0.0)
+    return float(value or 0.0) > 0.0
+
+
 async def _none() -> PartResult:
     return PartResult(None, False, {"applicable": False})
 
 
-def score_trajectory_sync(traj: dict, cfg: JudgeConfig) -> dict:
-    """Score with ``rule`` scorers only, without an event loop of the caller's (tests, tools)."""
-    return asyncio.run(TrajectoryScorer(cfg).score(traj))
-
-
-def fallback_trajectory(traj: dict, cfg: JudgeConfig, reason: str) -> dict:
+def fallback_trajectory(traj: Trajectory, cfg: JudgeConfig, reason: str) -> Trajectory:
     """Every applicable part gets ``fallback_score``, flagged (used when scoring itself failed)."""
-    parts = FORMAT_PARTS.get(str(traj.get("prompt_format")))
-    for turn in traj["turns"]:
+    parts = FORMAT_PARTS.get(traj.prompt_format)
+    for turn in traj.turns:
         scores = {}
         for part, (text_key, _) in PARTS.items():
-            applies = part in parts if parts is not None else turn.get(text_key) is not None
-            scores[part] = cfg.fallback_score if applies else None
-        turn["grounding_score"] = scores["grounding"]
-        turn["worldmodeling_score"] = scores["worldmodeling"]
-        turn["reasoning_reward"] = (cfg.beta_grounding * (scores["grounding"] or 0.0)
-                                    + cfg.beta_worldmodeling * (scores["worldmodeling"] or 0.0))
-        turn["judge"] = {"fallback": True, "reason": reason[:500]}
-    traj["scored"] = True
+            applies = part in parts if parts is not None else getattr(turn, text_key) is not None
+            scores[part] = (cfg.fallback_score if format_rewarded(turn) else 0.0) if applies else None
+        turn.grounding_score = scores["grounding"]
+        turn.worldmodeling_score = scores["worldmodeling"]
+        turn.reasoning_reward = (cfg.beta_grounding * (scores["grounding"] or 0.0)
+                                 + cfg.beta_worldmodeling * (scores["worldmodeling"] or 0.0))
+        turn.judge = {"fallback": True, "reason": reason[:500]}
+    traj.scored = True
     return traj

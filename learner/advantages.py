@@ -5,7 +5,8 @@ Public API::
     masked_gae(*, values, response_mask, turn_end_mask, turn_rewards, token_rewards=None,
                gamma=1.0, lam=1.0) -> (advantages, returns)
     bilevel_gae(*, values, response_mask, turn_end_mask, turn_rewards, token_rewards=None,
-                gamma_turn=0.95, lam_turn=1.0, gamma_token=1.0, lam_token=1.0) -> (adv, ret)
+                gamma_turn=0.95, lam_turn=1.0, gamma_token=1.0, lam_token=1.0,
+                kl_routing="own_turn") -> (adv, ret)
     turn_ppo(*, values, response_mask, turn_end_mask, turn_rewards, token_rewards=None,
              gamma_turn=0.95, lam_turn=1.0) -> (adv, ret)
     grpo(*, response_mask, turn_end_mask, turn_rewards, group_ids, token_rewards=None,
@@ -13,14 +14,14 @@ Public API::
     vanilla_ppo(*, values, response_mask, attention_mask, turn_end_mask, turn_rewards,
                 token_rewards=None, gamma=1.0, lam=1.0) -> (adv, ret)
     compute_advantages(estimator, **kwargs) -> (adv, ret)     # dispatcher, see its docstring
-    advantage_kwargs(trainer_cfg) -> dict                      # the discounts from TrainerConfig
+    advantage_kwargs(trainer_cfg) -> dict                      # discounts + kl_routing from TrainerConfig
     loss_mask_for(estimator, response_mask, attention_mask) -> mask for the policy/value losses
     whiten(x, mask, shift_mean=True) -> x whitened over the masked elements
 
 Inputs (all [B, L], one row per trajectory, right padding; masks may be bool or 0/1 numbers):
 
 - ``values``: critic values, ``values[b, i]`` = V(prefix before token i), the value of the
-  state in which token i is generated (the same alignment as ``common.modeling.token_logprobs``).
+  state in which token i is generated (the same alignment as ``worldloop.common.modeling.token_logprobs``).
 - ``response_mask``: 1 on generated tokens (``SequenceLayout.response_mask``).
 - ``turn_end_mask``: 1 at the last generated token of each turn; must lie inside
   ``response_mask`` and the last generated token of a row must be a turn end.
@@ -51,8 +52,14 @@ baselines; Argos Eq. 10 for GRPO):
   as delta = r_KL + gamma_token*V(tau<=a_t) - V(tau<(t,J-1)) plus A_t; with both values read at
   the turn end token (the alignment above) that bootstrap term is (gamma_token - 1)*V_end, which
   is 0 for the default gamma_token = 1; we leave it out for every gamma_token so that a
-  one-turn trajectory gives exactly ``masked_gae`` (VAGEN's reference code sets A_last = A_t and
-  drops that token's KL term; we keep it).
+  one-turn trajectory gives exactly ``masked_gae``.
+  Where the turn-end token's own token_rewards term k_end (its -beta*KL) enters is
+  ``kl_routing``: ``"own_turn"`` (default) as above, A_end = k_end + A_t, so it stays on its own
+  turn; ``"turn_reward"`` (VAGEN's reference code, verl core_algos.py
+  compute_bi_level_gae_advantage_return: the token reward at the end token, r_t - beta*KL_end, is
+  the turn-level reward) uses r_t + k_end as the turn reward in delta_t and sets A_end = A_t, so
+  k_end also reaches the earlier turns, discounted by (gamma_turn*lam_turn)^k. The two agree
+  when k_end = 0 (e.g. beta = 0).
 - ``turn_ppo`` (Turn-PPO w/ mask): the turn is one action. r'_t = r_t + sum of token_rewards
   over the turn's tokens, V_t = V at the turn's FIRST generated token (the value of the state
   the turn acts in), delta_t = r'_t + gamma_turn*V_{t+1} - V_t (V_T = 0), A_t = delta_t +
@@ -76,9 +83,11 @@ from typing import Any, Sequence
 
 import torch
 
-from learner.losses import masked_var
+from worldloop.learner.losses import masked_var
 
 ESTIMATORS = ("masked_gae", "bilevel_gae", "turn_ppo", "grpo", "vanilla_ppo")
+# bilevel_gae: where the turn-end token's token_rewards (-beta*KL) go (TrainerConfig.bilevel_kl_routing)
+KL_ROUTINGS = ("own_turn", "turn_reward")
 
 
 # --------------------------------------------------------------------------- input handling
@@ -236,19 +245,29 @@ def bilevel_gae(
     lam_turn: float = 1.0,
     gamma_token: float = 1.0,
     lam_token: float = 1.0,
+    kl_routing: str = "own_turn",
 ):
-    """Bi-Level GAE (VAGEN Sec. 5.2, Alg. 2): turn-level GAE, then token-level GAE in each turn."""
+    """Bi-Level GAE (VAGEN Sec. 5.2, Alg. 2): turn-level GAE, then token-level GAE in each turn.
+
+    ``kl_routing``: where the turn-end token's token_rewards term goes, ``"own_turn"`` (into that
+    token's advantage only) or ``"turn_reward"`` (into the turn-level reward, as VAGEN's code);
+    see the module docstring.
+    """
     gamma_turn, lam_turn = _discount(gamma_turn, "gamma_turn"), _discount(lam_turn, "lam_turn")
     gamma_token, lam_token = _discount(gamma_token, "gamma_token"), _discount(lam_token, "lam_token")
+    if kl_routing not in KL_ROUTINGS:
+        raise ValueError(f"kl_routing: expected one of {', '.join(KL_ROUTINGS)}, got {kl_routing!r}")
     b = _Batch(response_mask, turn_end_mask, turn_rewards, token_rewards, values)
+    to_turn = kl_routing == "turn_reward"
     turns = _Packing(b.end)
-    adv_turn = _turn_gae(turns.pack(b.values), turns.pack(b.turn_rewards), gamma_turn, lam_turn)
+    r_turn = b.turn_rewards + b.token_rewards(b.end) if to_turn else b.turn_rewards
+    adv_turn = _turn_gae(turns.pack(b.values), turns.pack(r_turn), gamma_turn, lam_turn)
     tok = _Packing(b.response)
     v, r = tok.pack(b.values), tok.pack(b.token_rewards(b.response))
     end = tok.pack(b.end.float()) > 0
     seed = tok.pack(turns.unpack(adv_turn))  # A_t at turn t's last token, 0 elsewhere
     delta = r + gamma_token * _next(v) - v
-    x = torch.where(end, r + seed, delta)
+    x = torch.where(end, seed if to_turn else r + seed, delta)
     coef = torch.where(end, 0.0, gamma_token * lam_token)  # a turn's chain stops at its end token
     adv = _reverse_scan(x, coef)
     return tok.unpack(adv), tok.unpack(adv + v)
@@ -390,8 +409,8 @@ def compute_advantages(estimator: str, **kwargs):
     Accepts every estimator's keywords at once so that a caller can pass the same set for any
     estimator: the discount keywords (``gamma, lam, gamma_turn, lam_turn, gamma_token,
     lam_token``, e.g. from :func:`advantage_kwargs`), ``values`` (not read by grpo),
-    ``group_ids`` (grpo only), ``attention_mask`` (vanilla_ppo only) and ``eps`` (grpo only) are
-    dropped where the estimator does not use them. Any other unknown keyword is a TypeError.
+    ``group_ids`` (grpo only), ``attention_mask`` (vanilla_ppo only), ``kl_routing`` (bilevel_gae
+    only) and ``eps`` (grpo only) are dropped where the estimator does not use them. Any other unknown keyword is a TypeError.
     """
     _check_estimator(estimator)
     fn = _FUNCTIONS[estimator]
@@ -403,10 +422,13 @@ def compute_advantages(estimator: str, **kwargs):
     return fn(**{k: v for k, v in kwargs.items() if k in accepted})
 
 
-def advantage_kwargs(trainer_cfg: Any) -> dict[str, float]:
-    """The discount keywords of ``common.config.TrainerConfig`` for :func:`compute_advantages`.
+def advantage_kwargs(trainer_cfg: Any) -> dict[str, Any]:
+    """The discount keywords of ``worldloop.common.config.TrainerConfig`` for :func:`compute_advantages`,
+    plus ``kl_routing`` from ``bilevel_kl_routing``.
 
-    masked_gae/vanilla_ppo use gamma, lam; bilevel_gae the four turn/token ones; turn_ppo
-    gamma_turn, lam_turn (its discount is across turns); grpo none.
+    masked_gae/vanilla_ppo use gamma, lam; bilevel_gae the four turn/token ones and kl_routing;
+    turn_ppo gamma_turn, lam_turn (its discount is across turns); grpo none.
     """
-    return {k: float(getattr(trainer_cfg, k)) for k in _DISCOUNTS}
+    out: dict[str, Any] = {k: float(getattr(trainer_cfg, k)) for k in _DISCOUNTS}
+    out["kl_routing"] = str(getattr(trainer_cfg, "bilevel_kl_routing", "own_turn"))
+    return out

@@ -29,6 +29,7 @@ same ZeRO stage (DeepSpeed shards optimizer state per rank); a mismatch is a Con
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -36,14 +37,15 @@ import shutil
 import time
 from pathlib import Path
 
-from common.config import ConfigError
-from learner.engine import Models, barrier
+from worldloop.common.config import ConfigError
+from worldloop.learner.engine import Models, barrier
 
 log = logging.getLogger(__name__)
 
 _TAG = "ds"
 _LATEST = "latest"
 _STATE = "state.json"
+_FULL_BYTES = 16 << 20  # a write failing with less than this free is taken for a full disk
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
 
@@ -92,21 +94,28 @@ def save(models: Models, root: str | Path, state: dict, *, weights: dict | None 
     root = Path(root)
     name = _name(state["step"])
     final, tmp = root / name, root / f".{name}.tmp"
-    if models.dist.is_main:
-        root.mkdir(parents=True, exist_ok=True)
+    try:
+        if models.dist.is_main:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        barrier(models.dist)
+        models.policy.save_checkpoint(str(tmp / "policy"), tag=_TAG, save_latest=False)
+        if models.critic is not None:
+            models.critic.save_checkpoint(str(tmp / "critic"), tag=_TAG, save_latest=False)
+        barrier(models.dist)
+        if models.dist.is_main:
+            if weights:
+                _export_hf(models, weights, Path(model_dir) if model_dir else None, tmp / "hf")
+            sidecar = dict(state, world_size=models.dist.world_size, zero_stage=models.zero_stage,
+                           has_critic=models.critic is not None, time=time.time(), complete=True)
+            _write_atomic(tmp / _STATE, json.dumps(sidecar))
+    except (OSError, RuntimeError) as e:
+        # a full disk mid-write: the partial folder never had a state.json, so latest() cannot pick
+        # it; remove it (it holds the space a retry needs) and say what happened and where
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    barrier(models.dist)
-    models.policy.save_checkpoint(str(tmp / "policy"), tag=_TAG, save_latest=False)
-    if models.critic is not None:
-        models.critic.save_checkpoint(str(tmp / "critic"), tag=_TAG, save_latest=False)
-    barrier(models.dist)
+        raise _write_error(e, root, tmp, state["step"]) from e
     if models.dist.is_main:
-        if weights:
-            _export_hf(models, weights, Path(model_dir) if model_dir else None, tmp / "hf")
-        sidecar = dict(state, world_size=models.dist.world_size, zero_stage=models.zero_stage,
-                       has_critic=models.critic is not None, time=time.time(), complete=True)
-        _write_atomic(tmp / _STATE, json.dumps(sidecar))
         if final.exists():  # a checkpoint of the same step from an earlier life of the run
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -116,6 +125,25 @@ def save(models: Models, root: str | Path, state: dict, *, weights: dict | None 
         log.info("checkpoint %s written (policy version %d)", final, state["policy_version"])
     barrier(models.dist)
     return final
+
+
+def _write_error(err: BaseException, root: Path, tmp: Path, step: int) -> BaseException:
+    """The error a failed checkpoint write raises: ENOSPC named as such with the path (DeepSpeed's
+    torch.save reports a full disk as a bare "file write failed" RuntimeError), else ``err``."""
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        free = None
+    full = getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or (
+        isinstance(err, RuntimeError) and free is not None and free < _FULL_BYTES)
+    if not full:
+        return err
+    prev = latest(root)
+    return OSError(errno.ENOSPC, (
+        f"no space left on device (ENOSPC) while writing the checkpoint of step {step} to {tmp} "
+        f"({'?' if free is None else free} bytes free under {root}); the partial folder was removed and "
+        f"the newest complete checkpoint is still {prev or 'none'}: free space, then restart with --resume "
+        f"[{type(err).__name__}: {err}]"), str(tmp))
 
 
 def _complete(path: Path) -> bool:

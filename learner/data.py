@@ -11,7 +11,7 @@ Public API::
         .recover() -> int          # own pending entries of a previous (killed) learner first
         .collect(n, should_stop) -> list[Item] | None
         .held_bytes, .held_count, .ack_held() -> int, .mark_trained(items, step)
-    encode_batch(items) -> bytes / decode_batch(bytes) -> list[dict]   # rank 0 -> other ranks
+    encode_batch(items) -> bytes / decode_batch(bytes) -> (stop, list[Trajectory])   # rank 0 -> other ranks
     micro_slices(batch, rows, image_counts) -> dict        # rows of a collated batch, images kept
 
 Exactly-once with kill -9
@@ -30,7 +30,7 @@ complete checkpoint and first re-reads its own pending list (the consumer name i
 
 Acked => in a checkpoint, so nothing acked is lost; the trained set filters the rest, so nothing
 is trained twice in the surviving lineage. Producers are not stalled by what the learner holds:
-the backpressure of ``common.streams`` counts undelivered entries only.
+the backpressure of ``worldloop.common.streams`` counts undelivered entries only.
 
 How much is held: at most ``checkpoint_every`` batches of ``train_batch_size`` entries plus the
 drops decided since the last checkpoint. Drops whose fate cannot change (stale even relative to
@@ -62,14 +62,17 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import msgspec
 import torch
 
-from common.config import Config, ConfigError
-from common.control import SCORED_GROUP, Keys, stats_incr
-from common.metrics import metric
-from common.modeling import ChatCodec, SequenceLayout, build_sequence
-from common.schemas import SchemaError, decode_trajectory, packb, unpackb
-from common.streams import Message, StreamConsumer, connect
+from worldloop.common.config import Config, ConfigError
+from worldloop.common.control import read_stats
+from worldloop.common.keys import Keys, SCORED_GROUP
+from worldloop.common.admission import Admission
+from worldloop.common.metrics import metric
+from worldloop.common.modeling import ChatCodec, SequenceLayout, build_sequence
+from worldloop.common.schemas import Trajectory, decode_trajectory, packb
+from worldloop.common.streams import Message, StreamConsumer, connect
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +84,11 @@ class Unusable(ValueError):
     """A trajectory that passes the schema but cannot be trained on (the reason says why)."""
 
 
-def oldest_version(traj: dict) -> int:
-    return min(int(t["policy_version"]) for t in traj["turns"])
+def oldest_version(traj: Trajectory) -> int:
+    return min(t.policy_version for t in traj.turns)
 
 
-def check_usable(traj: dict, *, vocab_size: int, max_len: int, codec: ChatCodec) -> SequenceLayout:
+def check_usable(traj: Trajectory, *, vocab_size: int, max_len: int, codec: ChatCodec) -> SequenceLayout:
     """The trajectory's token layout, or :class:`Unusable` with the reason."""
     try:
         layout = build_sequence(traj)
@@ -100,8 +103,8 @@ def check_usable(traj: dict, *, vocab_size: int, max_len: int, codec: ChatCodec)
     lp = layout.behaviour_logprobs
     if bool((lp > _LOGPROB_SLACK).any()):
         raise Unusable(f"behaviour log-prob {float(lp.max()):.4g} > 0 is not a log-probability")
-    for t, turn in enumerate(traj["turns"]):
-        v = int(turn["policy_version"])
+    for t, turn in enumerate(traj.turns):
+        v = turn.policy_version
         if v < 0:
             raise Unusable(f"turn {t}: policy_version {v} < 0")
     if codec.is_vision:
@@ -154,14 +157,14 @@ class DedupWindow:
 @dataclass
 class Item:
     entry_id: str
-    traj: dict
+    traj: Trajectory
     layout: SequenceLayout | None
     oldest: int
     nbytes: int
 
     @property
     def trajectory_id(self) -> str:
-        return str(self.traj["trajectory_id"])
+        return self.traj.trajectory_id
 
 
 def redis_maxmemory(r) -> int | None:
@@ -216,11 +219,17 @@ class ScoredSource:
             cfg.redis.url, keys.scored, SCORED_GROUP, consumer_name, decode=decode_trajectory,
             deadletter_stream=keys.deadletter, block_ms=min(cfg.redis.block_ms, 1000),
             claim_idle_ms=cfg.redis.claim_idle_ms, reconnect_max_s=cfg.redis.reconnect_max_s,
-            socket_timeout_s=cfg.redis.socket_timeout_s,
+            socket_timeout_s=cfg.redis.socket_timeout_s, startup_timeout_s=cfg.redis.startup_timeout_s,
+            stats_key=keys.stats,
         )
         self.consumer_name = consumer_name
+        # retire trained ids, refund the ones that can never be trained (common/admission.py)
+        self.admission = Admission(cfg.redis.url, keys, max_staleness=cfg.trainer.max_staleness,
+                                   batch_size=cfg.trainer.train_batch_size, lease_s=cfg.actor.admission_lease_s,
+                                   reconnect_max_s=cfg.redis.reconnect_max_s, socket_timeout_s=cfg.redis.socket_timeout_s)
         self._buffer: list[Item] = []
         self._held: dict[str, int] = {}  # entry id -> payload bytes, fate decided, not yet acked
+        self._held_drops: dict[str, str] = {}  # held entry id -> why it was dropped (counted at its ack)
         self._buffered_ids: set[str] = set()
         self._buffered_tids: set[str] = set()
         self._recovered: list[Message] = []
@@ -232,29 +241,9 @@ class ScoredSource:
 
     def recover(self, page: int = 256) -> int:
         """Take back what a previous learner process held (its pending list); return how many."""
-        cursor, n = "0-0", 0
-        while True:
-            res = self.r.xreadgroup(SCORED_GROUP, self.consumer_name, {self.keys.scored: cursor}, count=page)
-            entries = res[0][1] if res else []
-            if not entries:
-                break
-            for entry_id, fields in entries:
-                eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-                cursor = eid
-                if not fields:  # deleted while pending: nothing left to do but ack it
-                    self.consumer.ack([eid], count_metric=False)
-                    continue
-                payload = fields.get(b"data")
-                if payload is None:
-                    self.consumer.deadletter(Message(eid, b"", None, True), "entry has no 'data' field")
-                    continue
-                try:
-                    value = decode_trajectory(payload)
-                except SchemaError as e:
-                    self.consumer.deadletter(Message(eid, payload, None, True), f"decode failed: {e}")
-                    continue
-                self._recovered.append(Message(eid, payload, value, True))
-                n += 1
+        got = self.consumer.read_own_pending(page)
+        self._recovered.extend(got)
+        n = len(got)
         if n:
             log.info("recovered %d entries a previous learner process left pending", n)
         return n
@@ -291,13 +280,14 @@ class ScoredSource:
         if m.id in self._held or m.id in self._buffered_ids:
             return  # our own pending entry handed back by XAUTOCLAIM: already decided
         traj = m.value
-        tid = str(traj["trajectory_id"])
+        tid = traj.trajectory_id
         oldest = oldest_version(traj)
         version = self.version_fn()
         lag = version - oldest
         if lag > self.max_staleness:
             final = self.checkpoint_version_fn() - oldest > self.max_staleness
             self._drop(m, "stale", f"lag {lag} > max_staleness {self.max_staleness}", final)
+            self.admission.release([tid], refund=True)
             return
         if tid in self.dedup or tid in self._buffered_tids:
             self._drop(m, "duplicate", f"trajectory {tid} was already trained on", self.dedup.is_durable(tid))
@@ -305,28 +295,26 @@ class ScoredSource:
         try:
             layout = check_usable(traj, vocab_size=self.vocab_size, max_len=self.cfg.model.max_model_len, codec=self.codec)
         except Unusable as e:
-            self._count("unusable")
-            self.consumer.deadletter(m, f"learner: unusable trajectory {tid}: {e}")
+            self._m_dropped.labels(reason="unusable").inc()
+            self.consumer.deadletter(m, f"learner: unusable trajectory {tid}: {e}", kind="unusable")
+            self.admission.release([tid], refund=True)
             return
         self._buffer.append(Item(m.id, traj, layout, oldest, len(m.payload)))
         self._buffered_ids.add(m.id)
         self._buffered_tids.add(tid)
 
-    def _count(self, reason: str) -> None:
+    def _drop(self, m: Message, reason: str, why: str, final: bool) -> None:
+        """Drop an entry; its run-wide counter ``learner_dropped_<reason>`` is added in the same
+        MULTI as its ack (now when ``final``, else at the next checkpoint's ack), so it counts once
+        even when a restarted learner decides the same entry again."""
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
         self._m_dropped.labels(reason=reason).inc()
-        try:
-            stats_incr(self.r, self.keys, f"learner_dropped_{reason}")
-        except Exception as e:  # a counter must never stop training
-            log.debug("stats_incr failed: %s", e)
-
-    def _drop(self, m: Message, reason: str, why: str, final: bool) -> None:
-        self._count(reason)
-        log.info("dropping %s trajectory %s (entry %s): %s", reason, m.value.get("trajectory_id"), m.id, why)
+        log.info("dropping %s trajectory %s (entry %s): %s", reason, m.value.trajectory_id, m.id, why)
         if final:
-            self.consumer.ack([m.id])
+            self.consumer.ack([m.id], counts={f"learner_dropped_{reason}": 1})
         else:
             self._held[m.id] = len(m.payload)
+            self._held_drops[m.id] = reason
             self._m_held.set(len(self._held))
 
     # ------------------------------------------------------------------ fate and acks
@@ -336,6 +324,7 @@ class ScoredSource:
             self.dedup.add(it.trajectory_id, it.oldest)
             self._held[it.entry_id] = it.nbytes
         self._m_held.set(len(self._held))
+        self.admission.release([it.trajectory_id for it in items], refund=False)
 
     @property
     def held_bytes(self) -> int:
@@ -349,15 +338,34 @@ class ScoredSource:
         """Ack every entry whose fate a complete checkpoint now holds (call right after one)."""
         ids = list(self._held)
         n = 0
-        for s in range(0, len(ids), 512):
-            n += self.consumer.ack(ids[s : s + 512])
+        for start in range(0, len(ids), 512):
+            chunk = ids[start : start + 512]
+            counts: dict[str, int] = {}
+            for i in chunk:
+                if i in self._held_drops:
+                    name = f"learner_dropped_{self._held_drops[i]}"
+                    counts[name] = counts.get(name, 0) + 1
+            n += self.consumer.ack(chunk, counts=counts)
         self._held.clear()
+        self._held_drops.clear()
         self.dedup.mark_durable()
         self._m_held.set(0)
         return n
 
+    def fates(self) -> dict[str, dict[str, int]]:
+        """Run-wide, exact and cumulative (across learner restarts) counts of what never trained:
+        ``dropped`` (stale, duplicate; counted once acked) and ``dead_lettered`` (by kind, for the
+        scored stream), read back from ``<ns>:stats``."""
+        stats = read_stats(self.r, self.keys)
+        dead_prefix = self.consumer.deadletter_counter("")
+        return {
+            "dropped": {k[len("learner_dropped_"):]: v for k, v in stats.items() if k.startswith("learner_dropped_")},
+            "dead_lettered": {k[len(dead_prefix):]: v for k, v in stats.items() if k.startswith(dead_prefix)},
+        }
+
     def close(self) -> None:
         self.consumer.close()
+        self.admission.close()
         try:
             self.r.close()
         except Exception:  # closing a dead connection may fail; nothing to recover
@@ -369,12 +377,21 @@ class ScoredSource:
 
 def encode_batch(items: list[Item], *, stop: bool = False) -> bytes:
     """The payload rank 0 broadcasts: the trajectories (msgpack maps) and a stop flag."""
-    return packb({"stop": bool(stop), "trajectories": [it.traj for it in items]})
+    return packb(_Batch(stop=bool(stop), trajectories=[it.traj for it in items]))
 
 
-def decode_batch(data: bytes) -> tuple[bool, list[dict]]:
-    msg = unpackb(data)
-    return bool(msg["stop"]), list(msg["trajectories"])
+class _Batch(msgspec.Struct):
+    stop: bool
+    trajectories: list[Trajectory]
+
+
+_BATCH = msgspec.msgpack.Decoder(_Batch)
+
+
+def decode_batch(data: bytes) -> tuple[bool, list[Trajectory]]:
+    """Rank 0's payload, decoded into structs (rank 0 validated every trajectory already)."""
+    msg = _BATCH.decode(data)
+    return msg.stop, msg.trajectories
 
 
 def image_patch_rows(batch: dict[str, torch.Tensor], image_counts: list[int]) -> list[tuple[int, int]]:

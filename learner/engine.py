@@ -21,7 +21,7 @@ Design notes
   loss needs, so every training forward goes through ``engine(...)`` (DeepSpeed's gradient
   accumulation bookkeeping and ZeRO-3 hooks run as designed). The policy wraps the Hugging Face
   model as ``.hf``; weights are published under the HF model's own ``state_dict()`` names.
-* The policy's log-probs come from :func:`common.modeling.token_logprobs` (one backbone pass, LM
+* The policy's log-probs come from :func:`worldloop.common.modeling.token_logprobs` (one backbone pass, LM
   head + fp32 log-softmax in checkpointed chunks), so position ``i`` holds
   ``log p(token_i | tokens < i)`` at the actors' sampling temperature.
 * The critic is the same backbone (``AutoModel`` from the same directory, so it starts from the
@@ -47,8 +47,8 @@ from typing import Any
 
 import torch
 
-from common.config import Config, ConfigError
-from common.modeling import _MODEL_KEYS, ChatCodec, load_policy, token_logprobs
+from worldloop.common.config import Config, ConfigError
+from worldloop.common.modeling import ChatCodec, load_policy, model_inputs, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,7 @@ def init_distributed(cfg: Config) -> DistInfo:
         torch.cuda.set_device(device)
     try:
         if not tdist.is_initialized():
+            skip_unused_comm_ops()
             # rank 0 waits on actors between batches; the other ranks wait in a broadcast meanwhile
             deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(hours=2), verbose=False)
     finally:
@@ -113,6 +114,23 @@ def init_distributed(cfg: Config) -> DistInfo:
             if k != "LOCAL_RANK":
                 os.environ.pop(k, None)
     return DistInfo(tdist.get_rank(), tdist.get_world_size(), local_rank, device, backend)
+
+
+def skip_unused_comm_ops() -> None:
+    """Keep DeepSpeed from JIT-compiling ops that training never calls.
+
+    Creating DeepSpeed's torch communication backend on the CPU accelerator builds the
+    ``deepspeed_shm_comm`` extension (about a minute on 2 cores) under torch's file lock
+    ``$TORCH_EXTENSIONS_DIR/deepspeed_shm_comm/lock``. That lock is a plain file: a Ctrl-C or a
+    supervisor stop during the build leaves it behind, and every later start then waits on it for
+    good. The op only serves ``inference_all_reduce`` (tensor-parallel inference kernels); the
+    learner's collectives go through ``torch.distributed`` (gloo/nccl). So it is marked
+    unavailable before the backend is made, and nothing is compiled or locked.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.ops.__compatible_ops__["deepspeed_ccl_comm"] = False
 
 
 def use_bf16(cfg: Config, device: torch.device) -> bool:
@@ -152,13 +170,6 @@ def check_batch_geometry(cfg: Config, world_size: int) -> None:
 
 
 # --------------------------------------------------------------------------- modules
-
-
-def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    kwargs = {k: batch[k].to(device) for k in _MODEL_KEYS if k in batch}
-    if "pixel_values" in kwargs:
-        kwargs["pixel_values"] = kwargs["pixel_values"].to(dtype)
-    return kwargs
 
 
 class PolicyModule(torch.nn.Module):

@@ -10,8 +10,8 @@ Public API::
 Launching::
 
     worldloop learner --config X [key=value ...]                        # one process: CPU (gloo) or cuda:0
-    torchrun --nproc_per_node N -m common.cli learner --config X        # N data-parallel ranks
-    deepspeed --no_local_rank --num_gpus N --module common.cli learner --config X
+    torchrun --nproc_per_node N -m worldloop learner --config X        # N data-parallel ranks
+    deepspeed --no_local_rank --num_gpus N --module worldloop.cli learner --config X
 
 (the CLI also accepts and ignores DeepSpeed's ``--local_rank`` argument, so ``--no_local_rank`` is optional: the rank comes
 from the environment.) One learner per Redis namespace: it reads as the fixed consumer
@@ -49,27 +49,27 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
-import threading
 import time
 from pathlib import Path
 
 import torch
 
-from common.config import Config, ConfigError
-from common.control import Keys, default_proc_id, read_control, register_process, write_control
-from common.metrics import metric, serve_metrics
-from common.streams import connect
-from learner import checkpoint
-from learner.data import DedupWindow, ScoredSource, check_pending_fits, decode_batch, encode_batch
-from learner.engine import DistInfo, all_reduce_sum, broadcast_bytes, build_models, gather_policy_weights, init_distributed
-from learner.rewards import anneal_max_turns
-from learner.trainer import PPOTrainer, batch_reward_stats
+from worldloop.common.config import Config, ConfigError
+from worldloop.common.control import default_proc_id, list_processes, read_control, write_control
+from worldloop.common.files import append_lines
+from worldloop.common.keys import Keys
+from worldloop.common.metrics import metric
+from worldloop.common.process import HEARTBEAT_S, ProcessScaffold
+from worldloop.common.streams import connect
+from worldloop.learner import checkpoint
+from worldloop.learner.data import DedupWindow, ScoredSource, check_pending_fits, decode_batch, encode_batch
+from worldloop.learner.engine import DistInfo, all_reduce_sum, broadcast_bytes, build_models, gather_policy_weights, init_distributed
+from worldloop.learner.rewards import anneal_max_turns
+from worldloop.learner.trainer import PPOTrainer, batch_reward_stats
+from worldloop.learner.trackers import open_trackers
 
 log = logging.getLogger("worldloop.learner")
 
-_HEARTBEAT_S = 2.0
-_CONTROL_POLL_S = 1.0
 _MULTI_RANK_WAIT_S = 30.0  # rank 0 tells the others "still waiting" this often
 
 
@@ -80,21 +80,27 @@ def run_dir_of(cfg: Config) -> Path:
 class Learner:
     """The learner loop of one rank; rank 0 also owns Redis, the weight publisher and the files."""
 
-    def __init__(self, cfg: Config, dist: DistInfo):
+    def __init__(self, cfg: Config, dist: DistInfo, scaffold: ProcessScaffold | None = None):
         if cfg.redis.url is None:  # fail before minutes of model loading
             raise ConfigError("redis.url", "the learner needs a Redis URL (worldloop up passes its own)")
         self.cfg = cfg
         self.t = cfg.trainer
         self.dist = dist
         self.run_dir = run_dir_of(cfg)
+        # run.loggers (TensorBoard, wandb, samples.jsonl) on rank 0; a missing package fails here
+        self.trackers = open_trackers(self.run_dir, cfg) if dist.is_main else None
         self.ckpt_dir = self.run_dir / "checkpoints"
-        self.stop_requested = False
-        self._closing = threading.Event()
-        self._control_at = 0.0
-        self._run_state = "running"
+        # heartbeat (with the current phase), /metrics and control polling on rank 0 from the start,
+        # so that `worldloop up`/`status` can tell where a learner that makes no progress waits
+        self._owns_proc = scaffold is None
+        self.proc = scaffold or ProcessScaffold(cfg, "learner", default_proc_id(), services=dist.is_main,
+                                                install_signals=False)
+        if self._owns_proc:
+            self.proc.start()
+        self.proc_id = self.proc.proc_id
+        self._lineage: list[dict] = []  # ledger + metrics lines since the last checkpoint (rank 0)
         self.r = self.source = self.publisher = None
-        self._heartbeat = None
-        self.metrics_port = None
+        self.proc.set_phase("building models (DeepSpeed engines)")
 
         torch.manual_seed(cfg.run.seed)
         self.models = build_models(cfg, dist)
@@ -113,6 +119,8 @@ class Learner:
                 self.max_turns = int(st.get("max_turns") or self.max_turns)
                 self.anneal_window = [int(x) for x in st.get("anneal_window", [])]
                 trained = {str(k): int(v) for k, v in st.get("trained", {}).items()}
+                if dist.is_main:
+                    self._repair_lineage(st.get("lineage", []))
         elif checkpoint.latest(self.ckpt_dir) is not None:
             log.warning("%s holds checkpoints but trainer.resume is off: starting fresh, they will be overwritten", self.ckpt_dir)
         self.ckpt_step, self.ckpt_version = self.step_no, self.version
@@ -126,8 +134,21 @@ class Learner:
 
     # ------------------------------------------------------------------ rank 0 services
 
+    @property
+    def stop_requested(self) -> bool:
+        return self.proc.stop.is_set()
+
+    @stop_requested.setter
+    def stop_requested(self, value: bool) -> None:
+        if value:
+            self.proc.stop.set()
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.proc.metrics_port
+
     def _start_main(self) -> None:
-        from common.weights import publisher_from_config
+        from worldloop.common.weights import publisher_from_config
 
         cfg = self.cfg
         self.keys = Keys(cfg.redis.namespace)
@@ -138,43 +159,24 @@ class Learner:
         )
         self.r = connect(cfg.redis.url, cfg.redis.socket_timeout_s)
         check_pending_fits(cfg, self.r)
-        if cfg.metrics.enabled:
-            self.metrics_port = serve_metrics("learner", cfg.metrics.host, cfg.metrics.port)
-        self.proc_id = default_proc_id()
-        register_process(self.r, self.keys, "learner", self.proc_id, self.metrics_port, host=cfg.metrics.host)
-        self._heartbeat = threading.Thread(target=self._beat, name="learner-heartbeat", daemon=True)
-        self._heartbeat.start()
+        if not self.t.resume:  # a fresh run: admissions counted by an earlier run in this namespace are void
+            self.source.admission.reset()
+        if not self.t.resume or read_control(self.r, self.keys)["run_state"] == "stopped":
+            # a new run, or one resumed after it had finished: actors may produce again (a pause
+            # an operator set survives a resume)
+            write_control(self.r, self.keys, run_state="running")
+        self.proc.set_phase("recovering its own pending entries")
         self.source.recover()
         self.publisher = publisher_from_config(cfg)
         metric("worldloop_learner_max_turns").set(self.max_turns)
 
-    def _beat(self) -> None:
-        while not self._closing.wait(_HEARTBEAT_S):
-            try:
-                register_process(self.r, self.keys, "learner", self.proc_id, self.metrics_port, host=self.cfg.metrics.host)
-            except Exception as e:  # Redis away for a moment: the next beat retries
-                log.debug("heartbeat failed: %s", e)
-
-    def _control_state(self) -> str:
-        now = time.monotonic()
-        if now - self._control_at >= _CONTROL_POLL_S:
-            self._control_at = now
-            try:
-                self._run_state = read_control(self.r, self.keys)["run_state"]
-            except Exception as e:  # keep the last known state while Redis is away
-                log.debug("control read failed: %s", e)
-        return self._run_state
-
     def _should_stop(self) -> bool:
-        if self.stop_requested:
-            return True
-        if self._control_state() == "stopped":
-            log.info("control run_state is 'stopped': stopping")
-            self.stop_requested = True
-        return self.stop_requested
+        return self.proc.should_stop()
 
     def _write_control(self) -> None:
-        write_control(self.r, self.keys, policy_version=self.version, max_turns=self.max_turns)
+        # the admission bound's inputs travel with the version (common/admission.py)
+        write_control(self.r, self.keys, policy_version=self.version, max_turns=self.max_turns,
+                      train_batch_size=self.t.train_batch_size, max_staleness=self.t.max_staleness)
 
     # ------------------------------------------------------------------ steps
 
@@ -190,7 +192,7 @@ class Learner:
         items = None
         if self.dist.is_main:
             items = self.source.collect(
-                self.t.train_batch_size, self._should_stop, paused=lambda: self._control_state() == "paused",
+                self.t.train_batch_size, self._should_stop, paused=lambda: self.proc.paused,
                 max_wait_s=_MULTI_RANK_WAIT_S if self.dist.world_size > 1 else None,
             )
         if self.dist.world_size == 1:
@@ -202,6 +204,7 @@ class Learner:
     def step(self) -> dict | None:
         """One update; None when a stop was requested (or, multi-rank, no batch came in time)."""
         t_start = time.perf_counter()
+        self.proc.set_phase(f"waiting for {self.t.train_batch_size} scored trajectories", step=self.step_no)
         items, trajs, stop = self._next_batch()
         if stop:
             self.stop_requested = True
@@ -210,6 +213,7 @@ class Learner:
             return None
         wait_s = time.perf_counter() - t_start
         before = self.version
+        self.proc.set_phase(f"training step {self.step_no + 1}")
         stats = self.trainer.update(trajs, self.step_no)
         self.step_no += 1
         self.version += 1
@@ -219,6 +223,7 @@ class Learner:
             self.source.mark_trained(items)
             self.dedup.prune(self.version)
             record = self._after_update(trajs, before, stats, wait_s, publish_s)
+            self._lineage.append({"ledger": self._ledger_line(record, items), "record": record})
         t0 = time.perf_counter()
         if self._checkpoint_due():
             self.save_checkpoint(weights)
@@ -226,6 +231,8 @@ class Learner:
             record["step_seconds"]["checkpoint"] = time.perf_counter() - t0
             record["pending_entries"] = self.source.held_count
             self._write_record(record, items)
+            if self.trackers is not None:
+                self.trackers.log_step(record["step"], record, trajs)
         return record if record is not None else stats
 
     def _checkpoint_due(self) -> bool:
@@ -245,16 +252,20 @@ class Learner:
         if weights is None:
             weights = gather_policy_weights(self.models)
         state = {"step": self.step_no, "policy_version": self.version, "max_turns": self.max_turns,
-                 "anneal_window": self.anneal_window, "trained": self.dedup.to_dict()}
+                 "anneal_window": self.anneal_window, "trained": self.dedup.to_dict(),
+                 # the ledger and metrics lines of the steps this checkpoint covers: a kill between
+                 # the checkpoint and their append cannot lose them (see _repair_lineage)
+                 "lineage": self._lineage}
         checkpoint.save(self.models, self.ckpt_dir, state, weights=weights if self.dist.is_main else None,
                         model_dir=self.cfg.model.path, keep=self.t.keep_checkpoints)
         self.ckpt_step, self.ckpt_version = self.step_no, self.version
+        self._lineage = []
         if self.dist.is_main:
             metric("worldloop_learner_checkpoints").inc()
             n = self.source.ack_held()
             log.info("checkpoint at step %d: acked %d stream entries", self.step_no, n)
 
-    def _after_update(self, trajs: list[dict], before: int, stats: dict, wait_s: float, publish_s: float) -> dict:
+    def _after_update(self, trajs: list, before: int, stats: dict, wait_s: float, publish_s: float) -> dict:
         t = self.t
         rs = batch_reward_stats(trajs, t.wmact_rescale)
         if t.anneal_max_turns:
@@ -265,7 +276,7 @@ class Learner:
                     log.info("WMAct annealing: max_turns %d -> %d", self.max_turns, new)
                 self.max_turns, self.anneal_window = new, []
         self._write_control()
-        lags = [before - min(int(x["policy_version"]) for x in tr["turns"]) for tr in trajs]
+        lags = [before - min(x.policy_version for x in tr.turns) for tr in trajs]
         compute_s = stats["forward_seconds"] + stats["backward_seconds"]
         busy = compute_s + publish_s
         record = {
@@ -293,9 +304,11 @@ class Learner:
             "success_rate": rs["success_rate"],
             "staleness_mean": sum(lags) / len(lags),
             "staleness_max": max(lags),
-            "dropped": dict(self.source.dropped),
+            # exact and cumulative over the whole run, restarts included (ScoredSource.fates)
+            **self.source.fates(),
             "pending_entries": self.source.held_count,
             "tokens": stats["tokens"],
+            "padding_fraction": stats.get("padding_fraction"),  # padded slots / computed slots (micro-batching)
             "response_tokens": stats["response_tokens"],
             "tokens_per_s": stats["tokens"] / busy if busy > 0 else None,
             "step_seconds": {"wait": wait_s, "forward": stats["forward_seconds"], "backward": stats["backward_seconds"],
@@ -337,13 +350,39 @@ class Learner:
             metric("worldloop_learner_grad_norm").labels(model=model).set(v)
         metric("worldloop_learner_max_turns").set(rec["max_turns"])
 
+    @staticmethod
+    def _ledger_line(rec: dict, items) -> dict:
+        return {"step": rec["step"], "policy_version": rec["policy_version"],
+                "trained": [it.trajectory_id for it in items], "entries": [it.entry_id for it in items]}
+
+    def _append_lines(self, rec: dict, ledger: dict) -> None:
+        # a full disk fails here naming the file, with no torn line; the step's entries stay pending
+        # in Redis until a checkpoint holds them, so a restart (--resume) trains them again
+        append_lines(self.run_dir / "metrics.jsonl", [json.dumps(rec) + "\n"])
+        append_lines(self.run_dir / "learner_ledger.jsonl", [json.dumps(ledger) + "\n"])
+
+    def _repair_lineage(self, lineage: list[dict]) -> None:
+        """On resume: append the ledger and metrics lines of checkpointed steps that a kill right
+        after the checkpoint kept from reaching the files, so the ledger always covers every step
+        the checkpoint holds. Lines of steps after the checkpoint (lost updates, trained again now)
+        stay; for each step the last line is the surviving one."""
+        path = self.run_dir / "learner_ledger.jsonl"
+        have = set()
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    have.add(int(json.loads(line)["step"]))
+                except (ValueError, KeyError, TypeError):
+                    continue
+        missing = [x for x in lineage if int(x["ledger"]["step"]) not in have]
+        for x in missing:
+            self._append_lines(dict(x["record"], repaired=True), x["ledger"])
+        if missing:
+            log.warning("resume: restored the ledger lines of steps %s from the checkpoint",
+                        [x["ledger"]["step"] for x in missing])
+
     def _write_record(self, rec: dict, items) -> None:
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        ledger = {"step": rec["step"], "policy_version": rec["policy_version"],
-                  "trained": [it.trajectory_id for it in items], "entries": [it.entry_id for it in items]}
-        with open(self.run_dir / "learner_ledger.jsonl", "a") as f:
-            f.write(json.dumps(ledger) + "\n")
+        self._append_lines(rec, self._ledger_line(rec, items))
         s = rec["step_seconds"]
         iw = rec["importance_weight"]
         log.info(
@@ -367,10 +406,39 @@ class Learner:
             self.save_checkpoint()
         if self.step_no >= self.t.total_steps:
             log.info("trained %d updates (policy version %d): done", self.step_no, self.version)
+            if self.dist.is_main:  # the run is over: actors and judges stop instead of producing into it
+                write_control(self.r, self.keys, run_state="stopped")
+                self._await_final_eval()
         return 0
 
+    def _await_final_eval(self) -> None:
+        """Keep the trackers open until a live evaluator has evaluated the final version (it takes it
+        from the checkpoint just written), so TensorBoard/wandb hold it too; bounded, and no wait
+        without a live evaluator."""
+        if self.trackers is None or self.t.eval_every <= 0 or self.t.final_eval_wait_s <= 0:
+            return
+
+        def evaluator_alive() -> bool:
+            try:
+                procs = list_processes(self.r, self.keys)
+            except Exception:  # Redis away: nobody to wait for that we could see
+                return False
+            return any(p.get("role") == "evaluator" and time.time() - float(p.get("seen_at") or 0) < 3 * HEARTBEAT_S
+                       for p in procs)
+
+        self.proc.set_phase(f"waiting for the held-out evaluation of v{self.version}")
+        if self.trackers.wait_for_eval(self.version, evaluator_alive, self.t.final_eval_wait_s,
+                                       should_stop=lambda: self.stop_requested):
+            log.info("the final version v%d's held-out evaluation is in the trackers", self.version)
+        else:
+            log.info("no held-out evaluation of v%d came in (no live evaluator, or not within "
+                     "trainer.final_eval_wait_s); eval.jsonl gets it if one comes later", self.version)
+
     def close(self) -> None:
-        self._closing.set()
+        if self.trackers is not None:
+            self.trackers.close()
+        if self._owns_proc:
+            self.proc.close()
         if self.source is not None:
             self.source.close()
         if self.publisher is not None:
@@ -386,22 +454,15 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     if getattr(args, "resume", False):
         cfg.trainer.resume = True
     dist = init_distributed(cfg)
-    learner: Learner | None = None
-
-    def on_signal(signum, _frame):
-        if learner is None:
-            raise KeyboardInterrupt
-        if dist.is_main:  # the other ranks follow rank 0's decision (it reaches them with the next batch)
-            log.info("signal %d: finishing the current update, then checkpoint and exit", signum)
-            learner.stop_requested = True
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        learner = Learner(cfg, dist)
+    # a signal during start-up (minutes of model loading) interrupts at once; after it the current
+    # update finishes, a checkpoint is written and the process exits. The other ranks follow rank
+    # 0's decision (it reaches them with the next batch).
+    scaffold = ProcessScaffold(cfg, "learner", default_proc_id(), services=dist.is_main,
+                               stop_message="finishing the current update, then checkpoint and exit")
+    with scaffold:
+        learner = Learner(cfg, dist, scaffold)
+        scaffold.ready()
         try:
             return learner.run_loop()
         finally:
             learner.close()
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)

@@ -8,7 +8,7 @@ Public API::
     anneal_max_turns(current_max, observed_turns) -> int    # WMAct Eq. 5
 
 Turn reward (VAGEN Sec. 5.3): r_t = reasoning_reward + format_reward + env_reward
-(``common.schemas.total_turn_reward``; an unscored turn has reasoning reward 0).
+(``worldloop.common.schemas.total_turn_reward``; an unscored turn has reasoning reward 0).
 
 WMAct reward rescaling (WMAct Eq. 4, R_scaled = R_outcome * N_eff / N): the rescaled reward is the
 outcome (task) reward only, i.e. the env rewards; the format and reasoning terms are not scaled.
@@ -28,30 +28,31 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import msgspec
 import torch
 
-from common.schemas import total_turn_reward
+from worldloop.common.schemas import Trajectory, total_turn_reward
 
 
-def effective_action_ratio(traj: dict) -> float:
+def effective_action_ratio(traj: Trajectory) -> float:
     """WMAct N_eff / N over the whole episode (1.0 when it has no action at all)."""
-    turns = traj.get("turns")
-    if not isinstance(turns, list) or not turns:
+    turns = traj.turns
+    if not turns:
         raise ValueError("traj.turns: expected a non-empty list of turns")
-    n_eff = sum(int(t["actions_effective"]) for t in turns)
-    n = sum(int(t["actions_total"]) for t in turns)
+    n_eff = sum(t.actions_effective for t in turns)
+    n = sum(t.actions_total for t in turns)
     if n < 0 or n_eff < 0 or n_eff > n:
         raise ValueError(f"traj: actions_effective sum {n_eff} must lie in [0, actions_total sum {n}]")
     return 1.0 if n == 0 else n_eff / n
 
 
-def turn_rewards(traj: dict, *, wmact_rescale: bool) -> list[float]:
+def turn_rewards(traj: Trajectory, *, wmact_rescale: bool) -> list[float]:
     """Per-turn reward r_t of a trajectory message; with ``wmact_rescale`` positive env rewards * N_eff/N."""
     ratio = effective_action_ratio(traj) if wmact_rescale else 1.0
     out = []
-    for t in traj["turns"]:
-        env = float(t["env_reward"])
-        turn = {**t, "env_reward": env * ratio if env > 0 else env} if wmact_rescale else t
+    for t in traj.turns:
+        env = float(t.env_reward)
+        turn = msgspec.structs.replace(t, env_reward=env * ratio) if wmact_rescale and env > 0 else t
         out.append(total_turn_reward(turn))
     return out
 

@@ -1,24 +1,24 @@
-"""Schema-valid trajectories built from a :class:`common.modeling.ChatCodec`, for tests and benches.
+"""Schema-valid trajectories built from a :class:`worldloop.common.modeling.ChatCodec`, for tests and benches.
 
 Public API::
 
     synthetic_trajectory(codec, *, trajectory_id, turns=2, response_tokens=12, image_side=56,
                          policy_version=0, env_name="sokoban", seed=0, group_id=None,
                          env_reward=1.0, format_reward=0.5, reasoning_reward=None,
-                         success=False, logprobs=None) -> dict
+                         success=False, logprobs=None) -> Trajectory
 
 The token layout is exactly the actors' (``ChatCodec.encode_obs`` for every turn, the first with a
 system prompt, every user message with one ``<image>`` when the model is a vision model), the
 responses are ``response_tokens`` ordinary vocabulary tokens plus ``<|im_end|>``, and the behaviour
 log-probs are ``log(1/1024)`` unless ``logprobs`` gives a callable ``(turn_index, response_ids) ->
 list[float]`` (tests pass the model's own log-probs there so that the importance weight is known).
-The result passes :func:`common.schemas.validate_trajectory`.
+The result passes :func:`worldloop.common.schemas.check_trajectory` (and encodes).
 
     behaviour_logprobs_from(model, codec, temperature) -> callable for ``logprobs=``
     tiny_learner_config(model_dir, redis_url, run_dir, namespace="wl", **trainer) -> Config
 
 ``behaviour_logprobs_from`` scores each response with a Hugging Face model under the actors'
-log-prob convention (``common.modeling.token_logprobs`` at ``temperature``), i.e. what an actor
+log-prob convention (``worldloop.common.modeling.token_logprobs`` at ``temperature``), i.e. what an actor
 running that model would have recorded. ``tiny_learner_config`` is a CPU-sized learner config
 (small batches, metrics server off, ephemeral weight ports) for tests and the CPU bench smoke run.
 """
@@ -31,15 +31,13 @@ from typing import Callable
 
 import numpy as np
 
-from common.config import Config, config_from_dict
-from common.modeling import IMAGE_PLACEHOLDER, ChatCodec, collate, token_logprobs
-from common.schemas import TRAJECTORY_SCHEMA, empty_state
+from worldloop.common.config import Config, config_from_dict
+from worldloop.common.modeling import IMAGE_PLACEHOLDER, ChatCodec, collate, token_logprobs
+from worldloop.common.schemas import TRAJECTORY_SCHEMA, State, Trajectory, Turn
 
 
-def _state(step: int) -> dict:
-    state = empty_state()
-    state["relations"] = [f"box0 is above the player (step {step})"]
-    return state
+def _state(step: int) -> State:
+    return State(relations=[f"box0 is above the player (step {step})"], symbolic=None, structured={})
 
 
 def synthetic_trajectory(
@@ -59,7 +57,7 @@ def synthetic_trajectory(
     success: bool = False,
     logprobs: Callable[[int, list[int], list[int], list[bytes]], list[float]] | None = None,
     filler_tokens: int = 0,
-) -> dict:
+) -> Trajectory:
     """One episode of ``turns`` turns (see the module docstring).
 
     ``policy_version`` may be one int for every turn or a list, one per turn. ``logprobs``, when
@@ -89,49 +87,46 @@ def synthetic_trajectory(
         images_so_far += seg.images
         lps = logprobs(t, list(context), response, list(images_so_far)) if logprobs else [math.log(1 / 1024)] * len(response)
         context += response
-        out_turns.append({
-            "index": t,
-            "policy_version": int(versions[t]),
-            "obs_ids": seg.ids,
-            "response_ids": response,
-            "logprobs": [float(x) for x in lps],
-            "images": seg.images,
-            "response_text": codec.decode(response),
-            "observation": "box0 is above the player",
-            "reasoning": "push it",
-            "prediction": "box0 is on the target",
-            "actions": ["Up"],
-            "format_ok": True,
-            "env_reward": float(env_reward),
-            "format_reward": float(format_reward),
-            "done": t == turns - 1,
-            "success": bool(success and t == turns - 1),
-            "state_before": _state(t),
-            "state_after": _state(t + 1),
-            "actions_total": 1,
-            "actions_effective": 1,
-            "truncated_response": False,
-            "grounding_score": None,
-            "worldmodeling_score": None,
-            "reasoning_reward": reasoning_reward,
-            "judge": None,
-        })
-    return {
-        "schema": TRAJECTORY_SCHEMA,
-        "trajectory_id": trajectory_id,
-        "group_id": group_id or trajectory_id,
-        "env_id": f"worldloop/{env_name.capitalize()}-v0",
-        "env_name": env_name,
-        "env_kwargs": {},
-        "seed": int(seed),
-        "actor_id": "synthetic",
-        "created_at": time.time(),
-        "prompt_format": "grounding_worldmodeling",
-        "max_turns": turns,
-        "turns": out_turns,
-        "success": bool(success),
-        "scored": reasoning_reward is not None,
-    }
+        out_turns.append(Turn(
+            index=t,
+            policy_version=int(versions[t]),
+            obs_ids=seg.ids,
+            response_ids=response,
+            logprobs=[float(x) for x in lps],
+            images=seg.images,
+            response_text=codec.decode(response),
+            observation="box0 is above the player",
+            reasoning="push it",
+            prediction="box0 is on the target",
+            actions=["Up"],
+            format_ok=True,
+            env_reward=float(env_reward),
+            format_reward=float(format_reward),
+            done=t == turns - 1,
+            success=bool(success and t == turns - 1),
+            state_before=_state(t),
+            state_after=_state(t + 1),
+            actions_total=1,
+            actions_effective=1,
+            truncated_response=False,
+            reasoning_reward=reasoning_reward,
+        ))
+    return Trajectory(
+        schema=TRAJECTORY_SCHEMA,
+        trajectory_id=trajectory_id,
+        group_id=group_id or trajectory_id,
+        env_id=f"worldloop/{env_name.capitalize()}-v0",
+        env_name=env_name,
+        env_kwargs={},
+        seed=int(seed),
+        actor_id="synthetic",
+        created_at=time.time(),
+        prompt_format="grounding_worldmodeling",
+        max_turns=turns,
+        turns=out_turns,
+        success=bool(success),
+        scored=reasoning_reward is not None,
+    )
 
 
 def behaviour_logprobs_from(model, codec: ChatCodec, temperature: float) -> Callable:
@@ -139,7 +134,7 @@ def behaviour_logprobs_from(model, codec: ChatCodec, temperature: float) -> Call
     import torch
 
     def score(turn: int, context: list[int], response: list[int], images: list[bytes]) -> list[float]:
-        from common.modeling import SequenceLayout
+        from worldloop.common.modeling import SequenceLayout
 
         ids = torch.tensor(context + response)
         zeros = torch.zeros(len(ids))

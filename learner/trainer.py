@@ -6,15 +6,17 @@ Public API::
         .update(trajectories, step) -> dict     # every rank calls it with the SAME global batch
     batch_reward_stats(trajectories, wmact_rescale) -> dict
     micro_loss_scale(n_micro, n_global, world_size, accumulation) -> float
+    token_budget_micro_batches(rows, lengths, budget, pad_to=8) -> list[list[int]]
+    split_micro_batches(micro_batches, lengths, n, pad_to=8) -> list[list[int]]
 
 An iteration, for this rank's contiguous slice of the global batch:
 
-1. collate the slice (token layout of ``common.modeling``; images stay with their sequence);
+1. collate the slice (token layout of ``worldloop.common.modeling``; images stay with their sequence);
 2. without gradients, per micro-batch: proximal log-probs of the current policy (version v, at
    the actors' sampling temperature), reference log-probs, critic values;
-3. turn rewards r_t = reasoning + format + env (``learner.rewards.turn_rewards``, WMAct Eq. 4
+3. turn rewards r_t = reasoning + format + env (``worldloop.learner.rewards.turn_rewards``, WMAct Eq. 4
    rescaling by config) at each turn's last token; with ``kl_in_reward`` the token rewards are
-   ``-kl_coef * KL(prox || ref)``; advantages and returns from ``learner.advantages``; the
+   ``-kl_coef * KL(prox || ref)``; advantages and returns from ``worldloop.learner.advantages``; the
    advantages are whitened over the global batch (all ranks) unless the estimator is grpo
    (already group-normalised). GRPO's group baselines need the whole batch: every rank computes
    the per-trajectory scores of the whole batch (the KL sums are all-reduced) before slicing;
@@ -25,6 +27,22 @@ An iteration, for this rank's contiguous slice of the global batch:
    ``kl_coef`` x KL(pi || ref) when the KL is not in the reward; clipped value loss for the critic.
    Each micro-batch loss is weighted by its share of the global mini-batch's loss tokens, so the
    gradient is the exact token mean over the mini-batch whatever the padding or rank split.
+
+Micro-batches (step 2 and 4): ``trainer.micro_batch_tokens`` = 0 takes ``micro_batch_size``
+trajectories at a time in mini-batch order (each micro-batch padded to its longest); > 0 forms
+them by a token budget: the rows of the mini-batch (or, for step 2, of the local batch) sorted
+longest first and filled while rows x longest (rounded up to 8, the padding ``micro_slices``
+applies) stays within the budget; a row longer than the budget goes alone. Sorting keeps rows of
+similar length together, so little of each forward/backward is padding. The mini-batches
+themselves (which trajectories share an optimizer step) do not change, nor does the loss: the
+share weighting above makes the accumulated gradient the same token mean whatever the split.
+The number of micro-batches then varies per mini-batch, so the trainer marks DeepSpeed's
+accumulation boundary itself (``set_gradient_accumulation_boundary`` on the last micro-batch;
+the loss scaling keeps the engine's nominal accumulation steps, which it divides by), and with
+several ranks every rank runs the same number of micro-batches per mini-batch (the most any rank
+planned; a rank with fewer splits its largest ones), since ZeRO-2/3 communicate on every
+backward and ZeRO-3 on every forward. No packing of several sequences into one row: Qwen2.5-VL's
+M-RoPE positions and images would need per-sequence position ids and attention masks.
 
 Loss mask: 1 on generated tokens, 0 on prompt/observation/image tokens (``loss_mask_for``; only
 ``vanilla_ppo`` widens it, as that baseline is defined).
@@ -39,13 +57,14 @@ from collections import defaultdict
 
 import torch
 
-from common.config import Config
-from common.modeling import build_sequence, collate
-from learner import advantages as adv_mod
-from learner.data import micro_slices
-from learner.engine import Models, all_reduce_max, all_reduce_sum
-from learner.losses import kl_penalty, masked_mean, policy_loss, value_loss
-from learner.rewards import place_turn_rewards, turn_rewards
+from worldloop.common.config import Config
+from worldloop.common.modeling import build_sequence, collate
+from worldloop.common.schemas import Trajectory
+from worldloop.learner import advantages as adv_mod
+from worldloop.learner.data import micro_slices
+from worldloop.learner.engine import Models, all_reduce_max, all_reduce_sum
+from worldloop.learner.losses import kl_penalty, masked_mean, policy_loss, value_loss
+from worldloop.learner.rewards import place_turn_rewards, turn_rewards
 
 log = logging.getLogger(__name__)
 
@@ -54,22 +73,68 @@ _MAX_STATS = ("iw_max", "ratio_max")
 _MIN_STATS = ("iw_min", "ratio_min")
 
 
-def batch_reward_stats(trajectories: list[dict], wmact_rescale: bool) -> dict:
+def batch_reward_stats(trajectories: list[Trajectory], wmact_rescale: bool) -> dict:
     """Mean per-trajectory reward by component, success rate overall and per env, turn counts."""
     n = max(len(trajectories), 1)
     comp = {"total": 0.0, "env": 0.0, "format": 0.0, "reasoning": 0.0}
     success: dict[str, list[int]] = defaultdict(list)
     for traj in trajectories:
         comp["total"] += sum(turn_rewards(traj, wmact_rescale=wmact_rescale))
-        for t in traj["turns"]:
-            comp["env"] += float(t["env_reward"])
-            comp["format"] += float(t["format_reward"])
-            comp["reasoning"] += float(t.get("reasoning_reward") or 0.0)
-        success[str(traj["env_name"])].append(int(bool(traj["success"])))
+        for t in traj.turns:
+            comp["env"] += float(t.env_reward)
+            comp["format"] += float(t.format_reward)
+            comp["reasoning"] += float(t.reasoning_reward or 0.0)
+        success[traj.env_name].append(int(traj.success))
     rates = {"all": sum(sum(v) for v in success.values()) / n}
     rates.update({k: sum(v) / len(v) for k, v in sorted(success.items())})
     return {"reward": {k: v / n for k, v in comp.items()}, "success_rate": rates,
-            "turns": [len(t["turns"]) for t in trajectories]}
+            "turns": [len(t.turns) for t in trajectories]}
+
+
+PAD_TO = 8  # micro_slices pads each micro-batch to a multiple of this
+
+
+def _padded(n: int, pad_to: int) -> int:
+    return -(-int(n) // pad_to) * pad_to
+
+
+def _cost(rows: list[int], lengths, pad_to: int) -> int:
+    """Token slots a micro-batch of ``rows`` computes: rows x longest, rounded up to ``pad_to``."""
+    return len(rows) * _padded(max(int(lengths[r]) for r in rows), pad_to) if rows else 0
+
+
+def token_budget_micro_batches(rows: list[int], lengths, budget: int, pad_to: int = PAD_TO) -> list[list[int]]:
+    """``rows`` (indices into ``lengths``) split into micro-batches of at most ``budget`` token slots
+    (rows x longest, rounded up to ``pad_to``), longest rows first; ties keep the order of ``rows``.
+    A row longer than the budget forms a micro-batch of its own."""
+    order = sorted(rows, key=lambda r: -int(lengths[r]))  # stable: ties in the given order
+    out: list[list[int]] = []
+    cur: list[int] = []
+    width = 0
+    for r in order:
+        if cur and (len(cur) + 1) * width > budget:
+            out.append(cur)
+            cur = []
+        if not cur:
+            width = _padded(lengths[r], pad_to)  # the longest of this micro-batch (sorted)
+        cur.append(r)
+    if cur:
+        out.append(cur)
+    return out
+
+
+def split_micro_batches(micro_batches: list[list[int]], lengths, n: int, pad_to: int = PAD_TO) -> list[list[int]]:
+    """``micro_batches`` split until there are ``n`` of them (every rank must run as many as the
+    rank with the most): the one with the most token slots among those of 2+ rows is halved
+    (longer half first), repeatedly. ValueError when ``n`` exceeds the number of rows."""
+    out = [list(m) for m in micro_batches]
+    if n > sum(len(m) for m in out):
+        raise ValueError(f"cannot make {n} micro-batches of {sum(len(m) for m in out)} rows")
+    while len(out) < n:
+        i = max((j for j in range(len(out)) if len(out[j]) > 1), key=lambda j: (_cost(out[j], lengths, pad_to), -j))
+        m = out[i]
+        out[i : i + 1] = [m[: (len(m) + 1) // 2], m[(len(m) + 1) // 2 :]]
+    return out
 
 
 def micro_loss_scale(n_micro: float, n_global: float, world_size: int, accumulation: int) -> float:
@@ -123,6 +188,7 @@ class PPOTrainer:
         self.local_batch = self.t.train_batch_size // world
         self.local_mini = self.t.ppo_mini_batch_size // world
         self.micro = self.t.micro_batch_size
+        self.micro_tokens = self.t.micro_batch_tokens
         self.device = models.dist.device
         self._grad_norm_now: dict[str, float] = {}
         if self.t.estimator == "grpo" and models.critic is not None:
@@ -143,14 +209,34 @@ class PPOTrainer:
     def _chunks(self, rows: list[int], size: int) -> list[list[int]]:
         return [rows[s : s + size] for s in range(0, len(rows), size)]
 
+    def _plan(self, groups: list[list[int]], lengths: list[int]) -> list[list[list[int]]]:
+        """The micro-batches of each group of rows (a mini-batch, or the local batch): fixed count
+        or token budget (module docstring); the same number per group on every rank."""
+        if self.micro_tokens <= 0:
+            return [self._chunks(g, self.micro) for g in groups]
+        plans = [token_budget_micro_batches(g, lengths, self.micro_tokens) for g in groups]
+        most = all_reduce_max([float(len(p)) for p in plans], self.models.dist)
+        return [split_micro_batches(p, lengths, int(n)) for p, n in zip(plans, most)]
+
+    @staticmethod
+    def _count_slots(mb: dict, timing: dict) -> None:
+        timing["slots"] += float(mb["attention_mask"].numel())
+        timing["real"] += float(mb["attention_mask"].sum())
+
+    @staticmethod
+    def _set_boundary(engine, last: bool) -> None:
+        """Mark whether the coming backward ends the mini-batch (DeepSpeed reduces and steps then)."""
+        engine.set_gradient_accumulation_boundary(bool(last))
+
     @torch.no_grad()
-    def _precompute(self, batch: dict, image_counts: list[int]) -> dict[str, torch.Tensor]:
+    def _precompute(self, batch: dict, image_counts: list[int], lengths: list[int], timing: dict) -> dict[str, torch.Tensor]:
         """Proximal / reference log-probs and old values of every local row, [B, L] on CPU."""
         shape = batch["input_ids"].shape
         out = {"old_logprobs": torch.zeros(shape), "ref_logprobs": torch.zeros(shape), "old_values": torch.zeros(shape)}
         policy = self.models.policy.module
-        for rows in self._chunks(list(range(shape[0])), self.micro):
+        for rows in self._plan([list(range(shape[0]))], lengths)[0]:
             mb = micro_slices(batch, rows, image_counts)
+            self._count_slots(mb, timing)
             length = mb["input_ids"].shape[1]
             lp, _ = policy(mb, temperature=self.temperature)
             out["old_logprobs"][rows, :length] = lp.float().cpu()
@@ -164,7 +250,7 @@ class PPOTrainer:
     def _kl(self, logprobs: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
         return kl_penalty(logprobs, ref, kind=self.t.kl_estimator)
 
-    def _grpo_token_rewards(self, all_trajs: list[dict], local_sums: torch.Tensor, length: int) -> tuple[dict, torch.Tensor]:
+    def _grpo_token_rewards(self, all_trajs: list[Trajectory], local_sums: torch.Tensor, length: int) -> tuple[dict, torch.Tensor]:
         """Masks of the WHOLE batch (no images decoded) and each row's token-reward sum placed on
         its last generated token, so grpo sees every group member's score on every rank."""
         layouts = [build_sequence(t) for t in all_trajs]
@@ -196,7 +282,7 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ the iteration
 
-    def update(self, trajectories: list[dict], step: int) -> dict:
+    def update(self, trajectories: list[Trajectory], step: int) -> dict:
         """One PPO iteration on the global batch ``trajectories``; returns stats (same on every rank)."""
         t, models = self.t, self.models
         timing = defaultdict(float)
@@ -206,10 +292,11 @@ class PPOTrainer:
         batch = collate(layouts, models.codec)
         image_counts = [len(x.images) for x in layouts]
         length = batch["input_ids"].shape[1]
+        lengths = [int(n) for n in batch["attention_mask"].sum(1).tolist()]
 
         self._sync()
         t0 = time.perf_counter()
-        pre = self._precompute(batch, image_counts)
+        pre = self._precompute(batch, image_counts, lengths, timing)
         self._sync()
         timing["forward"] += time.perf_counter() - t0
 
@@ -222,7 +309,7 @@ class PPOTrainer:
         if t.estimator == "grpo":
             full, tok = self._grpo_token_rewards(trajectories, token_rewards.sum(1), length)
             full_rewards = place_turn_rewards(full["turn_end_mask"], [turn_rewards(x, wmact_rescale=t.wmact_rescale) for x in trajectories])
-            gids = [str(x["group_id"]) for x in trajectories]
+            gids = [x.group_id for x in trajectories]
             adv_all, ret_all = adv_mod.compute_advantages(
                 "grpo", response_mask=full["response_mask"], turn_end_mask=full["turn_end_mask"],
                 turn_rewards=full_rewards, token_rewards=tok, group_ids=gids, **common)
@@ -241,23 +328,29 @@ class PPOTrainer:
         acc = _Acc()
         grad_norms: dict[str, list[float]] = defaultdict(list)
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 101 + models.dist.rank)
+        n_micro_batches = 0
         for epoch in range(t.ppo_epochs):
             order = torch.randperm(len(local), generator=gen).tolist()
-            for mini in self._chunks(order, self.local_mini):
+            minis = self._chunks(order, self.local_mini)
+            for mini, micros in zip(minis, self._plan(minis, lengths)):
                 n_global = all_reduce_sum([float(mask[mini].sum())], models.dist)[0]
-                for micro in self._chunks(mini, self.micro):
+                for i, micro in enumerate(micros):
                     mb = micro_slices(batch, micro, image_counts)
-                    self._train_micro(mb, n_global, acc, timing)
+                    self._count_slots(mb, timing)
+                    self._train_micro(mb, n_global, acc, timing, last=i == len(micros) - 1)
+                n_micro_batches += len(micros)
                 self._boundary(grad_norms)
 
         stats = acc.reduce(models)
         self._add_batch_stats(stats, raw_adv, returns, mask, kl_tok, pre, grad_norms)
         tokens = all_reduce_sum([float(batch["attention_mask"].sum()), float(resp.sum())], models.dist)
+        slots, real = all_reduce_sum([timing["slots"], timing["real"]], models.dist)
         stats.update(tokens=tokens[0], response_tokens=tokens[1], forward_seconds=timing["forward"],
-                     backward_seconds=timing["backward"])
+                     backward_seconds=timing["backward"], micro_batches=n_micro_batches,
+                     padding_fraction=1.0 - real / slots if slots > 0 else 0.0)
         return stats
 
-    def _train_micro(self, mb: dict, n_global: float, acc: _Acc, timing: dict) -> None:
+    def _train_micro(self, mb: dict, n_global: float, acc: _Acc, timing: dict, last: bool) -> None:
         t, models = self.t, self.models
         dev = self.device
         m = mb["loss_mask"].to(dev)
@@ -265,6 +358,7 @@ class PPOTrainer:
         share = micro_loss_scale(n_micro, n_global, models.dist.world_size, models.policy.gradient_accumulation_steps())
         self._sync()
         t0 = time.perf_counter()
+        self._set_boundary(models.policy, last)
         lp, ent = models.policy(mb, temperature=self.temperature, return_entropy=True)
         pl, pst = policy_loss(lp, mb["old_logprobs"].to(dev), mb["behaviour_logprobs"].to(dev), mb["advantages"].to(dev), m,
                               clip_ratio=t.clip_ratio, iw_cap=t.importance_weight_cap)
@@ -282,6 +376,7 @@ class PPOTrainer:
         if models.critic is None:
             return
         t0 = time.perf_counter()
+        self._set_boundary(models.critic, last)
         values = models.critic(mb)
         vl, vst = value_loss(values, mb["old_values"].to(dev), mb["returns"].to(dev), m, value_clip=t.value_clip)
         self._optimise("critic", models.critic, vl * share, t0, timing)

@@ -15,7 +15,7 @@ if str(ROOT) not in sys.path:
 # DeepSpeed JIT-compiles small CPU ops once; keep them in one cached folder.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
 
-from common.redis_local import LocalRedis  # noqa: E402
+from worldloop.common.redis_local import LocalRedis  # noqa: E402
 
 
 @pytest.fixture

@@ -19,14 +19,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class Child:
-    """A ``python -m common.cli ARGS`` process whose output goes to ``log``."""
+    """A ``python -m worldloop ARGS`` process whose output goes to ``log``."""
 
     def __init__(self, args: list[str], log: Path, env: dict | None = None, new_session: bool = False):
         self.args = list(args)
         self.log = Path(log)
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), **(env or {})}
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "common.cli", *self.args], cwd=ROOT, env=full_env,
+            self.proc = subprocess.Popen([sys.executable, "-m", "worldloop", *self.args], cwd=ROOT, env=full_env,
                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=new_session)
 
     @property

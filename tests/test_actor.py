@@ -15,7 +15,7 @@ import re
 import threading
 import time
 import urllib.request
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import gymnasium
@@ -26,14 +26,15 @@ import yaml
 from prometheus_client import REGISTRY
 from transformers import AutoTokenizer
 
-import envs  # noqa: F401  (registers the env ids)
-from actor.process import run
-from common.config import config_from_dict
-from common.control import SCORED_GROUP, Keys, list_processes, write_control
-from common.modeling import IMAGE_PLACEHOLDER, ChatCodec, build_sequence, collate, load_policy, token_logprobs
-from common.schemas import decode_trajectory
-from common.streams import StreamConsumer
-from common.tiny_model import make_tiny_model
+from worldloop import envs  # noqa: F401  (registers the env ids)
+from worldloop.actor.process import run
+from worldloop.common.config import config_from_dict
+from worldloop.common.control import list_processes, write_control
+from worldloop.common.keys import Keys, SCORED_GROUP
+from worldloop.common.modeling import IMAGE_PLACEHOLDER, ChatCodec, build_sequence, collate, load_policy, token_logprobs
+from worldloop.common.schemas import decode_trajectory
+from worldloop.common.streams import StreamConsumer
+from worldloop.tiny_model import make_tiny_model
 from procs import Child, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,8 +95,13 @@ class _Reader:
         lengths = {k.decode(): r.xlen(k) for k in r.scan_iter(match=f"{self.ns}:*", _type="stream")}
         groups = defaultdict(int)
         for t in self.got:
-            groups[t["group_id"]] += 1
-        return f"read {len(self.got)} trajectories in groups of sizes {sorted(groups.values())}; streams {lengths}"
+            groups[t.group_id] += 1
+        sizes = Counter(groups.values())
+        ends = Counter((t.end_reason, len(t.turns)) for t in self.got)
+        first = [f"{t.group_id[:6]}/{t.trajectory_id[:6]} seed {t.seed} {len(t.turns)}t {t.end_reason}" for t in self.got[:12]]
+        admission = {k.decode(): v.decode() for k, v in r.hgetall(Keys(self.ns).admission).items()}
+        return (f"read {len(self.got)} trajectories, group sizes {dict(sizes)}, (end, turns) {dict(ends)}; "
+                f"first: {first}; admission {admission}; streams {lengths}")
 
 
 class _ActorThread:
@@ -130,18 +136,18 @@ def _sample(name: str, labels: dict | None = None) -> float:
 
 def _replay_messages(traj: dict) -> tuple[list[dict], list]:
     """The conversation of a trajectory rebuilt from its env (same seed) and its response texts."""
-    env = gymnasium.make(traj["env_id"], **traj["env_kwargs"])
-    obs, _ = env.reset(seed=traj["seed"])
+    env = gymnasium.make(traj.env_id, **traj.env_kwargs)
+    obs, _ = env.reset(seed=traj.seed)
     messages = [{"role": "system", "content": env.unwrapped.system_prompt()}]
     images = []
-    for t, turn in enumerate(traj["turns"]):
+    for t, turn in enumerate(traj.turns):
         before, *rest = obs["text"].split(IMAGE_PLACEHOLDER)
         content = [{"type": "text", "text": before}]
         for after in rest:
             content += [{"type": "image"}, {"type": "text", "text": after}]
         images.append(obs["image"])
         messages += [{"role": "user", "content": content}, {"role": "assistant", "content": f"\x00R{t}\x00"}]
-        obs, *_ = env.step(turn["response_text"])
+        obs, *_ = env.step(turn.response_text)
     env.close()
     return messages, images
 
@@ -152,18 +158,18 @@ def _template_ids(tok, codec: ChatCodec, traj: dict) -> list[int]:
     messages, images = _replay_messages(traj)
     text = tok.apply_chat_template(messages, tokenize=False)
     pieces = re.split("\x00R\\d+\x00", text)
-    pngs = [png for turn in traj["turns"] for png in turn["images"]]
+    pngs = [png for turn in traj.turns for png in turn.images]
     assert pngs == [codec.prepare_image(img) for img in images]  # the recorded images are the env's
     counts = iter(codec.image_pad_count(png) for png in pngs)
     one = "<|vision_start|><|image_pad|><|vision_end|>"
     ids: list[int] = []
-    for piece, turn in zip(pieces, traj["turns"]):
+    for piece, turn in zip(pieces, traj.turns):
         while one in piece:
             piece = piece.replace(one, "<|vision_start|>" + "<|image_pad|>" * next(counts) + "<|vision_end|>", 1)
         ids += tok(piece, add_special_tokens=False)["input_ids"]
-        resp = list(turn["response_ids"])
+        resp = list(turn.response_ids)
         ids += resp[:-1] if resp[-1] == codec.im_end_id else resp  # the template adds <|im_end|> itself
-    last = traj["turns"][-1]["response_ids"]
+    last = traj.turns[-1].response_ids
     return ids + ([codec.im_end_id] if last[-1] == codec.im_end_id else [])
 
 
@@ -195,7 +201,7 @@ def test_actor_cli_writes_token_exact_trajectories(vl_dir, policy, redis_url, tm
         def enough(got: list[dict]) -> bool:  # 4 trajectories, both episodes of some seed among them
             per_group = defaultdict(int)
             for t in got:
-                per_group[t["group_id"]] += 1
+                per_group[t.group_id] += 1
             return len(got) >= 4 and 2 in per_group.values()
 
         trajs = reader.until(enough, "4 trajectories incl. a whole group", timeout=300, children=[child])
@@ -216,23 +222,23 @@ def test_actor_cli_writes_token_exact_trajectories(vl_dir, policy, redis_url, tm
     groups: dict[str, set] = defaultdict(set)
     members: dict[str, int] = defaultdict(int)
     for traj in trajs:
-        assert traj["scored"] is False and traj["actor_id"] == "test-actor" and traj["max_turns"] == 2
-        assert 1 <= len(traj["turns"]) <= 2 and traj["end_reason"] in ("done", "max_turns", "vision_token")
-        assert all(t["policy_version"] == 0 for t in traj["turns"])
-        assert all(len(t["images"]) == 1 for t in traj["turns"])  # vision mode: one image per turn
-        flat = [i for t in traj["turns"] for i in t["obs_ids"] + t["response_ids"]]
-        assert flat == _template_ids(tok, codec, traj), traj["trajectory_id"]
+        assert traj.scored is False and traj.actor_id == "test-actor" and traj.max_turns == 2
+        assert 1 <= len(traj.turns) <= 2 and traj.end_reason in ("done", "max_turns", "vision_token")
+        assert all(t.policy_version == 0 for t in traj.turns)
+        assert all(len(t.images) == 1 for t in traj.turns)  # vision mode: one image per turn
+        flat = [i for t in traj.turns for i in t.obs_ids + t.response_ids]
+        assert flat == _template_ids(tok, codec, traj), traj.trajectory_id
         assert _logprob_gap(policy, codec, traj) < 5e-4
-        groups[traj["group_id"]].add((traj["env_id"], traj["seed"]))
-        members[traj["group_id"]] += 1
+        groups[traj.group_id].add((traj.env_id, traj.seed))
+        members[traj.group_id] += 1
     # a group is one env and one seed, at most n_samples_per_seed episodes; seeds lie in the range
     assert all(len(v) == 1 for v in groups.values()) and max(members.values()) == 2
-    assert all(0 <= t["seed"] < 1_000_000 for t in trajs)
+    assert all(0 <= t.seed < 1_000_000 for t in trajs)
 
 
 @pytest.mark.slow
 def test_new_weights_apply_between_generations(vl_dir, policy, redis_url) -> None:
-    from common.weights import WeightPublisher
+    from worldloop.common.weights import WeightPublisher
 
     ns = "actor-weights"
     r = redis.Redis.from_url(redis_url)
@@ -254,7 +260,7 @@ def test_new_weights_apply_between_generations(vl_dir, policy, redis_url) -> Non
               "the bad set to be refused")
         pub.publish(v2, version=2)
         write_control(r, Keys(ns), policy_version=2)
-        trajs = reader.until(lambda got: any(t["turns"][0]["policy_version"] == 2 for t in got), "a v2 episode")
+        trajs = reader.until(lambda got: any(t.turns[0].policy_version == 2 for t in got), "a v2 episode")
         assert actor.stop(r, ns) == 0
     finally:
         pub.close()
@@ -264,7 +270,7 @@ def test_new_weights_apply_between_generations(vl_dir, policy, redis_url) -> Non
     codec = ChatCodec(vl_dir, max_image_side=SIDE)
     seen = set()
     for traj in trajs:
-        versions = [t["policy_version"] for t in traj["turns"]]
+        versions = [t.policy_version for t in traj.turns]
         assert versions == sorted(versions) and set(versions) <= {0, 2}  # never mid-turn, never backwards
         for v, model, other in ((0, policy, model_v2), (2, model_v2, policy)):
             turns = {i for i, x in enumerate(versions) if x == v}
@@ -283,7 +289,7 @@ def test_learner_restart_reusing_version_numbers_is_followed(vl_dir, policy, red
     control record going back to v1 makes it take what the learner publishes now (and the v2, v3...
     that follow reuse numbers the actor has seen).
     """
-    from common.weights import WeightPublisher
+    from worldloop.common.weights import WeightPublisher
 
     ns = "actor-resync"
     r = redis.Redis.from_url(redis_url)
@@ -297,10 +303,10 @@ def test_learner_restart_reusing_version_numbers_is_followed(vl_dir, policy, red
     checked: dict[str, bool] = {}
 
     def generated_by_redo(traj: dict) -> bool:
-        if traj["trajectory_id"] not in checked:
-            turns = set(range(len(traj["turns"])))
-            checked[traj["trajectory_id"]] = _logprob_gap(model_redo, codec, traj, turns) < 5e-4
-        return checked[traj["trajectory_id"]]
+        if traj.trajectory_id not in checked:
+            turns = set(range(len(traj.turns)))
+            checked[traj.trajectory_id] = _logprob_gap(model_redo, codec, traj, turns) < 5e-4
+        return checked[traj.trajectory_id]
 
     pub = WeightPublisher("127.0.0.1", 0, 0)
     ports = (pub.pub_port, pub.fetch_port)
@@ -311,7 +317,7 @@ def test_learner_restart_reusing_version_numbers_is_followed(vl_dir, policy, red
         reader = _Reader(redis_url, ns)
         pub.publish(lost, version=2)
         write_control(r, Keys(ns), policy_version=2)
-        reader.until(lambda got: any(t["turns"][0]["policy_version"] == 2 for t in got), "an episode on the lost v2")
+        reader.until(lambda got: any(t.turns[0].policy_version == 2 for t in got), "an episode on the lost v2")
         pub.close()  # the learner dies; it restarts from its v1 checkpoint on the same ports
         pub = WeightPublisher("127.0.0.1", *ports)
         pub.publish(redo, version=1)  # the checkpoint's weights, as Learner.__init__ publishes them
@@ -321,8 +327,8 @@ def test_learner_restart_reusing_version_numbers_is_followed(vl_dir, policy, red
         assert actor.stop(r, ns) == 0
     finally:
         pub.close()
-    redone = [t for t in got if checked.get(t["trajectory_id"])]
-    assert all(turn["policy_version"] == 1 for t in redone for turn in t["turns"])
+    redone = [t for t in got if checked.get(t.trajectory_id)]
+    assert all(turn.policy_version == 1 for t in redone for turn in t.turns)
 
 
 @pytest.mark.slow
@@ -334,11 +340,11 @@ def test_control_record_sets_max_turns_pauses_and_stops(vl_dir, redis_url) -> No
     actor = _ActorThread(_config(vl_dir, redis_url, ns, max_turns=2, n_samples_per_seed=1))
     reader = _Reader(redis_url, ns)
     first = reader.until(lambda got: len(got) >= 1, "a first trajectory")
-    assert first[0]["max_turns"] == 3  # the control record beats actor.max_turns
+    assert first[0].max_turns == 3  # the control record beats actor.max_turns
     write_control(r, keys, max_turns=1)
-    got = reader.until(lambda got: sum(t["max_turns"] == 1 for t in got) >= 2, "episodes with max_turns 1")
+    got = reader.until(lambda got: sum(t.max_turns == 1 for t in got) >= 2, "episodes with max_turns 1")
     for traj in got:  # episodes running at the change keep their 3; new ones get 1
-        assert traj["max_turns"] in (3, 1) and len(traj["turns"]) <= traj["max_turns"]
+        assert traj.max_turns in (3, 1) and len(traj.turns) <= traj.max_turns
 
     write_control(r, keys, run_state="paused")
     _wait(lambda: _sample("worldloop_actor_paused") == 1, "the actor to pause")
@@ -367,13 +373,13 @@ def test_full_stream_blocks_the_actor_until_drained(vl_dir, redis_url) -> None:
     assert r.xlen(keys.scored) == 1  # nobody reads: one entry, and the actor waits with the next
     reader = _Reader(redis_url, ns)
     got = reader.until(lambda got: len(got) >= 3, "the actor to resume after draining")
-    assert len({t["trajectory_id"] for t in got}) == len(got)
+    assert len({t.trajectory_id for t in got}) == len(got)
     assert actor.stop(r, ns) == 0
     assert _sample("worldloop_stream_backpressure_seconds_total", labels) > waited
 
 
 def test_bad_config_fails_before_starting(vl_dir, redis_url) -> None:
-    from common.config import ConfigError
+    from worldloop.common.config import ConfigError
 
     cfg = _config(vl_dir, redis_url, "actor-bad")
     cfg["actor"]["envs"] = [{"id": "worldloop/FrozenLake-v0", "kwargs": {"size": 3, "no_such_knob": 1}}]

@@ -5,14 +5,15 @@ from __future__ import annotations
 import gymnasium
 import pytest
 import torch
+from msgspec.structs import asdict
 
-import envs  # noqa: F401  (registers the env ids)
-from actor.backends import HFBackend
-from actor.rollout import EpisodeSpec, RolloutEngine, Sampling, SeedSchedule, env_name, play_episodes
-from common.config import EnvSpec
-from common.schemas import decode_trajectory, encode_trajectory
-from common.tiny_model import make_tiny_model
-from envs.frozenlake import FrozenLakeEnv
+from worldloop import envs  # noqa: F401  (registers the env ids)
+from worldloop.actor.hf_backend import HFBackend
+from worldloop.actor.rollout import EpisodeSpec, RolloutEngine, Sampling, SeedSchedule, env_name, play_episodes
+from worldloop.common.config import EnvSpec
+from worldloop.common.schemas import Trajectory, decode_trajectory, encode_trajectory
+from worldloop.tiny_model import make_tiny_model
+from worldloop.envs.frozenlake import FrozenLakeEnv
 
 SIDE = 112
 KW = {"size": 3, "is_slippery": False, "min_actions_to_succeed": 2, "render_mode": "vision", "image_size": 56, "add_example": False}
@@ -49,45 +50,45 @@ def test_play_episodes_keeps_order_and_survives_env_bugs(backend) -> None:
              EpisodeSpec(BUGGY, 2, KW, max_turns=2), EpisodeSpec(LAKE, 1, KW, env_name="lake", group_id="g", max_turns=1),
              EpisodeSpec(LAKE, 6, KW, max_turns=2)]
     trajs = play_episodes(backend, specs, concurrency=2, sampling=SAMPLING, max_model_len=2048, sample_seed=0)
-    assert [(t["env_id"], t["seed"]) for t in trajs] == [(s.env_id, s.seed) for s in specs]
+    assert [(t.env_id, t.seed) for t in trajs] == [(s.env_id, s.seed) for s in specs]
     bug, lake, even, named, other = trajs
-    assert bug["end_reason"] == "env_error" and bug["turns"] == []  # dropped, the others went on
-    assert even["env_name"] == "buggyfrozenlake"
-    assert named["env_name"] == "lake" and named["group_id"] == "g" and named["max_turns"] == 1
-    assert lake["group_id"] != other["group_id"]  # no group given: each episode its own
-    played = [t for t in (lake, even, named, other) if t["turns"]]
+    assert bug.end_reason == "env_error" and bug.turns == []  # dropped, the others went on
+    assert even.env_name == "buggyfrozenlake"
+    assert named.env_name == "lake" and named.group_id == "g" and named.max_turns == 1
+    assert lake.group_id != other.group_id  # no group given: each episode its own
+    played = [t for t in (lake, even, named, other) if t.turns]
     assert played  # (a random tiny model may end an episode early by sampling an image token)
     for traj in (lake, even, named, other):
-        assert traj["end_reason"] in ("done", "max_turns", "vision_token") and len(traj["turns"]) <= traj["max_turns"]
-        assert traj["end_reason"] == "vision_token" or len(traj["turns"]) >= 1
+        assert traj.end_reason in ("done", "max_turns", "vision_token") and len(traj.turns) <= traj.max_turns
+        assert traj.end_reason == "vision_token" or len(traj.turns) >= 1
     for traj in played:
-        assert decode_trajectory(encode_trajectory(traj))["turns"] == traj["turns"]
+        assert decode_trajectory(encode_trajectory(traj)).turns == traj.turns
         _check_turns_against_env(backend, traj)
 
 
-def _check_turns_against_env(backend, traj: dict) -> None:
+def _check_turns_against_env(backend, traj: Trajectory) -> None:
     """Replay the episode with the recorded responses: every per-turn field is the env's."""
-    env = gymnasium.make(traj["env_id"], **traj["env_kwargs"])
-    _, info = env.reset(seed=traj["seed"])
+    env = gymnasium.make(traj.env_id, **traj.env_kwargs)
+    _, info = env.reset(seed=traj.seed)
     state = info["state"]
-    for turn in traj["turns"]:
-        _, reward, terminated, truncated, info = env.step(turn["response_text"])
-        assert turn["state_before"] == state and turn["state_after"] == info["state"]
-        assert turn["env_reward"] + turn["format_reward"] == reward
-        assert turn["done"] == (terminated or truncated) and turn["success"] == info["success"]
-        assert turn["actions"] == info["actions"] and turn["actions_total"] == len(info["actions"])
-        assert turn["actions_effective"] == info["actions_effective"] and turn["format_ok"] == info["format_ok"]
-        assert turn["prediction"] == info["prediction"] and turn["observation"] == info["observation"]
-        assert turn["response_text"] == backend.codec.decode(turn["response_ids"])
-        assert turn["truncated_response"] == (turn["response_ids"][-1] not in backend.codec.eos_token_ids)
+    for turn in traj.turns:
+        _, reward, terminated, truncated, info = env.step(turn.response_text)
+        assert asdict(turn.state_before) == state and asdict(turn.state_after) == info["state"]
+        assert turn.env_reward + turn.format_reward == reward
+        assert turn.done == (terminated or truncated) and turn.success == info["success"]
+        assert turn.actions == info["actions"] and turn.actions_total == len(info["actions"])
+        assert turn.actions_effective == info["actions_effective"] and turn.format_ok == info["format_ok"]
+        assert turn.prediction == info["prediction"] and turn.observation == info["observation"]
+        assert turn.response_text == backend.codec.decode(turn.response_ids)
+        assert turn.truncated_response == (turn.response_ids[-1] not in backend.codec.eos_token_ids)
         state = info["state"]
-    assert traj["success"] == info["success"]
+    assert traj.success == info["success"]
     env.close()
 
 
 def test_seeded_sampling_replays_the_same_episodes(backend) -> None:
     specs = [EpisodeSpec(LAKE, s, KW, max_turns=2) for s in (4, 5)]
-    run = lambda seed: [[t["response_ids"] for t in tr["turns"]]
+    run = lambda seed: [[t.response_ids for t in tr.turns]
                         for tr in play_episodes(backend, specs, concurrency=2, sampling=SAMPLING, sample_seed=seed)]
     first = run(11)
     assert any(first) and first == run(11)
@@ -102,14 +103,14 @@ def test_context_limit_ends_an_episode_before_generating(backend) -> None:
     spec = EpisodeSpec(LAKE, 1, KW, max_turns=5)
     # room for the first turn only: the second observation does not fit
     [one] = play_episodes(backend, [spec], sampling=SAMPLING, max_model_len=need + 10)
-    assert one["end_reason"] == "context" and len(one["turns"]) == 1
+    assert one.end_reason == "context" and len(one.turns) == 1
     # not even the first turn fits: no generation at all
     engine = RolloutEngine(backend, sampling=SAMPLING, max_model_len=need - 1)
     tid = engine.start(spec)
     assert engine.live == 0 and engine.pending_reports == 1
     report = engine.step()
     assert report.generated_tokens == 0
-    assert [(t["trajectory_id"], t["end_reason"], t["turns"]) for t in report.finished] == [(tid, "context", [])]
+    assert [(t.trajectory_id, t.end_reason, t.turns) for t in report.finished] == [(tid, "context", [])]
 
 
 def test_seed_schedule_groups_and_per_actor_streams() -> None:
@@ -149,9 +150,9 @@ def test_a_response_ending_on_endoftext_is_closed_by_the_next_observation(backen
     [traj] = play_episodes(flat, [EpisodeSpec(LAKE, 1, KW, max_turns=2)], sampling=Sampling(0.0, 1.0, 8))
     codec = flat.codec
     eot = codec.tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    first, second = traj["turns"]
-    assert first["response_ids"] == [eot] and not first["truncated_response"] and first["policy_version"] == 3
-    assert second["obs_ids"][:2] == [codec.im_end_id] + codec.tokenizer.encode("\n", add_special_tokens=False)
+    first, second = traj.turns
+    assert first.response_ids == [eot] and not first.truncated_response and first.policy_version == 3
+    assert second.obs_ids[:2] == [codec.im_end_id] + codec.tokenizer.encode("\n", add_special_tokens=False)
     # after a response that ended on <|im_end|> only "\n" follows (the codec's rule, checked here on ids)
     ended = codec.encode_obs("x", [], system=None, first=False, prev_response_ended=True).ids
     assert ended[0] != codec.im_end_id
@@ -172,4 +173,4 @@ def test_a_response_with_image_tokens_ends_the_episode_without_that_turn(backend
     state.pop("lm_head.weight")
     bad.update_weights(state, version=1)
     [traj] = play_episodes(bad, [EpisodeSpec(LAKE, 1, KW, max_turns=2)], sampling=Sampling(0.0, 1.0, 4))
-    assert traj["end_reason"] == "vision_token" and traj["turns"] == []
+    assert traj.end_reason == "vision_token" and traj.turns == []

@@ -1,4 +1,4 @@
-"""learner.advantages against values computed by hand from the formulas (VAGEN Alg. 1/2, Argos Eq. 10).
+"""worldloop.learner.advantages against values computed by hand from the formulas (VAGEN Alg. 1/2, Argos Eq. 10).
 
 The hand batch (L = 10, positions 0..9; o = observation token, a = generated token, | = turn end):
 
@@ -16,8 +16,8 @@ import math
 import pytest
 import torch
 
-from common.config import TrainerConfig
-from learner.advantages import (
+from worldloop.common.config import TrainerConfig
+from worldloop.learner.advantages import (
     ESTIMATORS,
     advantage_kwargs,
     bilevel_gae,
@@ -133,6 +133,51 @@ def test_bilevel_gae_defaults_by_hand() -> None:
     a2 = (-0.1 + 0.6 - 0.5) + a3
     adv, _ = bilevel_gae(**shared(hand_batch()))
     torch.testing.assert_close(adv[0], expected({0: {2: a2, 3: a3, 5: a5, 6: a6, 8: a8, 9: a9}})[0])
+
+
+def test_bilevel_gae_vagen_kl_routing_by_hand() -> None:
+    # kl_routing="turn_reward" (VAGEN's verl core_algos): the turn-end token's k joins r_t at the
+    # turn level (r'_t = r_t + k_end) and the end token gets A_t alone
+    gt, lt, gk, lk = 0.95, 0.9, 0.9, 0.8
+    # row A: ends 3, 6, 9 with k = 0, -0.2, -0.05 -> r' = 1.0, -0.2, 0.45; V at ends 0.6, 0.3, 0.1
+    t2 = 0.45 + gt * 0 - 0.1
+    t1 = (-0.2 + gt * 0.1 - 0.3) + gt * lt * t2
+    t0 = (1.0 + gt * 0.3 - 0.6) + gt * lt * t1
+    a9, a6, a3 = t2, t1, t0
+    a8 = (0 + gk * 0.1 - 0.2) + gk * lk * a9
+    a5 = (0 + gk * 0.3 - 0.4) + gk * lk * a6
+    a2 = (-0.1 + gk * 0.6 - 0.5) + gk * lk * a3
+    # row B: ends 2, 4 with k = -0.1, 0 -> r' = -0.6, 2.0; V at ends 0.8, 0.5
+    u1 = 2.0 - 0.5
+    u0 = (-0.6 + gt * 0.5 - 0.8) + gt * lt * u1
+    b4, b2 = u1, u0
+    b1 = (0 + gk * 0.8 - 1.0) + gk * lk * b2
+    kw = dict(gamma_turn=gt, lam_turn=lt, gamma_token=gk, lam_token=lk)
+    adv, ret = bilevel_gae(**shared(hand_batch()), **kw, kl_routing="turn_reward")
+    close(adv, expected({0: {2: a2, 3: a3, 5: a5, 6: a6, 8: a8, 9: a9}, 1: {1: b1, 2: b2, 4: b4}}))
+    v = hand_batch()["values"]
+    close(ret, torch.where(hand_batch()["response_mask"] > 0, adv + v, 0.0))
+    assert abs(t0 - 0.59458375) < 1e-9  # the arithmetic itself (own_turn gives 0.802135 here)
+    # turn 1's k = -0.2 now also reaches turn 0, discounted by gt*lt: the first turn's end moves by
+    # gt*lt*(-0.2 + gt*lt*(-0.05)) against own_turn, the last turn's end token is the same
+    own, _ = bilevel_gae(**shared(hand_batch()), **kw)
+    assert abs((adv[0, 3] - own[0, 3]).item() - gt * lt * (-0.2 + gt * lt * -0.05)) < 1e-6
+    assert abs((adv[0, 9] - own[0, 9]).item()) < 1e-6
+    # the dispatcher passes it through; other estimators ignore it; a bad value names the keyword
+    close(compute_advantages("bilevel_gae", **hand_batch(), **kw, kl_routing="turn_reward")[0], adv)
+    close(compute_advantages("masked_gae", **hand_batch(), kl_routing="turn_reward")[0],
+          masked_gae(**shared(hand_batch()))[0])
+    with pytest.raises(ValueError, match="kl_routing"):
+        bilevel_gae(**shared(hand_batch()), kl_routing="vagen")
+
+
+def test_bilevel_kl_routings_agree_without_end_token_terms() -> None:
+    batch = shared(hand_batch())
+    batch["token_rewards"] = torch.where(hand_batch()["turn_end_mask"] > 0, 0.0, batch["token_rewards"])
+    a, r = bilevel_gae(**batch, gamma_turn=0.9, lam_turn=0.7, gamma_token=0.8, lam_token=0.6)
+    b, s = bilevel_gae(**batch, gamma_turn=0.9, lam_turn=0.7, gamma_token=0.8, lam_token=0.6, kl_routing="turn_reward")
+    close(a, b)
+    close(r, s)
 
 
 def test_turn_ppo_by_hand() -> None:
@@ -395,6 +440,7 @@ def test_bad_input_raises_naming_the_argument() -> None:
 def test_dispatcher_routes_the_config_discounts() -> None:
     cfg = TrainerConfig(gamma=0.9, lam=0.8, gamma_turn=0.7, lam_turn=0.6, gamma_token=0.5, lam_token=0.4)
     kw = advantage_kwargs(cfg)
+    assert kw["kl_routing"] == "own_turn"  # trainer.bilevel_kl_routing's default
     batch = hand_batch()
     base = shared(batch)
     pairs = [

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from common.cli import COMMANDS
+from worldloop.cli import COMMANDS
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "common.cli", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "worldloop", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -44,7 +44,7 @@ def test_bad_override_exits_2_naming_the_key() -> None:
 
 
 def test_learner_takes_the_deepspeed_launchers_local_rank() -> None:
-    from common.cli import build_parser
+    from worldloop.cli import build_parser
 
     args = build_parser().parse_args(["learner", "--local_rank=1", "--config", "x.yaml", "trainer.zero_stage=2"])
     assert args.local_rank == 1 and args.overrides == ["trainer.zero_stage=2"]
@@ -62,7 +62,7 @@ def test_status_without_redis_url_fails_clearly() -> None:
 
 
 def test_status_unreachable_redis_fails_clearly() -> None:
-    from common.metrics import free_port
+    from worldloop.common.metrics import free_port
 
     out = cli("status", f"redis.url=redis://:hidden@127.0.0.1:{free_port()}/0")
     assert out.returncode == 1 and "cannot read Redis" in out.stderr
@@ -72,10 +72,11 @@ def test_status_unreachable_redis_fails_clearly() -> None:
 def test_status_of_a_populated_run(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     import time
 
-    from common import status
-    from common.config import load_config
-    from common.control import ROLLOUTS_GROUP, SCORED_GROUP, Keys, read_stats, register_process, stats_incr, write_control
-    from common.streams import StreamConsumer, StreamProducer, connect
+    from worldloop import status
+    from worldloop.common.config import load_config
+    from worldloop.common.control import read_stats, register_process, stats_incr, write_control
+    from worldloop.common.keys import Keys, ROLLOUTS_GROUP, SCORED_GROUP
+    from worldloop.common.streams import StreamConsumer, StreamProducer, connect
 
     keys, r = Keys("demo"), connect(redis_url)
     prod = StreamProducer(redis_url, keys.rollouts, max_backlog=100)
@@ -115,7 +116,7 @@ def test_status_of_a_populated_run(redis_url: str, capsys: pytest.CaptureFixture
 
 
 def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on(tmp_path: Path) -> None:
-    from common.metrics import free_port
+    from worldloop.common.metrics import free_port
     from procs import Child, wait_for
 
     # a judge whose Redis is not there keeps reconnecting: a live process that is "stuck"
@@ -124,9 +125,12 @@ def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on(tmp_path: Pa
     try:
         wait_for(lambda: "reconnecting" in judge.output(None), "the judge to retry Redis", 60, [judge])
         judge.dump_stacks()
-        dumped = wait_for(lambda: "most recent call first" in judge.output(None), "a stack dump", 30, [judge])
-        text = judge.output(None)
-        assert dumped and "judge/process.py" in text and "Current thread" in text
+        # faulthandler writes thread by thread: wait for the whole dump, not its first header
+        def whole_dump() -> bool:
+            text = judge.output(None)
+            return "most recent call first" in text and "Current thread" in text and "judge/process.py" in text
+
+        assert wait_for(whole_dump, "a whole stack dump naming judge/process.py", 30, [judge])
         assert judge.returncode is None  # the dump does not stop it
     finally:
         judge.kill()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from common.config import Config, ConfigError, config_from_dict, load_config, parse_override, to_dict
+from worldloop.common.config import Config, ConfigError, config_from_dict, load_config, parse_override, to_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from common.metrics import CATALOG, exported_names, free_port
+from worldloop.common.metrics import CATALOG, exported_names, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -25,9 +25,18 @@ def _dashboard() -> dict:
     return json.loads((DEPLOY / "grafana" / "dashboards" / "worldloop.json").read_text())
 
 
+def _panels() -> list[dict]:
+    """The dashboard's graph panels (rows hold none: they are flat in ``panels``)."""
+    return [p for p in _dashboard()["panels"] if p["type"] != "row"]
+
+
+def _variables() -> dict[str, dict]:
+    return {v["name"]: v for v in _dashboard()["templating"]["list"]}
+
+
 def test_every_dashboard_query_names_an_exported_metric():
     exported = exported_names()
-    panels = _dashboard()["panels"]
+    panels = _panels()
     assert panels, "dashboard has no panels"
     seen = set()
     for panel in panels:
@@ -38,6 +47,9 @@ def test_every_dashboard_query_names_an_exported_metric():
             for n in names:
                 assert n in exported, f"panel {panel['title']!r} queries {n}, which no process exports"
                 seen.add(n)
+    for var in _variables().values():  # the variables' label_values() queries too
+        for n in METRIC_RE.findall(var.get("definition", "")):
+            assert n in exported, f"variable {var['name']} queries {n}, which no process exports"
     # the dashboard covers every area the operators watch
     for needed in (
         "worldloop_actor_episodes_total",
@@ -60,23 +72,69 @@ def test_dashboard_check_catches_a_misspelt_metric():
     assert all(n.startswith("worldloop_") for n in CATALOG)
 
 
+def test_every_query_filters_by_the_variables_and_uses_rate_interval():
+    with_env = {"worldloop_actor_episodes", "worldloop_actor_successes", "worldloop_learner_success_rate"}
+    for panel in _panels():
+        for t in panel["targets"]:
+            expr = t["expr"]
+            # every selector of a worldloop metric carries the namespace, role and instance filters
+            for m in re.finditer(r"(worldloop_[a-z0-9_]+)\{([^}]*)\}", expr):
+                name, matchers = m.groups()
+                for var in ("namespace", "role", "instance"):
+                    assert f'{var}=~"${var}"' in matchers, f"{panel['title']!r}: {name} lacks the {var} filter"
+                if re.sub(r"_(total|bucket)$", "", name) in with_env:
+                    assert 'env=~"$env"' in matchers, f"{panel['title']!r}: {name} lacks the env filter"
+            assert len(METRIC_RE.findall(expr)) == len(re.findall(r"worldloop_[a-z0-9_]+\{", expr)), expr
+            # rate windows follow the scrape interval instead of a fixed window
+            windows = re.findall(r"\[([^\]]+)\]", expr)
+            assert all(w == "$__rate_interval" for w in windows), f"{panel['title']!r}: fixed window in {expr}"
+
+
+def test_dashboard_is_importable_and_has_a_training_row():
+    d = _dashboard()
+    assert d["id"] is None and d["uid"] == "worldloop"
+    assert d["schemaVersion"] >= 39
+    (inp,) = d["__inputs"]
+    assert inp["name"] == "DS_PROMETHEUS" and inp["type"] == "datasource" and inp["pluginId"] == "prometheus"
+    for panel in _panels():
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}, panel["title"]
+        assert all(t["datasource"]["uid"] == "${DS_PROMETHEUS}" for t in panel["targets"]), panel["title"]
+    variables = _variables()
+    assert set(variables) >= {"DS_PROMETHEUS", "namespace", "role", "instance", "env"}
+    assert variables["DS_PROMETHEUS"]["type"] == "datasource" and variables["DS_PROMETHEUS"]["query"] == "prometheus"
+    for name in ("namespace", "role", "instance", "env"):
+        v = variables[name]
+        assert v["type"] == "query" and v["datasource"]["uid"] == "${DS_PROMETHEUS}"
+        assert v["includeAll"] and v["allValue"] == ".*"
+        assert f"{name})" in v["definition"].replace(" ", ""), v["definition"]  # label_values(..., name)
+    # rows: operations first, then the per-step training panels
+    rows = [p for p in d["panels"] if p["type"] == "row"]
+    assert [r["title"] for r in rows] == ["Operations", "Training (per step)"]
+    training_y = rows[1]["gridPos"]["y"]
+    training = " ".join(t["expr"] for p in _panels() if p["gridPos"]["y"] > training_y for t in p["targets"])
+    for name in ("worldloop_learner_loss", "worldloop_learner_kl", "worldloop_learner_entropy",
+                 "worldloop_learner_clip_fraction", "worldloop_learner_success_rate", "worldloop_learner_reward",
+                 "worldloop_learner_staleness_versions_bucket"):
+        assert name + "{" in training, f"the training row has no {name} panel"
+    ids = [p["id"] for p in d["panels"]]
+    assert len(ids) == len(set(ids))
+
+
 def test_grafana_provisioning_points_at_the_dashboard_datasource():
     ds = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text())
-    uid = ds["datasources"][0]["uid"]
-    for panel in _dashboard()["panels"]:
-        assert panel["datasource"]["uid"] == uid
+    (source,) = ds["datasources"]
+    assert source["type"] == "prometheus" and source["isDefault"] is True
+    # provisioned, the data source variable starts on this uid (the default Prometheus otherwise)
+    assert _variables()["DS_PROMETHEUS"]["current"]["value"] == source["uid"]
     prov = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "dashboards" / "worldloop.yml").read_text())
     assert prov["providers"][0]["type"] == "file"
 
 
-def test_prometheus_scrapes_every_role():
+def test_prometheus_finds_targets_with_worldloop_sd():
     prom = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
-    roles = set()
-    for job in prom["scrape_configs"]:
-        for sc in job["static_configs"]:
-            roles.add(sc["labels"]["role"])
-            assert all(re.fullmatch(r"[\w.\-]+:\d+", t) for t in sc["targets"])
-    assert roles == {"learner", "actor", "judge"}
+    (job,) = prom["scrape_configs"]
+    assert [sd["files"] for sd in job["file_sd_configs"]] == [["/var/lib/worldloop/prometheus-targets.json"]]
+    assert (DEPLOY / prom["rule_files"][0]).exists()
 
 
 # --------------------------------------------------------------------------- supervisord
@@ -90,9 +148,36 @@ def _scrape_ok(port: int) -> bool:
         return False
 
 
+def _supervisor(sup_dir: Path):
+    """supervisord's XML-RPC interface over its unix socket."""
+    import xmlrpc.client
+
+    from supervisor.xmlrpc import SupervisorTransport
+
+    return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=SupervisorTransport(None, None, f"unix://{sup_dir}/supervisor.sock"))
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
 @pytest.mark.slow
 def test_supervisord_runs_every_program_and_each_serves_metrics(tmp_path):
-    from common.tiny_model import make_tiny_model
+    """deploy/supervisord.sh with an env file: the group worldloop with redis (password from the env
+    file), learner, 2 actors (each on its own CUDA_VISIBLE_DEVICES), a judge and worldloop sd, all
+    stopped as process groups, the learner's stopwaitsecs from the env file."""
+    import redis
+
+    from worldloop.tiny_model import make_tiny_model
 
     model_dir = tmp_path / "model"
     make_tiny_model(model_dir, seed=0)
@@ -114,8 +199,10 @@ def test_supervisord_runs_every_program_and_each_serves_metrics(tmp_path):
     }
     # two-digit prefixes with %(process_num)02d: pick ranges where nothing listens
     actor_prefix, judge_prefix = "47", "48"
+    password = 's3cret p@ss/"x'  # space, @, / and a quote: quoted for the URL and for redis.conf
     env_file = tmp_path / "worldloop.env"
     sup_dir = tmp_path / "sup"
+    sd_file = tmp_path / "prom" / "targets.json"
     values = {
         "WORLDLOOP_HOME": str(ROOT),
         "WORLDLOOP_PYTHON": sys.executable,
@@ -125,44 +212,138 @@ def test_supervisord_runs_every_program_and_each_serves_metrics(tmp_path):
         "WORLDLOOP_SUPERVISOR_DIR": str(sup_dir),
         "WORLDLOOP_REDIS_BIND": "127.0.0.1",
         "WORLDLOOP_REDIS_URL": f"redis://127.0.0.1:{ports['WORLDLOOP_REDIS_PORT']}/0",
+        "WORLDLOOP_REDIS_PASSWORD": password,
         "WORLDLOOP_WEIGHTS_BIND": "127.0.0.1",
         "WORLDLOOP_WEIGHTS_HOST": "127.0.0.1",
         "WORLDLOOP_NUM_ACTORS": "2",
         "WORLDLOOP_NUM_JUDGES": "1",
+        "WORLDLOOP_ACTOR_GPUS": "3 5,6",
+        "WORLDLOOP_LEARNER_STOPWAITSECS": "123",
         "WORLDLOOP_METRICS_HOST": "127.0.0.1",
         "WORLDLOOP_ACTOR_METRICS_PREFIX": actor_prefix,
         "WORLDLOOP_JUDGE_METRICS_PREFIX": judge_prefix,
+        "WORLDLOOP_SD_FILE": str(sd_file),
+        "WORLDLOOP_SD_INTERVAL": "1",
         **{k: str(v) for k, v in ports.items()},
     }
-    env_file.write_text("".join(f"{k}={v}\n" for k, v in values.items()))
-    env = dict(os.environ)
+    env_file.write_text("".join(f"{k}='{v}'\n" for k, v in values.items()))  # as bash reads it
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     env["WORLDLOOP_ENV_FILE"] = str(env_file)
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     subprocess.run([str(DEPLOY / "supervisord.sh")], env=env, check=True, timeout=30)
     ctl = [str(DEPLOY / "ctl.sh")]
+    expected = {"worldloop:redis", "worldloop:learner", "worldloop:actor-00", "worldloop:actor-01",
+                "worldloop:judge-00", "worldloop:sd"}
+    pgids: dict[str, int] = {}
     try:
-        expected = {"redis", "learner", "actor:actor-00", "actor:actor-01", "judge:judge-00"}
         metric_ports = {
-            "learner": ports["WORLDLOOP_LEARNER_METRICS_PORT"],
-            "actor:actor-00": int(actor_prefix + "00"),
-            "actor:actor-01": int(actor_prefix + "01"),
-            "judge:judge-00": int(judge_prefix + "00"),
+            "worldloop:learner": ports["WORLDLOOP_LEARNER_METRICS_PORT"],
+            "worldloop:actor-00": int(actor_prefix + "00"),
+            "worldloop:actor-01": int(actor_prefix + "01"),
+            "worldloop:judge-00": int(judge_prefix + "00"),
         }
         deadline = time.monotonic() + 240
         status: dict[str, str] = {}
         served: set[str] = set()
+        listed: set[str] = set()
         while time.monotonic() < deadline:
             out = subprocess.run(ctl + ["status"], env=env, capture_output=True, text=True, timeout=30).stdout
             status = {line.split()[0]: line.split()[1] for line in out.splitlines() if line.strip()}
             served |= {name for name, port in metric_ports.items() if name not in served and _scrape_ok(port)}
-            if all(status.get(n) == "RUNNING" for n in expected) and served == set(metric_ports):
+            if sd_file.exists():  # worldloop sd found every process from its heartbeat
+                listed = {t for g in json.loads(sd_file.read_text()) for t in g["targets"]}
+            if (all(status.get(n) == "RUNNING" for n in expected) and served == set(metric_ports)
+                    and listed == {f"127.0.0.1:{p}" for p in metric_ports.values()}):
                 break
             time.sleep(2)
         logs = "".join(
             f"\n--- {p.name}\n" + p.read_text()[-2000:] for p in sorted((tmp_path / "logs").glob("*.log"))
         )
-        assert set(status) >= expected, f"supervisorctl status: {status}{logs}"
+        assert set(status) == expected, f"supervisorctl status: {status}{logs}"
         assert all(status[n] == "RUNNING" for n in expected), f"not all RUNNING: {status}{logs}"
         assert served == set(metric_ports), f"/metrics not served by {set(metric_ports) - served}{logs}"
+        assert listed == {f"127.0.0.1:{p}" for p in metric_ports.values()}, f"worldloop sd listed {listed}{logs}"
+
+        # idioms, as supervisord itself reports them
+        server = _supervisor(sup_dir)
+        infos = {f"{i['group']}:{i['name']}": i for i in server.supervisor.getAllConfigInfo()}
+        assert set(infos) == expected
+        assert all(info["killasgroup"] for info in infos.values()), infos
+        assert infos["worldloop:learner"]["stopwaitsecs"] == 123
+        # stopasgroup is not in getAllConfigInfo: read it with supervisord's own config parser
+        parsed = subprocess.run(["bash", "-c", f'here={DEPLOY}; . {DEPLOY}/env.sh; exec "$WORLDLOOP_PYTHON" -c "$0"', """
+from supervisor.options import ServerOptions
+o = ServerOptions()
+o.realize(args=["-c", "%s"])
+for g in o.process_group_configs:
+    for pc in g.process_configs:
+        print(g.name, pc.name, pc.stopasgroup, pc.killasgroup)
+""" % (DEPLOY / "supervisord.conf")], env=env, capture_output=True, text=True, timeout=60)
+        rows = {f"{g}:{n}": (a, k) for g, n, a, k in (line.split() for line in parsed.stdout.splitlines())}
+        assert rows == {name: ("True", "True") for name in expected}, parsed.stdout + parsed.stderr
+        procs = {f"{p['group']}:{p['name']}": p for p in server.supervisor.getAllProcessInfo()}
+        pgids = {name: os.getpgid(p["pid"]) for name, p in procs.items()}
+        assert all(pgids[name] == procs[name]["pid"] for name in expected)  # each leads its own group
+
+        # per-actor GPUs from WORLDLOOP_ACTOR_GPUS; the learner's list is empty: left unset
+        assert _environ(procs["worldloop:actor-00"]["pid"]).get("CUDA_VISIBLE_DEVICES") == "3"
+        assert _environ(procs["worldloop:actor-01"]["pid"]).get("CUDA_VISIBLE_DEVICES") == "5,6"
+        assert "CUDA_VISIBLE_DEVICES" not in _environ(procs["worldloop:learner"]["pid"])
+
+        # Redis demands the password, and every process authenticated with it (their heartbeats)
+        url = values["WORLDLOOP_REDIS_URL"]
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(url, socket_timeout=5).ping()
+        r = redis.Redis.from_url(url, password=password, socket_timeout=5)
+        roles = sorted(json.loads(v)["role"] for v in r.hvals("deploy-test:procs"))
+        assert roles == ["actor", "actor", "judge", "learner"]
+        # on no command line: redis-server gets it through stdin, the worldloop processes from the environment
+        for name, p in procs.items():
+            if p["pid"] <= 0:
+                continue  # not running (a program this env file does not start)
+            assert b"s3cret" not in Path(f"/proc/{p['pid']}/cmdline").read_bytes(), name
+
+        # stopping the group leaves no process of any program's group behind
+        out = subprocess.run(ctl + ["stop", "worldloop:*"], env=env, capture_output=True, text=True, timeout=200)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert not [name for name, g in pgids.items() if _group_alive(g)], out.stdout
     finally:
-        subprocess.run(ctl + ["shutdown"], env=env, capture_output=True, timeout=120)
+        subprocess.run(ctl + ["shutdown"], env=env, capture_output=True, timeout=200)
+        for g in pgids.values():
+            if _group_alive(g):
+                os.killpg(g, 9)
+
+
+def test_env_file_errors_name_the_variable(tmp_path):
+    values = (DEPLOY / "worldloop.env").read_text().replace("WORLDLOOP_CONFIG=", "# WORLDLOOP_CONFIG=")
+    (tmp_path / "a.env").write_text(values)
+    env = {**os.environ, "WORLDLOOP_ENV_FILE": str(tmp_path / "a.env")}
+    env.pop("WORLDLOOP_CONFIG", None)
+    res = subprocess.run([str(DEPLOY / "ctl.sh"), "status"], env=env, capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2 and "WORLDLOOP_CONFIG is not set" in res.stderr, res.stderr
+    (tmp_path / "b.env").write_text((DEPLOY / "worldloop.env").read_text() + "WORLDLOOP_LEARNER_STOPWAITSECS=10m\n")
+    env["WORLDLOOP_ENV_FILE"] = str(tmp_path / "b.env")
+    res = subprocess.run([str(DEPLOY / "ctl.sh"), "status"], env=env, capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2 and "WORLDLOOP_LEARNER_STOPWAITSECS must be whole seconds" in res.stderr, res.stderr
+
+
+def test_run_sh_maps_gpus_and_keeps_the_password_off_the_command_line(tmp_path):
+    """deploy/run.sh with a stand-in for python that prints what it was given."""
+    fake = tmp_path / "python"
+    fake.write_text('#!/usr/bin/env bash\nif [ "$1" = -c ]; then exec ' + sys.executable + ' "$@"; fi\n'
+                    'echo "CUDA=${CUDA_VISIBLE_DEVICES-unset}"; printf "%s\\n" "$@"\n')
+    fake.chmod(0o755)
+    base = {"PATH": os.environ["PATH"], "WORLDLOOP_PYTHON": str(fake), "WORLDLOOP_REDIS_URL": "redis://10.0.0.1:6390/0"}
+
+    def run(role: str, index: str, **extra) -> list[str]:
+        out = subprocess.run([str(DEPLOY / "run.sh"), role, index, "--config", "c.yaml"], env={**base, **extra},
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        return out.splitlines()
+
+    assert run("actor", "0", WORLDLOOP_ACTOR_GPUS="0 1 2") == [
+        "CUDA=0", "-m", "worldloop", "actor", "--config", "c.yaml", "redis.url=redis://10.0.0.1:6390/0"]
+    assert run("actor", "04", WORLDLOOP_ACTOR_GPUS="0 1 2")[0] == "CUDA=1"  # 4 mod 3, a zero-padded index
+    assert run("actor", "1", WORLDLOOP_ACTOR_GPUS="0,1 2,3")[0] == "CUDA=2,3"
+    assert run("learner", "0", WORLDLOOP_ACTOR_GPUS="0 1")[0] == "CUDA=unset"
+    out = run("judge", "0", WORLDLOOP_REDIS_PASSWORD="p@ss word")
+    assert out[-1] == "redis.url=redis://10.0.0.1:6390/0" and not any("p@ss" in a for a in out)

@@ -9,9 +9,9 @@ import msgpack
 import numpy as np
 import pytest
 
-import envs
-from envs.base import IMAGE_PLACEHOLDER, PROMPT_FORMATS, parse_response
-from envs.presets import PRESETS, resolve
+from worldloop import envs
+from worldloop.envs.base import IMAGE_PLACEHOLDER, PROMPT_FORMATS, parse_response
+from worldloop.envs.presets import PRESETS, resolve
 
 GRID_IDS = ["worldloop/Sokoban-v0", "worldloop/FrozenLake-v0", "worldloop/Maze-v0", "worldloop/Taxi-v0"]
 STEP_KEYS = {"state", "success", "task", "metrics", "format_ok", "actions", "actions_executed", "actions_effective",
@@ -21,11 +21,11 @@ STEP_KEYS = {"state", "success", "task", "metrics", "format_ok", "actions", "act
 def test_all_seven_ids_are_registered_lazily() -> None:
     for env_id, entry in envs.ENV_IDS.items():
         spec = gymnasium.spec(env_id)
-        assert spec.entry_point == entry and spec.disable_env_checker
+        assert spec.entry_point == entry and not spec.disable_env_checker  # gymnasium's checker is on
     assert set(envs.ENV_IDS) == {
         "worldloop/Sokoban-v0", "worldloop/FrozenLake-v0", "worldloop/Maze-v0", "worldloop/Taxi-v0",
         "worldloop/Navigation-v0", "worldloop/PrimitiveSkill-v0", "worldloop/SVG-v0"}
-    assert envs.ENV_IDS["worldloop/SVG-v0"] == "envs.svg:SVGEnv"
+    assert envs.ENV_IDS["worldloop/SVG-v0"] == "worldloop.envs.svg:SVGEnv"
 
 
 @pytest.mark.parametrize("env_id", GRID_IDS)
@@ -132,7 +132,8 @@ def test_garbage_never_raises_and_changes_nothing(env_id: str) -> None:
 @pytest.mark.filterwarnings("ignore:.*render_mode")
 @pytest.mark.parametrize("env_id", GRID_IDS)
 def test_bad_common_kwargs_name_the_kwarg(env_id: str) -> None:
-    for kw, name in (({"render_mode": "human"}, "render_mode"), ({"prompt_format": "cot"}, "prompt_format"),
+    # ("human" would be served by gymnasium's HumanRendering wrapper over rgb_array)
+    for kw, name in (({"render_mode": "bogus"}, "render_mode"), ({"prompt_format": "cot"}, "prompt_format"),
                      ({"state_format": "json"}, "state_format"), ({"max_actions_per_step": 0}, "max_actions_per_step"),
                      ({"image_size": 8}, "image_size")):
         with pytest.raises(ValueError, match=name):

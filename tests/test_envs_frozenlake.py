@@ -5,8 +5,8 @@ from __future__ import annotations
 import gymnasium
 import pytest
 
-import envs  # noqa: F401
-from envs.frozenlake import FrozenLakeEnv, shortest_path
+from worldloop import envs  # noqa: F401
+from worldloop.envs.frozenlake import FrozenLakeEnv, shortest_path
 
 ID = "worldloop/FrozenLake-v0"
 DESC = ["SFFF", "FHFH", "FFFH", "HFFG"]

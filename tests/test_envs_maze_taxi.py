@@ -6,9 +6,9 @@ import gymnasium
 import numpy as np
 import pytest
 
-import envs  # noqa: F401
-from envs.maze import MazeEnv, farthest_cell, prim_maze
-from envs.solvers import bfs
+from worldloop import envs  # noqa: F401
+from worldloop.envs.maze import MazeEnv, farthest_cell, prim_maze
+from worldloop.envs.solvers import bfs
 
 BOARD = """
 P o o o o

@@ -1,11 +1,11 @@
-"""envs.base: response parser (Table 5 formats), action words, prompt pieces, App. D.1 relations."""
+"""worldloop.envs.base: response parser (Table 5 formats), action words, prompt pieces, App. D.1 relations."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from envs.base import (
+from worldloop.envs.base import (
     IMAGE_PLACEHOLDER,
     MAX_RESPONSE_CHARS,
     PROMPT_FORMATS,
@@ -167,7 +167,7 @@ def test_prompt_pieces() -> None:
 
 
 def test_image_placeholder_is_the_codecs() -> None:
-    from common.modeling import IMAGE_PLACEHOLDER as CODEC_PLACEHOLDER
+    from worldloop.common.modeling import IMAGE_PLACEHOLDER as CODEC_PLACEHOLDER
 
     assert IMAGE_PLACEHOLDER == CODEC_PLACEHOLDER
 

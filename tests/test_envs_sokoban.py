@@ -6,9 +6,9 @@ import gymnasium
 import numpy as np
 import pytest
 
-import envs  # noqa: F401  (registers the ids)
-from envs.sokoban import SokobanEnv, parse_symbolic, room_topology
-from envs.solvers import SokobanSolver
+from worldloop import envs  # noqa: F401  (registers the ids)
+from worldloop.envs.sokoban import SokobanEnv, parse_symbolic, room_topology
+from worldloop.envs.solvers import SokobanSolver
 
 ID = "worldloop/Sokoban-v0"
 

@@ -10,18 +10,18 @@ import pytest
 import torch
 import yaml
 
-from actor.eval_model import ModelNotFound, resolve_model
-from common.config import load_config
-from common.modeling import load_policy
-from common.tiny_model import make_tiny_model
+from worldloop.eval.model import ModelNotFound, resolve_model
+from worldloop.common.config import load_config
+from worldloop.common.modeling import load_policy
+from worldloop.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict:
     """A run dir with a checkpoint that has the hf/ export and one without, after a weight change."""
-    from learner import checkpoint
-    from learner.engine import build_models, gather_policy_weights, init_distributed
-    from learner.synthetic import tiny_learner_config
+    from worldloop.learner import checkpoint
+    from worldloop.learner.engine import build_models, gather_policy_weights, init_distributed
+    from worldloop.learner.synthetic import tiny_learner_config
 
     root = tmp_path_factory.mktemp("ckpt")
     model_dir = make_tiny_model(root / "base", max_image_side=112)
@@ -87,7 +87,7 @@ def test_eval_runs_on_checkpoint_dirs(checkpoints, tmp_path: Path, capsys) -> No
     """The whole command on a run directory (hf export) and on a checkpoint without one."""
     import json
 
-    from common.cli import main
+    from worldloop.cli import main
 
     for given, version in ((checkpoints["root"] / "run", 7), (checkpoints["bare"], 9)):
         out = tmp_path / f"v{version}"
@@ -96,3 +96,21 @@ def test_eval_runs_on_checkpoint_dirs(checkpoints, tmp_path: Path, capsys) -> No
         (rec,) = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
         assert rec["policy_version"] == version and rec["model"].endswith(f"@v{version}") and rec["error"] is None
         assert f"policy version {version}" in capsys.readouterr().out  # in the table's title
+
+
+def test_a_stopping_evaluator_takes_the_final_version_from_the_checkpoint(checkpoints, tmp_path: Path) -> None:
+    """The learner closes its weight channel after the last checkpoint: the evaluator's final version
+    comes from that checkpoint, and only when it holds exactly that version."""
+    from worldloop.actor.hf_backend import HFBackend
+    from worldloop.evaluator import checkpoint_weights
+
+    cfg = load_config()
+    run = checkpoints["root"] / "run"
+    assert checkpoint_weights(cfg, run, 6) is None  # the newest checkpoint is v7
+    assert checkpoint_weights(cfg, tmp_path / "no-run", 7) is None  # no checkpoints at all
+    got = checkpoint_weights(cfg, run, 7)
+    assert torch.equal(got[checkpoints["name"]], checkpoints["trained"])
+    backend = HFBackend(checkpoints["base"])  # an evaluator's backend at v0 takes them whole
+    backend.update_weights(got, 7)
+    assert backend.version == 7
+    assert torch.equal(backend.model.state_dict()[checkpoints["name"]], checkpoints["trained"])

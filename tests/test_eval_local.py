@@ -10,11 +10,11 @@ from pathlib import Path
 import gymnasium
 import pytest
 
-import envs  # noqa: F401
-from actor.eval_stats import wilson_interval
-from common.cli import main
-from common.tiny_model import make_tiny_model
-from envs.presets import resolve
+from worldloop import envs  # noqa: F401
+from worldloop.eval.stats import wilson_interval
+from worldloop.cli import main
+from worldloop.tiny_model import make_tiny_model
+from worldloop.envs.presets import resolve
 
 SEED0 = 10_000_000
 

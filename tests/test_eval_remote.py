@@ -1,4 +1,4 @@
-"""``worldloop eval`` against a real OpenAI-compatible HTTP server on loopback (tests/fake_openai.py).
+"""``worldloop eval`` against a real OpenAI-compatible HTTP server on loopback (worldloop/testing/fake_openai.py).
 
 The server's responder is an expert: it finds the episode from the first image (or text) of the
 conversation, replays the assistant messages of the request in its own copy of the env and answers
@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import envs  # noqa: F401
-from common.cli import main
-from common.metrics import free_port
-from envs.presets import resolve
-from fake_openai import FakeOpenAI, Reply, images_of
+from worldloop import envs  # noqa: F401
+from worldloop.cli import main
+from worldloop.common.metrics import free_port
+from worldloop.envs.presets import resolve
+from worldloop.testing.fake_openai import FakeOpenAI, Reply, images_of
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED0 = 10_000_000  # eval.seed_start default
@@ -189,7 +189,7 @@ def test_retries_and_the_key_stays_secret(tmp_path: Path) -> None:
 
     with FakeOpenAI(flaky, fail_first=2, fail_status=429, retry_after=0) as srv:
         env = dict(os.environ, PYTHONPATH=str(ROOT), OPENAI_API_KEY=secret)
-        proc = subprocess.run([sys.executable, "-m", "common.cli", "eval", "--model", "m", "--base-url", srv.base_url,
+        proc = subprocess.run([sys.executable, "-m", "worldloop", "eval", "--model", "m", "--base-url", srv.base_url,
                                "--envs", "frozenlake", "--episodes", "2", "--concurrency", "1", "--output", str(out),
                                "eval.backoff_s=0.01", "run.log_level=DEBUG"],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
@@ -266,7 +266,7 @@ def test_bad_input_exits_2_naming_the_problem(tmp_path: Path, capsys) -> None:
 
 def test_vagen_suite_gives_the_table_2_layout(tmp_path: Path, capsys) -> None:
     """All of Table 2's tasks and sub-tasks with the real envs, played by the expert endpoint."""
-    from actor.evaluate import SUITES
+    from worldloop.eval.evaluate import SUITES
 
     out = tmp_path / "vagen"
     expert = Expert(SUITES["vagen"], range(SEED0, SEED0 + 2))

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from actor.eval_stats import Z95, build_table, mean_interval, t_quantile_975, wilson_interval
+from worldloop.eval.stats import Z95, build_table, mean_interval, t_quantile_975, wilson_interval
 
 
 def test_wilson_interval_by_hand() -> None:

@@ -8,11 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from actor.backends import GenerationBackend, GenRequest, HFBackend, WeightUpdateError, make_backend
-from common.config import Config
-from common.modeling import ChatCodec, build_sequence, collate, load_policy, token_logprobs
-from common.tiny_model import make_tiny_model
-from learner.sft import run_sft
+from worldloop.actor.backends import make_backend
+from worldloop.actor.generation import GenerationBackend, GenRequest, WeightUpdateError
+from worldloop.actor.hf_backend import HFBackend
+from worldloop.common.config import Config
+from worldloop.common.modeling import ChatCodec, build_sequence, collate, load_policy, token_logprobs
+from worldloop.testing.trajectories import one_turn_trajectory
+from worldloop.tiny_model import make_tiny_model
+from worldloop.sft import run_sft
 
 ANSWER = "<answer>Up</answer>"
 
@@ -33,9 +36,10 @@ def trained_dir(vl_dir: Path, backend: HFBackend, tmp_path_factory) -> Path:
     codec = backend.codec
     obs = codec.encode_obs("go", [], system=None, first=True)
     resp = codec.encode_response(ANSWER)
-    demo = {"turns": [{"index": 0, "policy_version": 0, "obs_ids": obs.ids, "response_ids": resp, "logprobs": [0.0] * len(resp), "images": []}]}
+    demo = one_turn_trajectory(obs.ids, resp)
     out = tmp_path_factory.mktemp("trained") / "m"
-    stats = run_sft(vl_dir, [demo] * 4, epochs=40, lr=1e-2, batch_size=4, out_dir=out)
+    # lr 1e-2 oscillates on some random inits (loss 0.39 after 40 epochs); 3e-3 settles (0.012)
+    stats = run_sft(vl_dir, [demo] * 4, epochs=60, lr=3e-3, batch_size=4, out_dir=out)
     assert stats["loss_after"] < 0.05
     return out
 
@@ -52,8 +56,7 @@ def _requests(codec: ChatCodec) -> list[GenRequest]:
 
 
 def _recomputed(model, codec: ChatCodec, req: GenRequest, response: list[int], temperature: float) -> torch.Tensor:
-    turn = {"index": 0, "policy_version": 0, "obs_ids": req.prompt_ids, "response_ids": response, "logprobs": [0.0] * len(response), "images": req.images}
-    batch = collate([build_sequence({"turns": [turn]})], codec)
+    batch = collate([build_sequence(one_turn_trajectory(req.prompt_ids, response, req.images))], codec)
     with torch.no_grad():
         lp, _ = token_logprobs(model, batch, temperature=temperature)
     return lp[0, len(req.prompt_ids) : len(req.prompt_ids) + len(response)]

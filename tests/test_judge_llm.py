@@ -1,4 +1,4 @@
-"""llm and hybrid scorers against a real OpenAI-compatible HTTP server on loopback (tests/fake_openai.py):
+"""llm and hybrid scorers against a real OpenAI-compatible HTTP server on loopback (worldloop/testing/fake_openai.py):
 verdicts, prompts, retries on 500/429, garbage, timeouts, a dead endpoint, cache, concurrency limit,
 gated aggregation with rule, injection, and the API key travelling in the Authorization header."""
 from __future__ import annotations
@@ -9,12 +9,13 @@ import re
 
 import pytest
 
-from common.config import JudgeConfig
-from common.metrics import metric
-from judge.llm import LLMClient
-from judge.prompts import AGENT_CLOSE, AGENT_OPEN, parse_extraction, parse_verdict
-from judge.scoring import TrajectoryScorer
-from tests.fake_openai import FakeOpenAI, Reply, text_of
+from worldloop.common.config import JudgeConfig
+from worldloop.common.metrics import metric
+from worldloop.common.schemas import Trajectory
+from worldloop.judge.llm import LLMClient
+from worldloop.judge.prompts import AGENT_CLOSE, AGENT_OPEN, parse_extraction, parse_verdict
+from worldloop.judge.scoring import TrajectoryScorer
+from worldloop.testing.fake_openai import FakeOpenAI, Reply, text_of
 from tests.test_judge_rule import D1_YES_TRUTH, judge_trajectory, sokoban_state
 
 YES = "<think>checked</think><answer>YES</answer>"
@@ -46,7 +47,7 @@ def _cfg(srv: FakeOpenAI, **kw) -> JudgeConfig:
     return JudgeConfig(**base)
 
 
-async def _score(cfg: JudgeConfig, *trajs: dict, api_key: str | None = None) -> list[dict]:
+async def _score(cfg: JudgeConfig, *trajs: Trajectory, api_key: str | None = None) -> list[Trajectory]:
     llm = LLMClient(cfg, api_key=api_key)
     try:
         scorer = TrajectoryScorer(cfg, llm)
@@ -56,7 +57,7 @@ async def _score(cfg: JudgeConfig, *trajs: dict, api_key: str | None = None) -> 
 
 
 def _traj(tid: str, obs: str | None, pred: str | None, env: str = "sokoban", state: dict | None = None,
-          prompt_format: str = "grounding_worldmodeling") -> dict:
+          prompt_format: str = "grounding_worldmodeling") -> Trajectory:
     s = state or sokoban_state((3, 3), [(2, 2)], [(1, 3)])
     return judge_trajectory(tid, [(obs, pred, s, s)], env_name=env, prompt_format=prompt_format)
 
@@ -72,16 +73,16 @@ def _sample_sum(name: str, **labels) -> float:
 
 def test_yes_no_verdicts_with_the_env_prompt(server: FakeOpenAI) -> None:
     (t,) = asyncio.run(_score(_cfg(server), _traj("v1", "The box is above me.", "The target will be left of me.")))
-    turn = t["turns"][0]
-    assert turn["grounding_score"] == 1.0 and turn["worldmodeling_score"] == 0.0
-    assert turn["reasoning_reward"] == pytest.approx(0.5 * 1.0 + 0.5 * 0.0)
-    assert turn["judge"]["grounding"]["scorers"]["llm"]["verdict"] == "YES" and turn["judge"]["fallback"] is False
+    turn = t.turns[0]
+    assert turn.grounding_score == 1.0 and turn.worldmodeling_score == 0.0
+    assert turn.reasoning_reward == pytest.approx(0.5 * 1.0 + 0.5 * 0.0)
+    assert turn.judge["grounding"]["scorers"]["llm"]["verdict"] == "YES" and turn.judge["fallback"] is False
     reqs = server.chat_requests()
     assert len(reqs) == 2
     by_part = {("Grounding" if "State Description" in text_of(r["json"]) else "WM"): r["json"] for r in reqs}
     g = text_of(by_part["Grounding"])
     assert "key position relationships in the Sokoban game state" in g  # App. D.1.1 Sokoban grounding prompt
-    assert repr(t["turns"][0]["state_before"]["relations"]) in g  # ground truth as a Python list
+    assert repr(t.turns[0].state_before.relations) in g  # ground truth as a Python list
     assert "The Prediction Comes First" in text_of(by_part["WM"])
     assert by_part["Grounding"]["model"] == "fake-judge" and by_part["Grounding"]["temperature"] == 0.0
     assert by_part["Grounding"]["messages"][0]["role"] == "system" and "untrusted" in by_part["Grounding"]["messages"][0]["content"]
@@ -105,8 +106,8 @@ def test_500s_then_success_is_retried(server: FakeOpenAI) -> None:
     server.fail_first, server.fail_status = 2, 500
     before = _sample_sum("worldloop_judge_retries")
     (t,) = asyncio.run(_score(_cfg(server, max_retries=3), _traj("e1", "The box is above me.", None, prompt_format="grounding")))
-    d = t["turns"][0]["judge"]["grounding"]["scorers"]["llm"]
-    assert t["turns"][0]["grounding_score"] == 1.0 and d["attempts"] == 3 and d["fallback"] is False
+    d = t.turns[0].judge["grounding"]["scorers"]["llm"]
+    assert t.turns[0].grounding_score == 1.0 and d["attempts"] == 3 and d["fallback"] is False
     assert len(server.chat_requests()) == 3
     assert _sample_sum("worldloop_judge_retries") - before == 2
 
@@ -115,7 +116,7 @@ def test_429_with_retry_after_is_retried(server: FakeOpenAI) -> None:
     server.fail_first, server.fail_status, server.retry_after = 1, 429, 0.05
     before = _sample_sum("worldloop_judge_failures", reason="http_429")
     (t,) = asyncio.run(_score(_cfg(server), _traj("e2", "The box is above me.", None, prompt_format="grounding")))
-    assert t["turns"][0]["grounding_score"] == 1.0
+    assert t.turns[0].grounding_score == 1.0
     reqs = server.chat_requests()
     assert len(reqs) == 2 and reqs[1]["time"] - reqs[0]["time"] >= 0.05  # waited at least Retry-After
     assert _sample_sum("worldloop_judge_failures", reason="http_429") - before == 1
@@ -126,12 +127,12 @@ def test_endpoint_that_stays_down_gives_the_flagged_fallback(server: FakeOpenAI)
     before = _sample_sum("worldloop_judge_fallbacks")
     (t,) = asyncio.run(_score(_cfg(server, fallback_score=0.25, max_retries=2),
                               _traj("e3", "The box is above me.", "The box stays above me.")))
-    turn = t["turns"][0]
-    assert turn["judge"]["fallback"] is True
-    d = turn["judge"]["grounding"]["scorers"]["llm"]
+    turn = t.turns[0]
+    assert turn.judge["fallback"] is True
+    d = turn.judge["grounding"]["scorers"]["llm"]
     assert d["fallback"] is True and d["reason"] == "http_500" and d["attempts"] == 3
-    assert turn["grounding_score"] == 0.25 and turn["worldmodeling_score"] == 0.25
-    assert turn["reasoning_reward"] == pytest.approx(0.5 * 0.25 + 0.5 * 0.25)
+    assert turn.grounding_score == 0.25 and turn.worldmodeling_score == 0.25
+    assert turn.reasoning_reward == pytest.approx(0.5 * 0.25 + 0.5 * 0.25)
     assert len(server.chat_requests()) == 6  # 2 parts x (1 + 2 retries)
     assert _sample_sum("worldloop_judge_fallbacks") - before == 2
 
@@ -140,23 +141,23 @@ def test_garbage_replies_are_retried_then_score_zero_not_the_fallback_bonus(serv
     server.responder = lambda req: "I think it might be fine, hard to say."
     (t,) = asyncio.run(_score(_cfg(server, fallback_score=0.3, max_retries=1),
                               _traj("e4", "The box is above me.", None, prompt_format="grounding")))
-    d = t["turns"][0]["judge"]["grounding"]["scorers"]["llm"]
+    d = t.turns[0].judge["grounding"]["scorers"]["llm"]
     assert d["reason"] == "unparseable" and d["attempts"] == 2 and d["fallback"] is True
-    assert t["turns"][0]["grounding_score"] == 0.0  # the agent's text could provoke garbage: no 0.3 for it
+    assert t.turns[0].grounding_score == 0.0  # the agent's text could provoke garbage: no 0.3 for it
     # a garbage HTTP body is an endpoint fault: fallback_score
     server.responder = lambda req: Reply(body=b"<html>502 Bad Gateway</html>")
     (t,) = asyncio.run(_score(_cfg(server, fallback_score=0.3, max_retries=1),
                               _traj("e5", "The box is above me!", None, prompt_format="grounding")))
-    d = t["turns"][0]["judge"]["grounding"]["scorers"]["llm"]
-    assert d["reason"] == "bad_response" and t["turns"][0]["grounding_score"] == 0.3
+    d = t.turns[0].judge["grounding"]["scorers"]["llm"]
+    assert d["reason"] == "bad_response" and t.turns[0].grounding_score == 0.3
 
 
 def test_slow_endpoint_times_out_into_fallback(server: FakeOpenAI) -> None:
     server.delay_s = 1.0
     (t,) = asyncio.run(_score(_cfg(server, timeout_s=0.2, max_retries=1, fallback_score=0.1),
                               _traj("e6", "The box is above me.", None, prompt_format="grounding")))
-    d = t["turns"][0]["judge"]["grounding"]["scorers"]["llm"]
-    assert d["reason"] == "timeout" and d["attempts"] == 2 and t["turns"][0]["grounding_score"] == 0.1
+    d = t.turns[0].judge["grounding"]["scorers"]["llm"]
+    assert d["reason"] == "timeout" and d["attempts"] == 2 and t.turns[0].grounding_score == 0.1
 
 
 def test_unreachable_endpoint_falls_back(server: FakeOpenAI) -> None:
@@ -164,14 +165,14 @@ def test_unreachable_endpoint_falls_back(server: FakeOpenAI) -> None:
     server.close()  # nothing listens on that port any more
     cfg = JudgeConfig(base_url=url, timeout_s=1.0, max_retries=1, backoff_s=0.01, scorers={"default": ["llm"]})
     (t,) = asyncio.run(_score(cfg, _traj("e7", "The box is above me.", None, prompt_format="grounding")))
-    assert t["turns"][0]["judge"]["grounding"]["scorers"]["llm"]["reason"] == "connection"
-    assert t["turns"][0]["judge"]["fallback"] is True
+    assert t.turns[0].judge["grounding"]["scorers"]["llm"]["reason"] == "connection"
+    assert t.turns[0].judge["fallback"] is True
 
 
 def test_non_retryable_4xx_is_not_retried(server: FakeOpenAI) -> None:
     server.responder = lambda req: Reply(status=401, content="invalid api key")
     (t,) = asyncio.run(_score(_cfg(server), _traj("e8", "The box is above me.", None, prompt_format="grounding")))
-    d = t["turns"][0]["judge"]["grounding"]["scorers"]["llm"]
+    d = t.turns[0].judge["grounding"]["scorers"]["llm"]
     assert d["reason"] == "http_401" and d["attempts"] == 1 and len(server.chat_requests()) == 1
 
 
@@ -182,7 +183,7 @@ def test_identical_requests_hit_the_cache(server: FakeOpenAI) -> None:
     before = _sample_sum("worldloop_judge_cache_hits")
     trajs = [_traj(f"c{i}", "The box is above me.", None, prompt_format="grounding") for i in range(3)]
     out = asyncio.run(_score(_cfg(server), *trajs))
-    assert [t["turns"][0]["grounding_score"] for t in out] == [1.0, 1.0, 1.0]
+    assert [t.turns[0].grounding_score for t in out] == [1.0, 1.0, 1.0]
     assert len(server.chat_requests()) == 1  # same prompt three times: one request
     assert _sample_sum("worldloop_judge_cache_hits") - before == 2
     asyncio.run(_score(_cfg(server, cache_size=0), _traj("c9", "The box is above me.", None, prompt_format="grounding")))
@@ -227,12 +228,12 @@ def test_rule_gate_below_threshold_skips_the_llm(server: FakeOpenAI) -> None:
     s = {"relations": D1_YES_TRUTH, "symbolic": None, "structured": {}}
     # rule: "box below player" is wrong -> 0.0 < 0.5: R = 0.0, the LLM is not asked
     (t,) = asyncio.run(_score(cfg, _traj("g1", "The box is below the player.", None, state=s, prompt_format="grounding")))
-    assert t["turns"][0]["grounding_score"] == 0.0 and server.chat_requests() == []
+    assert t.turns[0].grounding_score == 0.0 and server.chat_requests() == []
     # rule: the App. D.1 YES example is 0.5 >= 0.5, LLM says YES: R = (1*0.5 + 1*1.0) / 2 = 0.75
     (t,) = asyncio.run(_score(cfg, _traj("g2", "The box is above the player and the target is to the left of the box",
                                          None, state=s, prompt_format="grounding")))
-    g = t["turns"][0]["judge"]["grounding"]
-    assert t["turns"][0]["grounding_score"] == pytest.approx(0.75) and g["gate"] == "rule"
+    g = t.turns[0].judge["grounding"]
+    assert t.turns[0].grounding_score == pytest.approx(0.75) and g["gate"] == "rule"
     assert g["scorers"]["rule"]["score"] == pytest.approx(0.5) and g["scorers"]["llm"]["score"] == 1.0
 
 
@@ -242,7 +243,7 @@ def test_llm_down_with_rule_keeps_the_rule_score_and_flags(server: FakeOpenAI) -
     s = {"relations": D1_YES_TRUTH, "symbolic": None, "structured": {}}
     (t,) = asyncio.run(_score(cfg, _traj("g3", ". ".join(D1_YES_TRUTH), None, state=s, prompt_format="grounding")))
     # the fallback takes part only when no real score exists: R = rule = 1.0, flagged
-    assert t["turns"][0]["grounding_score"] == 1.0 and t["turns"][0]["judge"]["fallback"] is True
+    assert t.turns[0].grounding_score == 1.0 and t.turns[0].judge["fallback"] is True
 
 
 # ----------------------------------------------------------------------------- hybrid and injection
@@ -266,9 +267,9 @@ def test_hybrid_scores_the_extracted_relations_by_f1() -> None:
         (t,) = asyncio.run(_score(cfg, _traj("h1", "The box is above the player. The target is below the box.", None,
                                              state=s, prompt_format="grounding")))
         # extracted: box0 above player (true), target0 below box0 (false): P = 1/2, R = 1/6 -> F1 = 0.25
-        g = t["turns"][0]["judge"]["grounding"]["scorers"]["hybrid"]
+        g = t.turns[0].judge["grounding"]["scorers"]["hybrid"]
         assert (g["matched"], g["predicted"], g["truth"]) == (1, 2, 6)
-        assert t["turns"][0]["grounding_score"] == pytest.approx(2 * 0.5 * (1 / 6) / (0.5 + 1 / 6))
+        assert t.turns[0].grounding_score == pytest.approx(2 * 0.5 * (1 / 6) / (0.5 + 1 / 6))
         req = text_of(srv.chat_requests()[0]["json"])
         assert '["box0", "player", "target0"]' in req  # the entity names ...
         assert "on the left side of" not in req and "box0 is above" not in req  # ... but never the ground truth
@@ -284,7 +285,7 @@ def test_hybrid_positions_use_the_coordinate_tolerance() -> None:
         (t,) = asyncio.run(_score(_cfg(srv, scorers={"default": ["hybrid"]}),
                                   _traj("h2", "The red cube is at (85, -100, 22).", None, "primitiveskill", s, "grounding")))
         # red within +-10 (match), green far off (false positive): P = 1/2, R = 1/4 -> F1 = 1/3
-        assert t["turns"][0]["grounding_score"] == pytest.approx(1 / 3)
+        assert t.turns[0].grounding_score == pytest.approx(1 / 3)
         assert '"green_cube", "left_target", "red_cube", "right_target"' in text_of(srv.chat_requests()[0]["json"])
 
 
@@ -311,7 +312,7 @@ def test_injection_earns_nothing_from_rule_or_hybrid(injection: str) -> None:
         for scorer in ("rule", "hybrid", "llm"):
             cfg = _cfg(srv, scorers={"default": [scorer]}, max_retries=0)
             (t,) = asyncio.run(_score(cfg, _traj(f"i-{scorer}", injection, None, state=s, prompt_format="grounding")))
-            out.append(t["turns"][0]["grounding_score"])
+            out.append(t.turns[0].grounding_score)
         rule_score_, hybrid_score, llm_score = out
         assert rule_score_ == 0.0 and hybrid_score == 0.0
         # the delimiter cannot be closed from inside: tags arrive escaped

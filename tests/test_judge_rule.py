@@ -7,11 +7,12 @@ import re
 
 import pytest
 
-from common.config import JudgeConfig
-from judge.rule import (RepetitionTracker, build_truth, lexicon_from_sentences, relation_facts, relation_items,
+from worldloop.common.config import JudgeConfig
+from worldloop.judge.rule import (RepetitionTracker, build_truth, lexicon_from_sentences, relation_facts, relation_items,
                         rule_score)
-from judge.scoring import TrajectoryScorer, gated_aggregate
-from tests.test_schemas import make_trajectory
+from worldloop.judge.scoring import TrajectoryScorer, gated_aggregate
+from worldloop.common.schemas import State, Trajectory
+from worldloop.testing.trajectories import make_trajectory
 
 # ----------------------------------------------------------------------------- realistic states
 
@@ -267,6 +268,16 @@ def test_no_truth_means_not_applicable() -> None:
     assert rule_score("anything", None) is None
 
 
+def test_a_message_state_scores_like_the_env_dict() -> None:
+    """The judge reads a trajectory's State struct; tests and tools pass the env's info["state"] dict."""
+    s = sokoban_state((3, 3), [(2, 2)], [(1, 3)])
+    for text, env in [("The box is above and to the left of me.", "sokoban"), ("<grid>\n" + s["symbolic"] + "\n", ""),
+                      ("{player_position: (3, 3), box_positions: [(2, 2)]}", "sokoban")]:
+        want, got = rule_score(text, s, env), rule_score(text, State(**s), env)
+        assert got is not None and (got.score, got.method, got.matched) == (want.score, want.method, want.matched)
+    assert rule_score("The box is above me.", State(relations=[], symbolic=None, structured={})) is None
+
+
 # ----------------------------------------------------------------------------- repetition penalty and aggregation
 
 
@@ -293,16 +304,17 @@ def test_gated_aggregation_argos_eq9() -> None:
 
 
 def judge_trajectory(tid: str, turns: list[tuple[str | None, str | None, dict, dict]], *,
-                     env_name: str = "sokoban", prompt_format: str = "grounding_worldmodeling") -> dict:
+                     env_name: str = "sokoban", prompt_format: str = "grounding_worldmodeling") -> Trajectory:
     """A valid trajectory whose turns carry (observation, prediction, state_before, state_after)."""
     traj = make_trajectory(tid, turns=len(turns))
-    traj.update(env_name=env_name, env_id=f"worldloop/{env_name.capitalize()}-v0", prompt_format=prompt_format)
-    for turn, (obs, pred, before, after) in zip(traj["turns"], turns):
-        turn.update(observation=obs, prediction=pred, state_before=before, state_after=after)
+    traj.env_name, traj.env_id, traj.prompt_format = env_name, f"worldloop/{env_name.capitalize()}-v0", prompt_format
+    for turn, (obs, pred, before, after) in zip(traj.turns, turns):
+        turn.observation, turn.prediction = obs, pred
+        turn.state_before, turn.state_after = State(**before), State(**after)
     return traj
 
 
-def _score(traj: dict, **cfg) -> dict:
+def _score(traj: Trajectory, **cfg) -> Trajectory:
     return asyncio.run(TrajectoryScorer(JudgeConfig(**cfg)).score(traj))
 
 
@@ -314,18 +326,18 @@ def test_reasoning_reward_formula_and_missing_parts() -> None:
         (None, "The target is above the player.", s1, s1),
     ])
     _score(traj, beta_grounding=0.5, beta_worldmodeling=0.5)
-    t0, t1 = traj["turns"]
-    assert traj["scored"] is True
+    t0, t1 = traj.turns
+    assert traj.scored is True
     # turn 0 grounding: 2 of 6 facts (box0-player v,h), P=1 -> F1 = 2*(1/3)/(4/3) = 0.5
-    assert t0["grounding_score"] == pytest.approx(0.5)
+    assert t0.grounding_score == pytest.approx(0.5)
     # turn 0 world modeling: box0-player v=same, h=left: the same 0.5
-    assert t0["worldmodeling_score"] == pytest.approx(0.5)
-    assert t0["reasoning_reward"] == pytest.approx(0.5 * 0.5 + 0.5 * 0.5)
+    assert t0.worldmodeling_score == pytest.approx(0.5)
+    assert t0.reasoning_reward == pytest.approx(0.5 * 0.5 + 0.5 * 0.5)
     # turn 1: the observation did not parse (0.0); "target above player" is 1 of 6: F1 = 2*(1/6)/(7/6) = 2/7
-    assert t1["grounding_score"] == 0.0 and t1["judge"]["grounding"]["missing"] is True
-    assert t1["worldmodeling_score"] == pytest.approx(2 / 7)
-    assert t1["reasoning_reward"] == pytest.approx(0.5 * 2 / 7)
-    assert t0["judge"]["fallback"] is False and t0["judge"]["grounding"]["scorers"]["rule"]["method"] == "relations"
+    assert t1.grounding_score == 0.0 and t1.judge["grounding"]["missing"] is True
+    assert t1.worldmodeling_score == pytest.approx(2 / 7)
+    assert t1.reasoning_reward == pytest.approx(0.5 * 2 / 7)
+    assert t0.judge["fallback"] is False and t0.judge["grounding"]["scorers"]["rule"]["method"] == "relations"
 
 
 def test_strategy_without_a_part_and_env_without_truth_give_none() -> None:
@@ -333,15 +345,15 @@ def test_strategy_without_a_part_and_env_without_truth_give_none() -> None:
     traj = judge_trajectory("r2", [("box0 is above the player", "box0 is above the player", s, s)],
                             prompt_format="worldmodeling")
     _score(traj, beta_grounding=0.3, beta_worldmodeling=0.7)
-    t = traj["turns"][0]
+    t = traj.turns[0]
     # grounding is not part of the strategy: None, contributes 0; world modeling 1 of 6 facts -> 2/7
-    assert t["grounding_score"] is None and t["worldmodeling_score"] == pytest.approx(2 / 7)
-    assert t["reasoning_reward"] == pytest.approx(0.7 * 2 / 7)
+    assert t.grounding_score is None and t.worldmodeling_score == pytest.approx(2 / 7)
+    assert t.reasoning_reward == pytest.approx(0.7 * 2 / 7)
     empty = {"relations": [], "symbolic": None, "structured": {}}
     svg = judge_trajectory("r3", [("a red circle", "a red circle moved left", empty, empty)], env_name="svg")
     _score(svg)
-    t = svg["turns"][0]
-    assert t["grounding_score"] is None and t["worldmodeling_score"] is None and t["reasoning_reward"] == 0.0
+    t = svg.turns[0]
+    assert t.grounding_score is None and t.worldmodeling_score is None and t.reasoning_reward == 0.0
 
 
 def test_repetition_penalty_is_applied_across_trajectories() -> None:
@@ -350,10 +362,10 @@ def test_repetition_penalty_is_applied_across_trajectories() -> None:
     wrong = "The box is below the player."  # F1 0 < 0.7
     first = asyncio.run(scorer.score(judge_trajectory("p1", [(wrong, None, s, s)], prompt_format="grounding")))
     second = asyncio.run(scorer.score(judge_trajectory("p2", [(wrong, None, s, s)], prompt_format="grounding")))
-    assert first["turns"][0]["grounding_score"] == 0.0
-    assert second["turns"][0]["grounding_score"] == pytest.approx(-0.1)  # 0.0 + penalty
-    assert second["turns"][0]["judge"]["grounding"]["penalty"] == pytest.approx(-0.1)
-    assert second["turns"][0]["reasoning_reward"] == pytest.approx(0.5 * -0.1)
+    assert first.turns[0].grounding_score == 0.0
+    assert second.turns[0].grounding_score == pytest.approx(-0.1)  # 0.0 + penalty
+    assert second.turns[0].judge["grounding"]["penalty"] == pytest.approx(-0.1)
+    assert second.turns[0].reasoning_reward == pytest.approx(0.5 * -0.1)
 
 
 # ----------------------------------------------------------------------------- the real envs
@@ -373,7 +385,7 @@ def test_expert_reasoning_of_every_env_scores_one(env_name: str, state_format: s
     state format) is what the judge's truth says: F1 = 1 against info["state"] before and after."""
     gymnasium = pytest.importorskip("gymnasium")
     pytest.importorskip("envs")
-    from envs.base import parse_response
+    from worldloop.envs.base import parse_response
 
     env = gymnasium.make(f"worldloop/{env_name}-v0", render_mode="text", state_format=state_format)
     try:
@@ -392,3 +404,29 @@ def test_expert_reasoning_of_every_env_scores_one(env_name: str, state_format: s
         swap = {"above": "below", "below": "above", "left": "right", "right": "left"}
         flipped = re.sub(r"\b(above|below|left|right)\b", lambda m: swap[m.group(1)], parsed.observation)
         assert rule_score(flipped, before, env_name.lower()).score < 1.0
+
+
+# ----------------------------------------------------------------------------- the package's seams
+
+
+def test_parsers_take_plain_inputs_and_the_modules_import_one_way() -> None:
+    """parsing needs no Truth (explicit inputs), truths builds on parsing, f1 on neither."""
+    import ast
+    from pathlib import Path
+
+    from worldloop.judge.rule import parsing
+
+    assert parsing.directions_of("front-left") == [("d", "ahead"), ("h", "left")]
+    assert parsing.coordinate_facts("player at (4, 2); boxes: (3, 3) and [1, 1]", {"player": 2, "box": 2}) == [
+        ("player", (4.0, 2.0)), ("box", (3.0, 3.0)), ("box", (1.0, 1.0))]
+    grid = "#####\n#P_X#\n#####"
+    assert parsing.grid_items("<grid>\n" + grid + "\n</grid>", grid, "#_") == [
+        frozenset([(1, 1, "P")]), frozenset([(1, 3, "X")])]
+    assert parsing.svg_text_facts("a light green square, similarity 80%", ["light green", "green"]) == [
+        ("el", "rectangle", "light green"), ("similarity", 0.8)]
+    folder = Path(parsing.__file__).parent
+    imports = {f.stem: {n.module for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.ImportFrom)
+                        and (n.module or "").startswith("worldloop.judge.rule")} for f in folder.glob("*.py")}
+    assert imports["f1"] == set()
+    assert imports["parsing"] == {"worldloop.judge.rule.f1"}
+    assert imports["truths"] == {"worldloop.judge.rule.f1", "worldloop.judge.rule.parsing"}

@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.config import ConfigError, config_from_dict
-from common.control import SCORED_GROUP, Keys, read_stats
-from common.modeling import ChatCodec, build_sequence, collate
-from common.schemas import decode_deadletter, encode_trajectory
-from common.streams import StreamProducer, connect
-from common.tiny_model import make_tiny_model
-from learner.data import (
+from worldloop.common.config import ConfigError, config_from_dict
+from worldloop.common.control import read_stats
+from worldloop.common.keys import Keys, SCORED_GROUP
+from worldloop.common.modeling import ChatCodec, build_sequence, collate
+from worldloop.common.schemas import Trajectory, decode_deadletter, encode_trajectory
+from worldloop.common.streams import StreamProducer, connect
+from worldloop.tiny_model import make_tiny_model
+from worldloop.learner.data import (
     DedupWindow,
     ScoredSource,
     Unusable,
@@ -25,7 +26,7 @@ from learner.data import (
     encode_batch,
     micro_slices,
 )
-from learner.synthetic import synthetic_trajectory
+from worldloop.learner.synthetic import synthetic_trajectory
 
 NS = "ld"
 
@@ -92,10 +93,10 @@ def test_dedup_window_keeps_exactly_the_ids_staleness_does_not_drop():
 def test_check_usable_gives_reasons(codec):
     ok = _traj(codec, "ok")
     layout = check_usable(ok, vocab_size=VOCAB, max_len=4096, codec=codec)
-    assert len(layout) == sum(len(t["obs_ids"]) + len(t["response_ids"]) for t in ok["turns"])
+    assert len(layout) == sum(len(t.obs_ids) + len(t.response_ids) for t in ok.turns)
 
     bad_vocab = _traj(codec, "v")
-    bad_vocab["turns"][1]["response_ids"][0] = VOCAB + 7
+    bad_vocab.turns[1].response_ids[0] = VOCAB + 7
     with pytest.raises(Unusable, match=r"token id\(s\) \[2055\] outside the vocabulary \[0, 2048\)"):
         check_usable(bad_vocab, vocab_size=VOCAB, max_len=4096, codec=codec)
 
@@ -103,28 +104,29 @@ def test_check_usable_gives_reasons(codec):
         check_usable(ok, vocab_size=VOCAB, max_len=10, codec=codec)
 
     bad_lp = _traj(codec, "lp")
-    bad_lp["turns"][0]["logprobs"][0] = 0.5
+    bad_lp.turns[0].logprobs[0] = 0.5
     with pytest.raises(Unusable, match="not a log-probability"):
         check_usable(bad_lp, vocab_size=VOCAB, max_len=4096, codec=codec)
 
     no_image = _traj(codec, "img")
-    no_image["turns"][0]["images"] = []
+    no_image.turns[0].images = []
     with pytest.raises(Unusable, match="image tokens but the 1 image"):
         check_usable(no_image, vocab_size=VOCAB, max_len=4096, codec=codec)
 
     corrupt = _traj(codec, "png")
-    corrupt["turns"][0]["images"] = [b"\x89PNG not really"]
+    corrupt.turns[0].images = [b"\x89PNG not really"]
     with pytest.raises(Unusable, match="image"):
         check_usable(corrupt, vocab_size=VOCAB, max_len=4096, codec=codec)
 
 
 def test_batch_round_trip_is_msgpack(codec):
-    from learner.data import Item
+    from worldloop.learner.data import Item
 
     items = [Item(f"1-{i}", _traj(codec, f"r{i}"), None, 0, 10) for i in range(2)]
     stop, trajs = decode_batch(encode_batch(items))
-    assert not stop and [t["trajectory_id"] for t in trajs] == ["r0", "r1"]
-    assert trajs[0]["turns"][0]["images"] == items[0].traj["turns"][0]["images"]
+    assert not stop and [t.trajectory_id for t in trajs] == ["r0", "r1"]
+    assert isinstance(trajs[0], Trajectory) and trajs == [it.traj for it in items]
+    assert trajs[0].turns[0].images == items[0].traj.turns[0].images
     assert decode_batch(encode_batch([], stop=True)) == (True, [])
 
 
@@ -165,7 +167,7 @@ def test_staleness_dedup_and_dead_letter(redis_url, codec):
     prod.add(encode_trajectory(_traj(codec, "stale-final", policy_version=0)))
     prod.add(encode_trajectory(_traj(codec, "trained-before", policy_version=4)))  # duplicate, not durable: held
     bad = _traj(codec, "bad-vocab", policy_version=5)
-    bad["turns"][0]["obs_ids"][3] = 10**6
+    bad.turns[0].obs_ids[3] = 10**6
     prod.add(encode_trajectory(bad))
     for i in range(3):
         prod.add(encode_trajectory(_traj(codec, f"good{i}", policy_version=[4, 5])))
@@ -174,13 +176,14 @@ def test_staleness_dedup_and_dead_letter(redis_url, codec):
 
     items = src.collect(4, lambda: False)
     assert [it.trajectory_id for it in items] == ["good0", "good1", "good2", "good3"]
-    assert src.dropped == {"stale": 2, "duplicate": 2, "unusable": 1}
-    stats = read_stats(connect(redis_url), keys)
-    assert stats["learner_dropped_stale"] == 2 and stats["learner_dropped_duplicate"] == 2
+    # the unusable one is a dead letter, not a drop
+    assert src.dropped == {"stale": 2, "duplicate": 2}
+    # run-wide counts move with the acks: only stale-final and the dead letter are acked yet
+    assert src.fates() == {"dropped": {"stale": 1}, "dead_lettered": {"unusable": 1}}
     dead = connect(redis_url).xrange(keys.deadletter)
     assert len(dead) == 1
     record = decode_deadletter(dead[0][1][b"data"])
-    assert "bad-vocab" in record["reason"] and "outside the vocabulary" in record["reason"]
+    assert "bad-vocab" in record.reason and "outside the vocabulary" in record.reason
     # held: stale-held, the two duplicates; stale-final and the dead letter were acked at once;
     # the four items are still pending too (their update is not checkpointed yet)
     assert src.held_count == 3
@@ -189,6 +192,9 @@ def test_staleness_dedup_and_dead_letter(redis_url, codec):
     assert src.held_count == 7 and all(f"good{i}" in src.dedup for i in range(4))
     assert src.ack_held() == 7
     assert _pending(redis_url) == 0 and connect(redis_url).xlen(keys.scored) == 0
+    assert src.fates() == {"dropped": {"stale": 2, "duplicate": 2}, "dead_lettered": {"unusable": 1}}
+    stats = read_stats(connect(redis_url), keys)
+    assert stats["learner_dropped_stale"] == 2 and stats["learner_dropped_duplicate"] == 2
     assert src.dedup.is_durable("good0")
     src.close()
 
@@ -258,7 +264,7 @@ def test_pending_bound_checked_against_redis_maxmemory(redis_url):
 
 
 def test_learner_cli_without_redis_url_fails_fast_naming_the_key(capsys):
-    from common.cli import main
+    from worldloop.cli import main
 
     assert main(["learner", "redis.url=null", "trainer.device=cpu"]) == 2
     assert "redis.url" in capsys.readouterr().err

@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from common.config import to_dict
-from common.control import SCORED_GROUP, Keys
-from common.modeling import ChatCodec
-from common.schemas import decode_trajectory, encode_trajectory
-from common.streams import StreamProducer, connect
-from common.tiny_model import make_tiny_model
-from learner import checkpoint
-from learner.synthetic import synthetic_trajectory, tiny_learner_config
+from worldloop.common.config import to_dict
+from worldloop.common.keys import Keys, SCORED_GROUP
+from worldloop.common.modeling import ChatCodec
+from worldloop.common.schemas import decode_trajectory, encode_trajectory
+from worldloop.common.streams import StreamProducer, connect
+from worldloop.tiny_model import make_tiny_model
+from worldloop.learner import checkpoint
+from worldloop.learner.synthetic import synthetic_trajectory, tiny_learner_config
 
 ROOT = Path(__file__).resolve().parent.parent
 _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
@@ -70,7 +70,7 @@ def test_kill_9_and_resume_loses_nothing_and_trains_nothing_twice(redis_url, mod
     cfg = tiny_learner_config(model_dir, redis_url, run_dir, namespace=ns, total_steps=6, checkpoint_every=3,
                               max_staleness=100, use_critic=True)
     conf = _write_config(cfg, tmp_path / "learner.yaml")
-    cmd = [sys.executable, "-m", "common.cli", "learner", "--config", str(conf)]
+    cmd = [sys.executable, "-m", "worldloop", "learner", "--config", str(conf)]
     log1 = open(tmp_path / "first.log", "wb")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log1, stderr=subprocess.STDOUT)
     metrics = run_dir / "metrics.jsonl"
@@ -116,7 +116,7 @@ def test_kill_9_and_resume_loses_nothing_and_trains_nothing_twice(redis_url, mod
 
     # nothing acked is lost: what left the stream was trained (or was a copy of a trained one),
     # and what is left (never read) was not trained
-    left = [decode_trajectory(f[b"data"])["trajectory_id"] for _, f in r.xrange(keys.scored)]
+    left = [decode_trajectory(f[b"data"]).trajectory_id for _, f in r.xrange(keys.scored)]
     assert sorted(left) == [f"t{i}" for i in range(24, 28)]
     assert r.xpending(keys.scored, SCORED_GROUP)["pending"] == 0
     assert set(state["trained"]) == set(trained)
@@ -131,7 +131,7 @@ def test_two_cpu_ranks_under_torchrun(redis_url, model_dir, tmp_path):
                               zero_stage=3, max_staleness=100)
     conf = _write_config(cfg, tmp_path / "learner.yaml")
     torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "common.cli", "learner", "--config", str(conf)]
+    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "worldloop", "learner", "--config", str(conf)]
     done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, timeout=300)
     assert done.returncode == 0, done.stdout.decode()[-2000:] + done.stderr.decode()[-4000:]
     lines = _lines(run_dir / "metrics.jsonl")  # written by rank 0 only

@@ -14,18 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from actor.backends import HFBackend, check_state_dict
-from common.control import SCORED_GROUP, Keys, read_control
-from common.modeling import ChatCodec, build_sequence, collate, load_policy, token_logprobs
-from common.redis_local import LocalRedis
-from common.schemas import encode_trajectory
-from common.streams import StreamProducer, connect
-from common.tiny_model import make_tiny_model
-from common.weights import WeightSubscriber
-from learner import checkpoint
-from learner.engine import init_distributed
-from learner.process import Learner
-from learner.synthetic import behaviour_logprobs_from, synthetic_trajectory, tiny_learner_config
+from worldloop.actor.generation import check_state_dict
+from worldloop.actor.hf_backend import HFBackend
+from worldloop.common.control import read_control
+from worldloop.common.keys import Keys, SCORED_GROUP
+from worldloop.common.modeling import ChatCodec, build_sequence, collate, load_policy, token_logprobs
+from worldloop.common.redis_local import LocalRedis
+from worldloop.common.schemas import encode_trajectory
+from worldloop.common.streams import StreamProducer, connect
+from worldloop.tiny_model import make_tiny_model
+from worldloop.common.weights import WeightSubscriber
+from worldloop.learner import checkpoint
+from worldloop.learner.engine import init_distributed
+from worldloop.learner.process import Learner
+from worldloop.learner.synthetic import behaviour_logprobs_from, synthetic_trajectory, tiny_learner_config
 
 TEMPERATURE = 0.7  # the actor's sampling temperature (config default)
 
@@ -136,8 +138,11 @@ def test_micro_batch_weighting_gives_the_exact_mini_batch_token_mean():
     over the whole mini-batch (DeepSpeed's 1/accumulation scaling undone by the trainer)."""
     import deepspeed
 
-    from learner.trainer import micro_loss_scale
+    from worldloop.common.config import load_config
+    from worldloop.learner.engine import init_distributed
+    from worldloop.learner.trainer import micro_loss_scale
 
+    init_distributed(load_config(None, []))  # a world of one (gloo), whatever ran before this test
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1, bias=False)
     ref = torch.nn.Linear(3, 1, bias=False)
@@ -172,7 +177,7 @@ def test_every_estimator_runs_a_real_update(learner, model_dir, estimator, extra
     saved = {k: getattr(t, k) for k in ("estimator", *extra)}
     trajs = _trajectories(model_dir, 4, f"{estimator}-")
     for i, x in enumerate(trajs):
-        x["group_id"] = f"g{i // 2}"  # grpo: two groups of two with different rewards inside
+        x.group_id = f"g{i // 2}"  # grpo: two groups of two with different rewards inside
     probe = trajs[0]
     before = _logprobs(learner.models.policy_hf, model_dir, probe)
     try:
@@ -235,3 +240,44 @@ def test_zero_stage_matches_stage_0(stage, baseline, model_dir, redis_srv, tmp_p
         # float rounding of tiny gradients, so compare to 2% of one step
         assert torch.allclose(t, w0[k], atol=2e-5), k
     assert any(not torch.equal(t, initial.state_dict()[k]) for k, t in w.items())
+
+
+@pytest.mark.slow
+def test_a_kill_between_checkpoint_and_ledger_loses_no_lineage_and_the_end_stops_the_run(model_dir, redis_srv, tmp_path):
+    """The ledger can never disagree with the checkpoint: a kill right after a checkpoint, before the
+    step's ledger and metrics lines were appended, is repaired by --resume from the checkpoint's own
+    copy of those lines. A learner that reaches total_steps sets run_state stopped (actors stop); a
+    resumed one sets it back to running."""
+    ns = "lineage"
+    keys = Keys(ns)
+    r = connect(redis_srv.url)
+    cfg = tiny_learner_config(model_dir, redis_srv.url, tmp_path / "run", namespace=ns, total_steps=2, checkpoint_every=2)
+    prod = StreamProducer(redis_srv.url, keys.scored, 100)
+    for t in _trajectories(model_dir, 8, "L"):
+        prod.add(encode_trajectory(t))
+    lrn = Learner(cfg, init_distributed(cfg))
+    try:
+        assert read_control(r, keys)["run_state"] == "running"
+        assert lrn.run_loop() == 0
+    finally:
+        lrn.close()
+    assert read_control(r, keys)["run_state"] == "stopped"
+    ledger_path, metrics_path = lrn.run_dir / "learner_ledger.jsonl", lrn.run_dir / "metrics.jsonl"
+    ledger = [json.loads(x) for x in ledger_path.read_text().splitlines()]
+    assert [x["step"] for x in ledger] == [1, 2]
+    # the kill: step 2's checkpoint (and its acks) happened, its two lines never reached the files
+    ledger_path.write_text(json.dumps(ledger[0]) + "\n")
+    metrics_path.write_text(metrics_path.read_text().splitlines()[0] + "\n")
+
+    cfg2 = tiny_learner_config(model_dir, redis_srv.url, tmp_path / "run", namespace=ns, total_steps=3, checkpoint_every=2)
+    cfg2.trainer.resume = True
+    again = Learner(cfg2, init_distributed(cfg2))
+    try:
+        repaired = [json.loads(x) for x in ledger_path.read_text().splitlines()]
+        assert repaired == ledger  # step 2's line is back, ids and entries as trained
+        lines = [json.loads(x) for x in metrics_path.read_text().splitlines()]
+        assert [x["step"] for x in lines] == [1, 2] and lines[1].get("repaired") is True
+        assert read_control(r, keys)["run_state"] == "running"  # resumed after the end: producing again
+        assert again.step_no == 2 and again.version == 2
+    finally:
+        again.close()

@@ -1,4 +1,4 @@
-"""learner.losses against values computed by hand: decoupled PPO clip, IS truncation, value clip, KL."""
+"""worldloop.learner.losses against values computed by hand: decoupled PPO clip, IS truncation, value clip, KL."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from learner.losses import kl_penalty, masked_mean, masked_sum, masked_var, policy_loss, value_loss
+from worldloop.learner.losses import kl_penalty, masked_mean, masked_sum, masked_var, policy_loss, value_loss
 
 NAN = float("nan")
 LN = math.log

@@ -7,9 +7,9 @@ import urllib.request
 
 import pytest
 
-from common.metrics import CATALOG, exported_names, metric, serve_metrics
+from worldloop.common.metrics import CATALOG, exported_names, metric, serve_metrics
 
-NAME = re.compile(r"^worldloop_(process|stream|weights|actor|judge|learner|up)_[a-z0-9_]+$")
+NAME = re.compile(r"^worldloop_(process|stream|weights|actor|judge|learner|eval|up)_[a-z0-9_]+$")
 
 
 def test_serve_metrics_over_http() -> None:
@@ -41,7 +41,7 @@ def test_every_declared_metric_is_used_by_the_code() -> None:
 
     root = Path(__file__).resolve().parent.parent
     source = ""
-    for pkg in ("actor", "judge", "learner", "common", "envs"):
+    for pkg in ("actor", "judge", "learner", "common", "envs", "worldloop"):
         for f in sorted((root / pkg).rglob("*.py")):
             text = f.read_text()
             if f.name == "metrics.py" and f.parent.name == "common":

@@ -6,13 +6,16 @@ import math
 from pathlib import Path
 from types import SimpleNamespace
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
 
-from common.modeling import ChatCodec, build_sequence, collate, load_policy, target_size, token_logprobs
-from common.tiny_model import IMAGE_MEAN, IMAGE_STD, make_tiny_model
+from worldloop.common.modeling import ChatCodec, build_sequence, collate, load_policy, target_size, token_logprobs
+from worldloop.common.schemas import Trajectory, Turn
+from worldloop.testing.trajectories import make_trajectory, make_turn
+from worldloop.tiny_model import IMAGE_MEAN, IMAGE_STD, make_tiny_model
 
 SYSTEM = "You are a Sokoban solver."
 
@@ -36,15 +39,14 @@ def _img(h: int, w: int, seed: int = 0) -> np.ndarray:
     return np.random.RandomState(seed).randint(0, 256, (h, w, 3), dtype=np.uint8)
 
 
-def _turn(index: int, obs, response: list[int], version: int = 0, logprobs=None) -> dict:
-    return {
-        "index": index,
-        "policy_version": version,
-        "obs_ids": list(obs.ids),
-        "response_ids": response,
-        "logprobs": logprobs if logprobs is not None else [-0.5] * len(response),
-        "images": list(obs.images),
-    }
+def _turn(index: int, obs, response: list[int], version: int = 0, logprobs=None) -> Turn:
+    return msgspec.structs.replace(make_turn(index), policy_version=version, obs_ids=list(obs.ids), response_ids=response,
+                                   logprobs=logprobs if logprobs is not None else [-0.5] * len(response),
+                                   images=list(obs.images))
+
+
+def _traj(turns: list[Turn]) -> Trajectory:
+    return msgspec.structs.replace(make_trajectory(), turns=turns)
 
 
 def _template_ids(vl_dir: Path, conv: list[dict], pads: list[int]) -> list[int]:
@@ -141,7 +143,7 @@ def test_build_sequence_masks_by_hand(codec: ChatCodec) -> None:
         def __init__(self, ids, images=()):
             self.ids, self.images = ids, list(images)
 
-    traj = {"turns": [_turn(0, Obs([1, 2, 3], [b"png0"]), [10, 11], 4, [-1.0, -2.0]), _turn(1, Obs([5]), [12, 13, 14], 5, [-3.0, -4.0, -5.0])]}
+    traj = _traj([_turn(0, Obs([1, 2, 3], [b"png0"]), [10, 11], 4, [-1.0, -2.0]), _turn(1, Obs([5]), [12, 13, 14], 5, [-3.0, -4.0, -5.0])])
     lay = build_sequence(traj)
     assert lay.input_ids.tolist() == [1, 2, 3, 10, 11, 5, 12, 13, 14]
     assert lay.response_mask.tolist() == [0, 0, 0, 1, 1, 0, 1, 1, 1]
@@ -151,7 +153,7 @@ def test_build_sequence_masks_by_hand(codec: ChatCodec) -> None:
     assert lay.policy_version.tolist() == [-1, -1, -1, 4, 4, -1, 5, 5, 5]
     assert lay.turn_spans == [(3, 5), (6, 9)] and lay.turn_policy_version == [4, 5]
     assert lay.images == [b"png0"]
-    traj["turns"][1]["logprobs"] = [-1.0]
+    traj.turns[1].logprobs = [-1.0]
     with pytest.raises(ValueError, match="logprobs"):
         build_sequence(traj)
 
@@ -160,8 +162,8 @@ def _two_layouts(codec: ChatCodec):
     s0 = codec.encode_obs("A <image>", [_img(60, 90)], system=SYSTEM, first=True)
     s1 = codec.encode_obs("B", [], system=SYSTEM, first=False)
     r = codec.encode_response("<answer>Up</answer>")
-    long = build_sequence({"turns": [_turn(0, s0, r), _turn(1, s1, r)]})
-    short = build_sequence({"turns": [_turn(0, codec.encode_obs("hi", [], system=None, first=True), r)]})
+    long = build_sequence(_traj([_turn(0, s0, r), _turn(1, s1, r)]))
+    short = build_sequence(_traj([_turn(0, codec.encode_obs("hi", [], system=None, first=True), r)]))
     return long, short
 
 

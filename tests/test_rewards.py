@@ -1,20 +1,21 @@
-"""learner.rewards: turn rewards, WMAct Eq. 4 rescaling and Eq. 5 annealing, by hand."""
+"""worldloop.learner.rewards: turn rewards, WMAct Eq. 4 rescaling and Eq. 5 annealing, by hand."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from common.schemas import decode_trajectory, encode_trajectory
-from learner.rewards import anneal_max_turns, effective_action_ratio, place_turn_rewards, turn_rewards
-from test_schemas import make_trajectory
+from worldloop.common.schemas import Trajectory, decode_trajectory, encode_trajectory
+from worldloop.learner.rewards import anneal_max_turns, effective_action_ratio, place_turn_rewards, turn_rewards
+from worldloop.testing.trajectories import make_trajectory
 
 
-def trajectory() -> dict:
+def trajectory() -> Trajectory:
     """3 turns; env rewards -0.1, 0.0, 10.0; format 0.5, 0.5, 0.0; reasoning 0.4, None, 0.25."""
     traj = make_trajectory("t-r", turns=3)
-    for t, (env, fmt, reason, n_eff, n) in enumerate([(-0.1, 0.5, 0.4, 2, 2), (0.0, 0.5, None, 0, 2), (10.0, 0.0, 0.25, 1, 2)]):
-        traj["turns"][t].update(env_reward=env, format_reward=fmt, reasoning_reward=reason, actions_effective=n_eff, actions_total=n)
+    for turn, (env, fmt, reason, n_eff, n) in zip(traj.turns, [(-0.1, 0.5, 0.4, 2, 2), (0.0, 0.5, None, 0, 2), (10.0, 0.0, 0.25, 1, 2)]):
+        turn.env_reward, turn.format_reward, turn.reasoning_reward = env, fmt, reason
+        turn.actions_effective, turn.actions_total = n_eff, n
     return decode_trajectory(encode_trajectory(traj))  # a real, valid message
 
 
@@ -29,16 +30,17 @@ def test_wmact_rescales_only_the_positive_env_reward_by_episode_ratio() -> None:
     assert effective_action_ratio(traj) == pytest.approx(0.5)
     got = turn_rewards(traj, wmact_rescale=True)
     assert got == pytest.approx([-0.1 + 0.5 + 0.4, 0.0 * 0.5 + 0.5, 10.0 * 0.5 + 0.0 + 0.25])
+    assert traj.turns[2].env_reward == 10.0  # the message itself is left as it was
     # total env part = -0.1 + 0 + 10 * 3/6
     assert sum(got) - (0.5 + 0.4 + 0.5 + 0.25) == pytest.approx(-0.1 + 10.0 * 0.5)
 
 
 def test_wmact_no_actions_means_no_rescaling_and_bad_counts_raise() -> None:
     traj = trajectory()
-    for t in traj["turns"]:
-        t.update(actions_effective=0, actions_total=0)
+    for t in traj.turns:
+        t.actions_effective = t.actions_total = 0
     assert turn_rewards(traj, wmact_rescale=True) == turn_rewards(traj, wmact_rescale=False)
-    traj["turns"][0].update(actions_effective=3, actions_total=1)
+    traj.turns[0].actions_effective, traj.turns[0].actions_total = 3, 1
     with pytest.raises(ValueError, match="actions_effective"):
         turn_rewards(traj, wmact_rescale=True)
 

@@ -19,10 +19,12 @@ import redis
 import yaml
 import zmq.auth
 
-from common.control import Keys, list_processes
-from common.metrics import free_port
-from common.redis_local import LocalRedis
-from common.tiny_model import make_tiny_model
+from worldloop.common.control import list_processes
+
+from worldloop.common.keys import Keys
+from worldloop.common.metrics import free_port
+from worldloop.common.redis_local import LocalRedis
+from worldloop.tiny_model import make_tiny_model
 from procs import Child, wait_for
 
 ENV = {"id": "worldloop/FrozenLake-v0",

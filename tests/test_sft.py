@@ -9,9 +9,9 @@ import gymnasium
 import numpy as np
 import pytest
 
-from common.modeling import ChatCodec, build_sequence, collate
-from common.tiny_model import fallback_corpus, make_tiny_model
-from learner.sft import answer_format_ok, format_ok_rate, make_demonstrations, run_sft
+from worldloop.common.modeling import ChatCodec, build_sequence, collate
+from worldloop.tiny_model import fallback_corpus, make_tiny_model
+from worldloop.sft import answer_format_ok, format_ok_rate, make_demonstrations, run_sft
 
 ENV_ID = "worldloop-test/Corridor-v0"
 
@@ -94,21 +94,21 @@ def test_answer_format_check() -> None:
 
 def test_demonstrations_follow_the_actor_layout(codec: ChatCodec) -> None:
     demos = make_demonstrations([{"id": ENV_ID, "kwargs": {"size": 6}}], 4, 100, codec, max_turns=3)
-    assert [d["seed"] for d in demos] == [100, 101, 102, 103]
+    assert [d.seed for d in demos] == [100, 101, 102, 103]
     for d in demos:
         env = gymnasium.make(ENV_ID, disable_env_checker=True)
-        env.reset(seed=d["seed"])
-        first = d["turns"][0]
-        assert first["response_text"] == env.unwrapped.expert_response()
-        assert codec.decode(first["response_ids"]) == first["response_text"]
-        assert first["response_ids"][-1] == codec.im_end_id
-        assert "You are a corridor walker." in codec.decode(first["obs_ids"])
+        env.reset(seed=d.seed)
+        first = d.turns[0]
+        assert first.response_text == env.unwrapped.expert_response()
+        assert codec.decode(first.response_ids) == first.response_text
+        assert first.response_ids[-1] == codec.im_end_id
+        assert "You are a corridor walker." in codec.decode(first.obs_ids)
         # the expert walks straight to the goal: turns = distance (capped by max_turns)
-        assert len(d["turns"]) == min(3, abs(env.unwrapped.goal - env.unwrapped.player))
-        assert d["success"] == (len(d["turns"]) == abs(env.unwrapped.goal - env.unwrapped.player))
-        assert all(len(t["images"]) == 1 for t in d["turns"])
+        assert len(d.turns) == min(3, abs(env.unwrapped.goal - env.unwrapped.player))
+        assert d.success == (len(d.turns) == abs(env.unwrapped.goal - env.unwrapped.player))
+        assert all(len(t.images) == 1 for t in d.turns)
     batch = collate([build_sequence(d) for d in demos], codec)  # consistent image tokens, or it raises
-    assert int(batch["response_mask"].sum()) == sum(len(t["response_ids"]) for d in demos for t in d["turns"])
+    assert int(batch["response_mask"].sum()) == sum(len(t.response_ids) for d in demos for t in d.turns)
     with pytest.raises(ValueError):
         make_demonstrations([], 1, 0, codec, 1)
 
@@ -147,7 +147,7 @@ def test_sft_in_place_and_bad_arguments(tmp_path: Path, codec: ChatCodec) -> Non
 
 def _sokoban_registered() -> bool:
     try:
-        import envs  # noqa: F401
+        from worldloop import envs  # noqa: F401
     except Exception:
         return False
     return "worldloop/Sokoban-v0" in gymnasium.registry
@@ -158,6 +158,50 @@ def test_demonstrations_from_sokoban(codec: ChatCodec) -> None:
     spec = {"id": "worldloop/Sokoban-v0", "kwargs": {"render_mode": "vision", "prompt_format": "grounding_worldmodeling"}}
     demos = make_demonstrations([spec], 2, 0, codec, max_turns=2)
     for d in demos:
-        text = d["turns"][0]["response_text"]
+        text = d.turns[0].response_text
         assert "<observation>" in text and "<prediction>" in text and answer_format_ok(text)
     collate([build_sequence(d) for d in demos], codec)
+
+
+def test_concise_response_keeps_answer_and_first_relations() -> None:
+    from worldloop.sft import concise_response
+
+    full = ("<think><observation>goal is above and on the right side of the player. hole0 is below and at the same "
+            "column as the player.</observation><reasoning>The shortest solution takes 3 more action(s); I will do "
+            "Right, Up now.</reasoning><prediction>goal is above and at the same column as the player. hole0 is below "
+            "and on the left side of the player.</prediction></think><answer>Right,Up</answer>")
+    assert concise_response(full, "grounding_worldmodeling", 1) == (
+        "<think><observation>goal is above and on the right side of the player.</observation><reasoning></reasoning>"
+        "<prediction>goal is above and at the same column as the player.</prediction></think><answer>Right,Up</answer>")
+    assert concise_response(full, "grounding_worldmodeling", 5).count(". ") == 2  # both sentences, both fields
+    assert concise_response("not a response", "grounding_worldmodeling", 1) == "not a response"
+
+
+@pytest.mark.skipif(not _sokoban_registered(), reason="envs has not registered worldloop/Sokoban-v0 yet")
+def test_concise_demonstrations_are_shorter_and_still_solve(codec: ChatCodec) -> None:
+    spec = {"id": "worldloop/FrozenLake-v0", "kwargs": {"size": 4, "min_actions_to_succeed": 3, "image_size": 112,
+                                                        "prompt_format": "grounding_worldmodeling"}}
+    full = make_demonstrations([spec], 4, 7, codec, max_turns=3)
+    short = make_demonstrations([spec], 4, 7, codec, max_turns=3, style="concise", observation_relations=1)
+    for f, s in zip(full, short):
+        assert s.success == f.success and [t.actions for t in s.turns] == [t.actions for t in f.turns]
+        assert all(len(b.response_ids) < len(a.response_ids) for a, b in zip(f.turns, s.turns))
+        assert all(t.format_ok and "<reasoning></reasoning>" in t.response_text for t in s.turns)
+    with pytest.raises(ValueError):
+        make_demonstrations([spec], 1, 0, codec, 1, style="terse")
+
+
+def test_demonstration_seeds_must_not_overlap_rl_or_eval_seeds() -> None:
+    from worldloop.common.config import ConfigError, load_config
+
+    cfg = load_config("configs/tiny-sokoban.yaml")
+    demo = range(cfg.sft.seed_start, cfg.sft.seed_start + cfg.sft.episodes + 8)
+    assert not set(demo) & set(range(cfg.actor.seed_start, min(cfg.actor.seed_end, cfg.actor.seed_start + 10**6)))
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/tiny-sokoban.yaml", ["sft.seed_start=0"])
+    assert e.value.key == "sft.seed_start" and "RL seeds" in e.value.reason
+    with pytest.raises(ConfigError) as e:  # the last probe seed touches the first held-out seed
+        load_config("configs/tiny-sokoban.yaml", [f"sft.seed_start={cfg.eval.seed_start - cfg.sft.episodes - 7}"])
+    assert e.value.key == "sft.seed_start" and "eval seeds" in e.value.reason
+    load_config("configs/tiny-sokoban.yaml", [f"sft.seed_start={cfg.eval.seed_start - cfg.sft.episodes - 8}"])
+    load_config("configs/tiny-sokoban.yaml", ["sft.seed_start=0", "sft.enabled=false"])  # no demonstrations: no check

@@ -21,10 +21,10 @@ import pytest
 import redis
 from prometheus_client import REGISTRY
 
-from common.redis_local import LocalRedis, find_redis_server
-from common.schemas import decode_deadletter, decode_trajectory, encode_trajectory, packb, unpackb
-from common.streams import StreamConsumer, StreamProducer, connect
-from test_schemas import make_trajectory
+from worldloop.common.redis_local import LocalRedis, find_redis_server
+from worldloop.common.schemas import decode_deadletter, decode_trajectory, encode_trajectory, packb, unpackb
+from worldloop.common.streams import StreamConsumer, StreamProducer, connect
+from worldloop.testing.trajectories import make_trajectory
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,8 +45,8 @@ def sample(name: str, **labels: str) -> float:
 
 WORKER = textwrap.dedent('''
     import sys, time
-    from common.streams import StreamConsumer
-    from common.schemas import unpackb
+    from worldloop.common.streams import StreamConsumer
+    from worldloop.common.schemas import unpackb
     import redis
     url, stream, name, hang_after, total = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
     r = redis.Redis.from_url(url)
@@ -125,17 +125,17 @@ def test_poison_messages_go_to_deadletter_and_good_ones_flow(redis_url: str) -> 
     no_data_id = r.xadd(stream, {b"other": b"field"}).decode()
 
     got = consumer.read(10)
-    assert [m.value["trajectory_id"] for m in got] == ["good-1", "good-2"]
+    assert [m.value.trajectory_id for m in got] == ["good-1", "good-2"]
     assert all(not m.reclaimed for m in got)
     consumer.ack([m.id for m in got])
 
     letters = [decode_deadletter(f[b"data"]) for _, f in r.xrange(dead)]
-    assert [d["payload"] for d in letters[:2]] == [not_msgpack, wrong_schema]
-    assert "not valid msgpack" in letters[0]["reason"]
-    assert "schema" in letters[1]["reason"] and "other/1" in letters[1]["reason"]
-    assert "no 'data' field" in letters[2]["reason"] and letters[2]["source_id"] == no_data_id
-    assert unpackb(letters[2]["payload"]) == {"other": b"field"}
-    assert {d["source_stream"] for d in letters} == {stream} and {d["consumer"] for d in letters} == {"j1"}
+    assert [d.payload for d in letters[:2]] == [not_msgpack, wrong_schema]
+    assert "not valid msgpack" in letters[0].reason
+    assert "schema" in letters[1].reason and "other/1" in letters[1].reason
+    assert "no 'data' field" in letters[2].reason and letters[2].source_id == no_data_id
+    assert unpackb(letters[2].payload) == {"other": b"field"}
+    assert {d.source_stream for d in letters} == {stream} and {d.consumer for d in letters} == {"j1"}
     assert r.xlen(stream) == 0 and r.xpending(stream, "judges")["pending"] == 0
     assert sample("worldloop_stream_deadletter_messages_total", stream=stream, reason="decode_error") >= 2
 
@@ -144,7 +144,7 @@ def test_poison_messages_go_to_deadletter_and_good_ones_flow(redis_url: str) -> 
     (msg,) = consumer.read(1)
     consumer.deadletter(msg, "learner: policy version from the future")
     last = decode_deadletter(r.xrevrange(dead, count=1)[0][1][b"data"])
-    assert last["reason"] == "learner: policy version from the future" and last["payload"] == good1
+    assert last.reason == "learner: policy version from the future" and last.payload == good1
     assert r.xlen(stream) == 0
     consumer.close()
 
@@ -252,6 +252,21 @@ def test_password_and_acl_urls() -> None:
         (m,) = cons.read(5)
         assert m.payload == b"hello"
         assert cons.ack([m.id]) == 1
+
+
+def test_password_from_the_environment_for_a_url_without_one(monkeypatch) -> None:
+    with LocalRedis(password="s3cret") as srv:
+        plain = f"redis://127.0.0.1:{srv.port}/0"
+        monkeypatch.setenv("WORLDLOOP_REDIS_PASSWORD", "s3cret")
+        assert connect(plain).ping()
+        prod = StreamProducer(plain, "t:envauth", max_backlog=10)  # through the reconnecting link too
+        prod.add(b"hi")
+        assert [m.payload for m in StreamConsumer(plain, "t:envauth", "g", "c", block_ms=100).read(1)] == [b"hi"]
+        with pytest.raises(redis.AuthenticationError):  # a password in the URL wins over the environment
+            connect(f"redis://:wrong@127.0.0.1:{srv.port}/0").ping()
+        monkeypatch.setenv("WORLDLOOP_REDIS_PASSWORD", "")  # empty: no password
+        with pytest.raises(redis.AuthenticationError):
+            connect(plain).ping()
 
 
 def test_unix_socket_url(tmp_path: Path) -> None:

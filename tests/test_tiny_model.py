@@ -16,7 +16,7 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
 )
 
-from common.tiny_model import SPECIAL_TOKENS, make_tiny_model
+from worldloop.tiny_model import SPECIAL_TOKENS, make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +136,35 @@ def test_bad_arguments_raise(tmp_path: Path, kwargs: dict) -> None:
     with pytest.raises(ValueError):
         make_tiny_model(tmp_path / "bad", **kwargs)
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("preset", ["tiny-sokoban", "tiny-frozenlake"])
+def test_presets_render_one_grid_cell_per_image_token(preset: str, vl_dir: Path) -> None:
+    """The tiny presets draw each grid cell on exactly one merged 28x28 patch (one image token)."""
+    import gymnasium
+    import numpy as np
+
+    from worldloop import envs  # noqa: F401  (registers worldloop/* ids)
+    from worldloop.common.config import load_config
+    from worldloop.common.modeling import MERGE, PATCH, ChatCodec, decode_png
+
+    cfg = load_config(f"configs/{preset}.yaml")
+    spec = cfg.actor.envs[0]
+    env = gymnasium.make(spec.id, **spec.kwargs)
+    try:
+        obs, info = env.reset(seed=3)
+        cells = max(info["state"]["structured"]["grid_size"])
+        image = obs["image"]
+        assert image.shape == (cells * PATCH * MERGE, cells * PATCH * MERGE, 3)
+        codec = ChatCodec(vl_dir, max_image_side=cfg.model.max_image_side)
+        png = codec.prepare_image(image)
+        assert np.array_equal(np.asarray(decode_png(png).convert("RGB")), image)  # not resized
+        assert codec.image_pad_count(png) == cells * cells  # one token per cell
+        # every cell is one sprite: the 28x28 blocks are the tiles, so block (r, c) is uniform in
+        # kind: the player's block differs from all others
+        blocks = image.reshape(cells, 28, cells, 28, 3).transpose(0, 2, 1, 3, 4).reshape(cells * cells, -1)
+        player = tuple(info["state"]["structured"]["player_position"])
+        pidx = player[0] * cells + player[1]
+        assert all(not np.array_equal(blocks[pidx], blocks[i]) for i in range(cells * cells) if i != pidx)
+    finally:
+        env.close()

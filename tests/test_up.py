@@ -1,7 +1,9 @@
-"""End to end: `worldloop up` with a learner, 2 actors and 1 judge on a real Redis.
+"""End to end: `worldloop up` with a learner, 2 actors, 1 judge and the evaluator on a real Redis.
 
-One actor is SIGKILLed mid-run; the run still completes its learner steps, every process's
-/metrics was scraped, and the run directory holds metrics.jsonl, the plot and the logs.
+One actor is SIGKILLed mid-run (its admitted episodes' leases run out and give their budget back),
+then the learner after its first step (up restarts it with --resume); the run still completes its
+learner steps, the evaluator wrote held-out records for the first and the final version, every process's /metrics was scraped, and the run directory holds
+metrics.jsonl, the plot and the logs.
 """
 
 from __future__ import annotations
@@ -14,7 +16,11 @@ import pytest
 import redis
 import yaml
 
-from common.control import Keys, list_processes
+import sys
+
+from worldloop.common.config import load_config
+from worldloop.common.control import list_processes, write_control
+from worldloop.common.keys import Keys
 from procs import Child, wait_for
 
 @pytest.mark.slow
@@ -27,14 +33,14 @@ def test_up_completes_three_steps_despite_a_killed_actor(tmp_path, redis_url):
         "weights": {"pub_port": 0, "fetch_port": 0},
         "model": {"path": str(tmp_path / "model"), "make_tiny_if_missing": True, "max_image_side": 56},
         "actor": {
-            "num_envs": 2, "max_turns": 2, "max_new_tokens": 24, "n_samples_per_seed": 2,
+            "num_envs": 2, "max_turns": 2, "max_new_tokens": 24, "n_samples_per_seed": 2, "admission_lease_s": 10,
             "envs": [{"id": "worldloop/FrozenLake-v0",
                       "kwargs": {"size": 3, "min_actions_to_succeed": 2, "render_mode": "vision",
                                      "prompt_format": "grounding_worldmodeling"}}],
         },
         "judge": {"enabled": True, "scorers": {"default": ["rule"]}},
         "trainer": {"total_steps": 3, "train_batch_size": 4, "ppo_mini_batch_size": 2, "micro_batch_size": 1,
-                    "checkpoint_every": 2},
+                    "checkpoint_every": 2, "eval_every": 2, "eval_episodes": 2},
         "sft": {"enabled": True, "episodes": 4, "epochs": 1},
         "up": {"num_actors": 2, "num_judges": 1, "progress_interval_s": 1.0},
     }))
@@ -56,18 +62,75 @@ def test_up_completes_three_steps_despite_a_killed_actor(tmp_path, redis_url):
 
         killed = wait_for(first_trajectory, "actor-0 to push a trajectory", 240, [up], extra=run_logs)
         os.kill(killed, signal.SIGKILL)
-        rc = up.wait(timeout=300)
+
+        # then kill -9 the learner once it has trained a step: up restarts it with --resume
+        def learner_after_a_step():
+            if not (run_dir / "learner_ledger.jsonl").exists():
+                return None
+            learners = [p for p in list_processes(r, keys) if p["role"] == "learner"]
+            return max(learners, key=lambda p: p["seen_at"])["pid"] if learners else None
+
+        learner_pid = wait_for(learner_after_a_step, "the learner's first step", 300, [up], extra=run_logs)
+        os.kill(learner_pid, signal.SIGKILL)
+        rc = up.wait(timeout=600)
     finally:
         up.kill()
     out = up.output(None)
     assert rc == 0, f"worldloop up exited {rc}\n{out[-4000:]}{run_logs()}"
-    assert "restarting" in out  # the killed actor was noticed and replaced
+    assert "actor-0 exited with -9; restarting" in out  # the killed actor was noticed and replaced
+    assert "learner exited with -9; restarting with --resume" in out
+    # processes that exit cleanly once the learner has said stopped are not restarted
+    assert "exited with 0; restarting" not in out, out[-3000:]
 
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [x for x in lines if "step" in x]
     assert [s["step"] for s in steps][-1] >= 3
+    # held-out evaluation during training: the start (v0) and the final version, in both files
+    evals = [json.loads(line)["eval"] for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    versions = [e["policy_version"] for e in evals]
+    assert versions[0] == 0 and versions[-1] == steps[-1]["policy_version"] and versions == sorted(set(versions)), (
+        f"evaluated versions {versions}, final v{steps[-1]['policy_version']}\n{out[-3000:]}{run_logs()}")
+    assert [x["eval"] for x in lines if "eval" in x] == evals
+    # the learner kept its trackers open for the final evaluation (TensorBoard/wandb get it too)
+    final = steps[-1]["policy_version"]
+    assert f"the final version v{final}'s held-out evaluation is in the trackers" in (run_dir / "logs" / "learner.log").read_text()
+    for e in evals:
+        assert e["episodes"] == {"frozenlake": 2, "all": 2}
+        k, n = e["successes"]["all"], e["episodes"]["all"]
+        assert e["success_rate"]["all"] == k / n and e["ci95"]["all"][0] <= k / n <= e["ci95"]["all"][1]
+    assert "held-out success at v" in out
     assert (run_dir / "training.png").stat().st_size > 1000
     scrapes = json.loads((run_dir / "scrapes.json").read_text())
     roles = {k.split(":")[0] for k, n in scrapes.items() if n >= 1}
-    assert roles == {"learner", "actor", "judge"}, scrapes
+    assert roles == {"learner", "actor", "judge", "evaluator"}, scrapes
     assert sum(1 for k in scrapes if k.startswith("actor:")) >= 2
     assert (run_dir / "config.yaml").exists() and (run_dir / "logs" / "learner.log").exists()
+
+
+@pytest.mark.parametrize("run_state, restarted", [("stopped", False), ("running", True)])
+def test_a_clean_exit_is_restarted_only_while_the_run_goes_on(tmp_path, redis_url, capsys, run_state, restarted):
+    """After the learner said stopped, actors and judges exit 0 while it waits for the final
+    evaluation: up leaves them be. Before that a clean exit is restarted like a crash."""
+    from worldloop.up import Child as UpChild, Progress, _supervise
+
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(f"sup-{run_state}")
+    write_control(r, keys, run_state=run_state)
+    cfg = load_config(None, ["up.progress_interval_s=60"])
+    py = sys.executable
+    children = [UpChild("learner", "learner", [py, "-c", "import time; time.sleep(3)"], tmp_path / "learner.log"),
+                # exits 0 at once the first time, then stays up (a restarted actor)
+                UpChild("actor-0", "actor", [py, "-c", "import os, sys, time\nif os.path.exists(sys.argv[1]): time.sleep(30)\n"
+                                                 "open(sys.argv[1], 'w').close()", str(tmp_path / "ran")], tmp_path / "actor.log")]
+    try:
+        for c in children:
+            c.start(dict(os.environ))
+        rc = _supervise(cfg, children, dict(os.environ), r, keys, tmp_path, Progress(), {"flag": False})
+    finally:
+        for c in children:
+            c.stop(signal.SIGKILL)
+            c.close()
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert children[1].restarts == (1 if restarted else 0), out
+    assert ("actor-0 finished (run_state stopped)" in out) == (not restarted), out

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import common.tiny_model as tiny
-from actor.backends import GenerationBackend, GenRequest, WeightUpdateError, make_backend
-from common.config import Config
-from common.modeling import load_policy
+import worldloop.tiny_model as tiny
+from worldloop.actor.backends import make_backend
+from worldloop.actor.generation import GenerationBackend, GenRequest, WeightUpdateError
+from worldloop.common.config import Config
+from worldloop.common.modeling import load_policy
 from test_hf_backend import _recomputed, _requests  # the same requests and reference
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -48,7 +49,7 @@ def vl_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def backend(vl_dir: Path):
-    from actor.vllm_backend import VLLMBackend
+    from worldloop.actor.vllm_backend import VLLMBackend
 
     be = VLLMBackend(vl_dir, max_model_len=1024, max_image_side=SIDE, dtype="float32")
     try:
@@ -167,7 +168,7 @@ def test_weight_reload_changes_output_and_version(backend, vl_dir, policy) -> No
 def test_make_backend_builds_vllm_from_config(backend, tmp_path_factory) -> None:
     """Text-only causal LM through ``make_backend`` (actor.backend=vllm). Runs last: it closes the
     module's engine first, since vLLM runs one in-process engine per process."""
-    from actor.vllm_backend import VLLMBackend
+    from worldloop.actor.vllm_backend import VLLMBackend
 
     with pytest.raises(RuntimeError, match="already open"):
         VLLMBackend(backend.model_dir)

@@ -1,18 +1,21 @@
 """The ZeroMQ weight channel over real sockets on loopback: delivery, late joiners, no mixed
-versions, corrupted and lost chunks through a real ZeroMQ hop, CURVE, the safetensors-style codec."""
+versions, publishing behind the caller, corrupted and lost chunks through a real ZeroMQ hop, the
+whole-set hash the manifest names, CURVE, the safetensors-style codec."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import select
+import socket
 import struct
 import threading
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterator
 
+import crc32c
 import pytest
 import safetensors.torch
 import torch
@@ -20,9 +23,9 @@ import zmq
 import zmq.auth
 from prometheus_client import REGISTRY
 
-from common.config import ConfigError, config_from_dict
-from common.metrics import free_port
-from common.weights import (
+from worldloop.common.config import ConfigError, config_from_dict
+from worldloop.common.metrics import free_port
+from worldloop.common.weights import (
     DTYPES,
     WeightPublisher,
     WeightsError,
@@ -33,6 +36,8 @@ from common.weights import (
     publisher_from_config,
     subscriber_from_config,
 )
+
+from procs import wait_for
 
 HOST = "127.0.0.1"
 
@@ -75,7 +80,7 @@ class Tap:
                  on_manifest: Callable[[list[bytes]], list[bytes]] = lambda frames: frames):
         self.on_chunk = on_chunk
         self.on_manifest = on_manifest
-        self.chunks: list[tuple[str, int]] = []  # (version sha256, index) of every CHUNK reply seen
+        self.chunks: list[tuple[str, int]] = []  # (version digest, index) of every CHUNK reply seen
         self.ctx = zmq.Context()
         self.front = self.ctx.socket(zmq.ROUTER)
         self.port = self.front.bind_to_random_port(f"tcp://{HOST}")
@@ -97,7 +102,7 @@ class Tap:
                 frames = self.back.recv_multipart()  # [subscriber id, b"", kind, header, payload...]
                 if frames[2] == b"CHUNK":
                     hdr = json.loads(frames[3])
-                    self.chunks.append((hdr["sha256"], hdr["index"]))
+                    self.chunks.append((hdr["digest"], hdr["index"]))
                     frames = self.on_chunk(len(self.chunks) - 1, hdr, frames)
                 elif frames[2] == b"MANIFEST":
                     frames = self.on_manifest(frames)
@@ -185,7 +190,7 @@ def test_publish_mid_fetch_restarts_on_the_new_version_never_a_mix(publisher: We
 
     def publish_v2_at_third_chunk(n: int, hdr: dict, frames: list[bytes]) -> list[bytes]:
         if n == 2:  # v1 is mid-fetch: the subscriber has 2 chunks, asked for 2 more
-            publisher.publish(v2, 2)
+            publisher.publish(v2, 2, wait=True)  # served before this chunk goes on
         return frames
 
     # window of 2 chunks: the subscriber cannot have asked for all of v1 before the switch
@@ -220,20 +225,20 @@ def test_a_chunk_that_keeps_failing_gives_a_clear_error_then_a_clean_fetch_works
         return flip_byte(frames) if corrupt[0] and hdr["index"] == 1 else frames
 
     with tapped(publisher, corrupt_chunk_1, max_chunk_retries=2) as (sub, _):
-        with pytest.raises(WeightsError, match=r"chunk 1 of v3 failed its CRC-32 check 3 times"):
+        with pytest.raises(WeightsError, match=r"chunk 1 of v3 failed its CRC-32C check 3 times"):
             sub.fetch()
         assert sub.stats["rejected_chunks"] == 3
         corrupt[0] = False
         assert_fetched(sub.fetch(), 3, want)
 
 
-def test_a_chunk_altered_to_pass_its_crc_is_caught_by_the_whole_sha256(publisher: WeightPublisher) -> None:
+def test_a_chunk_altered_to_pass_its_crc_is_caught_by_the_whole_set_hash(publisher: WeightPublisher) -> None:
     want = weight_set(5, scale=1 << 16)
     publisher.publish(want, 5)
     cb = publisher.chunk_bytes
     chunk2 = bytearray(encode_tensors(want, 5)[2 * cb:3 * cb])  # the encoding is deterministic
     chunk2[100] ^= 0x01
-    forged_crc = zlib.crc32(chunk2)
+    forged_crc = crc32c.crc32c(chunk2)
     tamper = [True]
 
     def forge_crc(frames: list[bytes]) -> list[bytes]:  # the manifest now vouches for the altered chunk
@@ -246,11 +251,177 @@ def test_a_chunk_altered_to_pass_its_crc_is_caught_by_the_whole_sha256(publisher
 
     rejected_before = counter("worldloop_weights_rejected_chunks_total")
     with tapped(publisher, alter, forge_crc) as (sub, _):
-        with pytest.raises(WeightsError, match="does not match the manifest sha256.*nothing was handed over"):
+        with pytest.raises(WeightsError, match="does not match the manifest xxh3_128 digest.*nothing was handed over"):
             sub.fetch()
         assert counter("worldloop_weights_rejected_chunks_total") - rejected_before == 1
         tamper[0] = False
         assert_fetched(sub.fetch(), 5, want)
+
+
+def test_the_manifest_names_its_hash_and_an_unknown_one_is_refused() -> None:
+    want = weight_set(2, scale=1 << 14)
+    pub = WeightPublisher(HOST, chunk_bytes=64 * 1024, hash_algorithm="sha256")
+    try:
+        pub.publish(want, 2)
+        seen: list[dict] = []
+
+        def rename_hash(frames: list[bytes]) -> list[bytes]:
+            hdr = json.loads(frames[3])
+            seen.append(hdr)
+            return frames[:3] + [json.dumps({**hdr, "hash": "md5"}).encode()] + frames[4:]
+
+        with tapped(pub, lambda n, hdr, frames: frames) as (sub, _):
+            assert_fetched(sub.fetch(), 2, want)  # the subscriber follows the algorithm the manifest names
+        with tapped(pub, lambda n, hdr, frames: frames, rename_hash) as (sub, tap):
+            with pytest.raises(WeightsError, match="names the whole-set hash 'md5'"):
+                sub.fetch()
+            assert tap.chunks == []
+        assert seen[0]["hash"] == "sha256" and len(seen[0]["digest"]) == 64
+    finally:
+        pub.close()
+    with pytest.raises(ValueError, match="hash_algorithm must be one of"):
+        WeightPublisher(HOST, hash_algorithm="md5")
+
+
+def _next_update(live: dict[str, torch.Tensor]) -> None:
+    """What the learner's optimizer step does to its parameters: change them in place."""
+    with torch.no_grad():
+        for t in live.values():
+            if t.dtype == torch.bool:
+                t.logical_not_()
+            else:
+                t.add_(1)
+
+
+def _clone(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in tensors.items()}
+
+
+def test_publishing_does_not_block_the_next_update() -> None:
+    """The learner hands v over and goes on: the call returns long before subscribers have v; the
+    parameters change in place right after each hand-over and v+1 follows at once, while v is still
+    being served. Every fetch that completes is one whole, verified version, never a mix."""
+    pub = WeightPublisher(HOST, chunk_bytes=1 << 20, announce_interval_s=0.2)
+    subs = [WeightSubscriber(HOST, pub.pub_port, pub.fetch_port, fetch_timeout_s=60) for _ in range(3)]
+    blocked_before = counter("worldloop_weights_publish_blocked_seconds_sum")
+    live = weight_set(1, scale=4 << 20)  # ~100 MiB: "the parameters"
+    want: dict[int, dict[str, torch.Tensor]] = {}
+    got: list[list[tuple[int, float, dict[str, torch.Tensor]]]] = [[] for _ in subs]
+
+    def follow(i: int, until: int) -> None:
+        have = 0
+        while have < until:
+            res = subs[i].fetch(min_version=have)
+            if res is None:
+                time.sleep(0.005)
+                continue
+            got[i].append((res[0], time.perf_counter(), res[1]))
+            have = res[0]
+
+    # the preparation (hash, frames) of the versions in `held` waits for their gate: what happens while
+    # a version is still behind the caller is then a fact of the test, not a race against the clock
+    gates = {2: threading.Event(), 4: threading.Event()}
+    real_prepare = pub._prepare
+
+    def held(job):
+        gate = gates.get(job.version)
+        if gate is not None and not gate.wait(120):
+            raise RuntimeError(f"gate of v{job.version} never opened")
+        return real_prepare(job)
+
+    pub._prepare = held
+    try:
+        blocked1 = pub.publish(_clone(live), 1, wait=True)  # the learner's first publish, at start-up
+        # phase 1: hand over v2 and go on: the call returns while v2 cannot even be prepared yet
+        want[2] = _clone(live)
+        t0 = time.perf_counter()
+        blocked2 = pub.publish(live, 2)
+        returned = time.perf_counter()
+        assert pub.served_version == 1  # v2 is still behind the caller
+        assert blocked2 <= returned - t0
+        _next_update(live)  # the next update changes the parameters in place, right after the hand-over
+        gates[2].set()
+        with ThreadPoolExecutor(len(subs)) as pool:
+            list(pool.map(lambda i: follow(i, 2), range(len(subs))))
+
+        # phase 2: v3 is handed over and, while subscribers are fetching it, v4
+        want[3] = _clone(live)
+        with ThreadPoolExecutor(len(subs)) as pool:
+            futures = [pool.submit(follow, i, 4) for i in range(len(subs))]
+            blocked3 = pub.publish(live, 3)
+            _next_update(live)
+            want[4] = _clone(live)
+            time.sleep(0.05)  # subscribers are mid-fetch of v3 now
+            t3 = time.perf_counter()
+            blocked4 = pub.publish(live, 4)
+            returned4 = time.perf_counter()
+            assert pub.served_version == 3  # v3 is served while v4 waits behind the caller
+            _next_update(live)
+            gates[4].set()
+            for f in futures:
+                f.result(timeout=120)
+        assert blocked4 <= returned4 - t3
+        for g in got:
+            versions = [v for v, _, _ in g]
+            assert versions[0] == 2 and versions[-1] == 4 and versions == sorted(set(versions))
+            for v, _, tensors in g:
+                assert_same(tensors, want[v])  # a whole version, bit for bit, never a mix
+        # the caller's blocked time is what the metric adds up (the learner's blocked fraction of its step)
+        assert counter("worldloop_weights_publish_blocked_seconds_sum") - blocked_before == pytest.approx(
+            blocked1 + blocked2 + blocked3 + blocked4)
+        assert pub.last_blocked_s == blocked4
+    finally:
+        for s in subs:
+            s.close()
+        pub.close()
+
+
+def test_a_preparation_that_fails_behind_the_caller_is_reported_and_nothing_waits_for_it(
+        publisher: WeightPublisher, monkeypatch: pytest.MonkeyPatch) -> None:
+    v1, v2, v3 = ({"w": torch.full((1000,), float(v))} for v in (1, 2, 3))
+    publisher.publish(v1, 1, wait=True)
+
+    def broken(job):  # stands for what can fail behind the caller (e.g. a CUDA error in the copy)
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(publisher, "_prepare", broken)
+    publisher.publish(v2, 2)  # the hand-over itself succeeds
+    with pytest.raises(WeightsError, match="preparing an earlier weight version failed: device lost"):
+        publisher.flush(timeout=10)
+    assert publisher.version == 1  # v2 never became the version a fetch waits for
+    with WeightSubscriber(HOST, publisher.pub_port, publisher.fetch_port, fetch_timeout_s=5) as sub:
+        assert_fetched(sub.fetch(), 1, v1)
+        monkeypatch.undo()
+        publisher.publish(v3, 3)
+        assert_fetched(sub.fetch(min_version=1), 3, v3)
+
+
+def test_owned_hand_overs_never_wait_and_a_newer_one_replaces_one_not_started(
+        publisher: WeightPublisher, monkeypatch: pytest.MonkeyPatch) -> None:
+    sets = {v: weight_set(v, scale=1 << 18) for v in (1, 2, 3, 4)}
+    publisher.publish(sets[1], 1, wait=True)
+    entered, gate = threading.Event(), threading.Event()
+    real = publisher._prepare
+
+    def slow(job):  # a preparation that takes as long as the test wants
+        entered.set()
+        assert gate.wait(30)
+        return real(job)
+
+    monkeypatch.setattr(publisher, "_prepare", slow)
+    superseded = counter("worldloop_weights_superseded_versions_total")
+    publisher.publish(sets[2], 2, owned=True)
+    assert entered.wait(10)  # v2 is being prepared, and stays so
+    blocked3 = publisher.publish(sets[3], 3, owned=True)  # pending behind v2
+    blocked4 = publisher.publish(sets[4], 4, owned=True)  # replaces v3, which never started
+    assert max(blocked3, blocked4) < 1.0  # neither waited for v2's preparation (it is still held)
+    assert not gate.is_set() and publisher.served_version == 1 and publisher.version == 4
+    assert counter("worldloop_weights_superseded_versions_total") - superseded == 1
+    gate.set()
+    assert publisher.flush(timeout=30)
+    assert publisher.served_version == 4
+    with WeightSubscriber(HOST, publisher.pub_port, publisher.fetch_port, fetch_timeout_s=10) as sub:
+        assert_fetched(sub.fetch(min_version=1), 4, sets[4])
 
 
 def test_a_lost_reply_is_requested_again(publisher: WeightPublisher) -> None:
@@ -259,6 +430,197 @@ def test_a_lost_reply_is_requested_again(publisher: WeightPublisher) -> None:
     with tapped(publisher, lambda n, hdr, frames: None if n == 1 else frames, resend_s=0.3) as (sub, _):  # drop one
         assert_fetched(sub.fetch(), 4, want)
     assert sub.stats["resent_requests"] >= 1
+
+
+def test_replies_slower_than_resend_s_still_arrive(publisher: WeightPublisher) -> None:
+    """Every CHUNK reply takes 0.5 s through the tap, longer than resend_s: each resend throws away
+    what was on the old connection, so only a growing wait between resends lets a reply through."""
+    want = weight_set(5, scale=1 << 14)  # ~400 KiB: 2 chunks of 256 KiB
+    publisher.publish(want, 5)
+
+    def slow(n: int, hdr: dict, frames: list[bytes]) -> list[bytes]:
+        time.sleep(0.5)
+        return frames
+
+    with tapped(publisher, slow, resend_s=0.3) as (sub, _):
+        assert_fetched(sub.fetch(), 5, want)
+    assert sub.stats["resent_requests"] >= 2 and sub.stats["reconnects"] >= 1  # it did resend, and finished
+
+
+def test_a_request_lost_with_a_dead_publisher_is_asked_again_when_it_comes_back() -> None:
+    """A learner killed while it holds a request, then restarted on the same ports: the request is
+    asked again as soon as the connection shakes hands with the new learner, not after ``resend_s``
+    (here longer than ``fetch_timeout_s``, so waiting for it would end in WeightsTimeout)."""
+    pub_port, fetch_port = free_port(), free_port()
+    ctx = zmq.Context()
+    dying = ctx.socket(zmq.ROUTER)  # the learner that takes the request and dies without answering
+    dying.bind(f"tcp://{HOST}:{fetch_port}")
+    sub = WeightSubscriber(HOST, pub_port, fetch_port, fetch_timeout_s=8, resend_s=30)
+    want = weight_set(1, scale=1 << 14)
+    pub = None
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            def fetch_until_a_version():
+                for _ in range(50):  # the new learner may answer "nothing yet" until its v1 is ready
+                    got = sub.fetch()
+                    if got is not None:
+                        return got
+                    time.sleep(0.1)
+                return None
+
+            fut = pool.submit(fetch_until_a_version)
+            assert dying.poll(5000), "the subscriber's request never reached the first publisher"
+            assert dying.recv_multipart()[2] == b"INFO"
+            dying.close(linger=0)
+            pub = WeightPublisher(HOST, pub_port=pub_port, fetch_port=fetch_port, announce_interval_s=0.2)
+            pub.publish(want, 1)
+            assert_fetched(fut.result(timeout=60), 1, want)
+        assert sub.stats["resent_requests"] >= 1
+    finally:
+        sub.close()
+        if pub is not None:
+            pub.close()
+        ctx.destroy(linger=0)
+
+
+class Cable:
+    """Real TCP between the subscriber and the publisher's two ports, through a link that can be cut.
+
+    :meth:`cut` is a network partition as the subscriber meets it: every connection open at that
+    moment goes silent for good (nothing more is carried either way, yet neither end sees it
+    closed: a TCP connection whose retransmissions back off for minutes after a partition), and
+    new connections are refused until :meth:`heal`. After the heal new connections are carried;
+    the silent ones stay silent. ``cut_after_bytes`` cuts by itself once that many bytes came back
+    from the fetch port (mid-fetch).
+    """
+
+    def __init__(self, pub_port: int, fetch_port: int, cut_after_bytes: int | None = None):
+        self.cut_after_bytes = cut_after_bytes
+        self.fetched_bytes = 0  # publisher -> subscriber on the fetch port
+        self.down = False
+        self.cuts = 0
+        self.ports: dict[int, int] = {}  # our port -> the publisher's
+        self._lock = threading.Lock()
+        self._listeners: dict[socket.socket, int] = {}
+        self._peer: dict[socket.socket, socket.socket] = {}  # carried connections, both ends
+        self._from_fetch: set[socket.socket] = set()  # the publisher's end of fetch-port connections
+        self._silent: list[socket.socket] = []
+        for target in (pub_port, fetch_port):
+            ls = socket.create_server((HOST, 0))
+            self._listeners[ls] = target
+            self.ports[target] = ls.getsockname()[1]
+        self._fetch_port = fetch_port
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cable", daemon=True)
+        self._thread.start()
+
+    def port(self, target: int) -> int:
+        return self.ports[target]
+
+    def cut(self) -> None:
+        with self._lock:
+            self._cut_locked()
+
+    def _cut_locked(self) -> None:
+        self.down = True
+        self.cuts += 1
+        self._silent.extend(self._peer)
+        self._peer.clear()
+        self._from_fetch.clear()
+
+    def heal(self) -> None:
+        with self._lock:
+            self.down = False
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                watched = [*self._listeners, *self._peer]
+            ready, _, _ = select.select(watched, [], [], 0.05)
+            for s in ready:
+                with self._lock:
+                    if s in self._listeners:
+                        conn, _ = s.accept()
+                        if self.down:
+                            conn.close()  # refused while the link is cut
+                            continue
+                        up = socket.create_connection((HOST, self._listeners[s]))
+                        self._peer[conn], self._peer[up] = up, conn
+                        if self._listeners[s] == self._fetch_port:
+                            self._from_fetch.add(up)
+                        continue
+                    other = self._peer.get(s)
+                    if other is None:
+                        continue  # went silent meanwhile
+                    try:
+                        data = s.recv(1 << 16)
+                    except OSError:
+                        data = b""
+                    if not data:
+                        for x in (s, other):
+                            self._peer.pop(x, None)
+                            x.close()
+                        continue
+                    if s in self._from_fetch:
+                        self.fetched_bytes += len(data)
+                        if self.cut_after_bytes is not None and self.fetched_bytes >= self.cut_after_bytes:
+                            self.cut_after_bytes = None
+                            self._cut_locked()
+                            continue  # these bytes are lost in the partition
+                    other.sendall(data)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        for s in [*self._listeners, *self._peer, *self._silent]:
+            s.close()
+
+
+def test_a_partition_mid_fetch_is_survived_on_fresh_connections_and_announcements_come_again(
+        publisher: WeightPublisher) -> None:
+    """After a partition the connections that were busy when it began can stay silent for minutes
+    (TCP retransmission back-off): the fetch must go on over a fresh connection, and the SUB side
+    must get announcements again, once the link is back."""
+    want = weight_set(7, scale=1 << 17)  # ~3.3 MB: 13 chunks of 256 KiB
+    publisher.publish(want, 7)
+    cable = Cable(publisher.pub_port, publisher.fetch_port)
+    sub = WeightSubscriber(HOST, cable.port(publisher.pub_port), cable.port(publisher.fetch_port),
+                           fetch_timeout_s=60, resend_s=0.5)
+
+    def heal_in(seconds: float) -> threading.Timer:
+        t = threading.Timer(seconds, cable.heal)
+        t.start()
+        return t
+
+    def announced(version: int, within_s: float) -> None:
+        wait_for(lambda: sub.latest_announced() == version, f"an announcement of v{version} "
+                 f"(latest {sub.latest_announced()} when the wait began)", within_s)
+
+    try:
+        announced(7, 30)
+        # the request for the current version goes into a connection that then stays silent
+        cable.cut()
+        healer = heal_in(2.0)
+        assert_fetched(sub.fetch(), 7, want)
+        healer.join()
+        assert sub.stats["reconnects"] >= 1
+        # cut mid-fetch, after about a third of the chunks came back; the link is back 2 s later
+        cable.cut_after_bytes = cable.fetched_bytes + 1_000_000
+        want8 = weight_set(8, scale=1 << 17)
+        publisher.publish(want8, 8)
+        assert publisher.flush(30)
+        with ThreadPoolExecutor(1) as pool:
+            fetching = pool.submit(sub.fetch, 7)
+            wait_for(lambda: cable.cuts == 2, "the fetch to get a third of the way (the second cut)", 30)
+            healer = heal_in(2.0)
+            assert_fetched(fetching.result(timeout=60), 8, want8)
+        healer.join()
+        # the SUB connection went silent in the first cut: its heartbeats give up on it, it reconnects
+        publisher.publish(weight_set(9, scale=1 << 10), 9)
+        announced(9, 60)
+    finally:
+        sub.close()
+        cable.close()
 
 
 def test_timeouts_and_bad_publishes_give_clear_errors(publisher: WeightPublisher) -> None:
@@ -292,7 +654,7 @@ def test_a_set_larger_than_max_bytes_is_refused_before_any_chunk_is_fetched(publ
 
 
 def test_default_max_bytes_follows_the_model_directory(tmp_path: Path) -> None:
-    from common.weights import default_max_bytes
+    from worldloop.common.weights import default_max_bytes
 
     (tmp_path / "model-00001.safetensors").write_bytes(b"\0" * 1000)
     (tmp_path / "model-00002.safetensors").write_bytes(b"\0" * 500)

@@ -1,7 +1,7 @@
 """Adapters that run worldloop's Navigation and PrimitiveSkill tasks on the original simulators.
 
-* :mod:`envs.adapters.ai2thor` — ``NavigationEnv(backend="ai2thor")``: AI2-THOR scenes.
-* :mod:`envs.adapters.maniskill` — ``PrimitiveSkillEnv(backend="maniskill")``: SAPIEN/ManiSkill
+* :mod:`worldloop.envs.adapters.ai2thor` — ``NavigationEnv(backend="ai2thor")``: AI2-THOR scenes.
+* :mod:`worldloop.envs.adapters.maniskill` — ``PrimitiveSkillEnv(backend="maniskill")``: SAPIEN/ManiSkill
   rendering of the tabletop.
 
 Neither simulator is a dependency: each adapter raises RuntimeError naming what is missing and how

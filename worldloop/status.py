@@ -15,41 +15,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any
 
 import redis
 
-from common.config import Config
-from common.control import Keys, list_processes, read_control, read_stats
-from common.streams import connect
+from worldloop.common.config import Config
+from worldloop.common.control import list_processes, read_control, read_stats
+from worldloop.common.keys import Keys
+from worldloop.common.streams import connect, stream_info
 
 SEEN_WINDOW_S = 60.0
-
-
-def _s(x: Any) -> str:
-    return x.decode(errors="replace") if isinstance(x, (bytes, bytearray)) else str(x)
-
-
-def stream_info(r: redis.Redis, stream: str) -> dict:
-    """Length, groups (pending, lag) and consumers (pending, idle ms) of one stream."""
-    length = int(r.xlen(stream))
-    groups = []
-    if r.exists(stream):
-        for g in r.xinfo_groups(stream):
-            name = _s(g["name"])
-            pending = int(g.get("pending") or 0)
-            lag = g.get("lag")
-            consumers = [
-                {"name": _s(c["name"]), "pending": int(c.get("pending") or 0), "idle_ms": int(c.get("idle") or 0)}
-                for c in r.xinfo_consumers(stream, name)
-            ]
-            groups.append({
-                "name": name,
-                "pending": pending,
-                "lag": int(lag) if lag is not None else max(length - pending, 0),
-                "consumers": consumers,
-            })
-    return {"stream": stream, "length": length, "groups": groups}
 
 
 def collect(r: redis.Redis, keys: Keys, now: float | None = None) -> dict:
@@ -94,6 +68,8 @@ def render(info: dict) -> str:
     for p in info["processes"]:
         lines.append(f"  {p.get('role', '?'):<8} {p.get('id', '?'):<28} host {p.get('host', '?')}, "
                      f"seen {_age(now, p.get('seen_at'))}, metrics {p.get('metrics_url') or '-'}")
+        if p.get("phase"):  # what it is doing or waiting on, and since when (common/process.py)
+            lines.append(f"           {p['phase']} (for {_age(now, p.get('phase_since')).removesuffix(' ago')})")
     lines += ["", "counters:"]
     lines += [f"  {k}: {v}" for k, v in info["stats"].items()] or ["  (none)"]
     return "\n".join(lines)

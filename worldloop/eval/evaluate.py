@@ -11,7 +11,7 @@ Public API::
     plan_envs(cfg, names, *, single_turn, ...) -> list[EnvPlan]
     plan_episodes(plans, model, episodes, seed_start, settings) -> list[Episode]
     EpisodeStore(path)                    # episodes.jsonl: append-only, resumable
-    ProgressBar(total, done=0)            # stderr progress line
+    ProgressBar(total, done=0)            # stderr progress bar (tqdm)
 
 Models (``actor/eval_model.py``): an OpenAI-compatible endpoint (``--base-url``; key from
 ``$eval.api_key_env``, never logged; played message by message in ``actor/eval_remote.py``), a local
@@ -58,22 +58,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import hashlib
 import json
 import logging
-import math
 import os
 import re
 import sys
 import time
-from dataclasses import dataclass, field
+
 from pathlib import Path
 from typing import Any, Callable
 
-from actor.eval_model import ModelNotFound, ModelRef, resolve_model
-from actor.eval_stats import Table, build_table, family_of
-from common.config import Config, ConfigError, env_label
+from worldloop.eval.model import ModelNotFound, ModelRef, resolve_model
+from worldloop.eval.plan import Episode, EnvPlan, make_checked
+from worldloop.eval.stats import Table, build_table, family_of
+from worldloop.common.config import Config, ConfigError, env_label
 
 log = logging.getLogger("worldloop.eval")
 
@@ -88,34 +87,14 @@ SUITES = {
 }
 
 
-@dataclass(frozen=True)
-class EnvPlan:
-    name: str  # as given on --envs (preset name or gymnasium id)
-    env_id: str
-    kwargs: dict = field(hash=False)  # everything passed to gymnasium.make
-    max_turns: int = 3
-    prompt_format: str = ""  # effective values (the env's defaults when not given)
-    state_format: str = ""
-
-    def make(self):
-        return _make_checked(self.name, self.env_id, self.kwargs)
-
-
-@dataclass
-class Episode:
-    plan: EnvPlan
-    seed: int
-    key: str
-
-
 # --------------------------------------------------------------------------- planning
 
 
 def _resolve_env_name(name: str) -> tuple[str, dict]:
     import gymnasium
 
-    import envs  # noqa: F401
-    from envs.presets import PRESETS, resolve
+    from worldloop import envs  # noqa: F401
+    from worldloop.envs.presets import PRESETS, resolve
 
     try:
         return resolve(name)
@@ -149,7 +128,7 @@ def plan_envs(cfg: Config, names: list[str] | None, *, single_turn: bool, max_tu
             kwargs["prompt_format"] = prompt_format
         if state_format:
             kwargs["state_format"] = state_format
-        probe = _make_checked(name, env_id, kwargs)
+        probe = make_checked(name, env_id, kwargs)
         try:
             if single_turn:
                 kwargs["max_actions_per_step"] = int(getattr(probe.unwrapped, "max_steps", 0) or
@@ -163,19 +142,6 @@ def plan_envs(cfg: Config, names: list[str] | None, *, single_turn: bool, max_tu
             probe.close()
         plans.append(EnvPlan(name, env_id, kwargs, turns, pf, sf))
     return plans
-
-
-def _make_checked(name: str, env_id: str, kwargs: dict):
-    import gymnasium
-
-    import envs  # noqa: F401  (registers the ids)
-
-    try:
-        return gymnasium.make(env_id, **copy.deepcopy(kwargs))
-    except (ValueError, TypeError) as e:
-        raise ConfigError("--envs", f"env {name!r} ({env_id}) cannot be built with {kwargs}: {e}") from None
-    except gymnasium.error.Error as e:
-        raise ConfigError("--envs", f"env {name!r}: {e}") from None
 
 
 def episode_key(model: str, plan: EnvPlan, seed: int, settings: dict) -> str:
@@ -248,16 +214,27 @@ def _plain(x: Any) -> Any:
 
 
 class ProgressBar:
-    """``[#####-----] 12/40 episodes | success 0.42 | errors 1 | 00:31 < 01:10`` on stderr."""
+    """A tqdm bar on stderr: ``[#####-----] 12/40 episodes, success 0.42 | errors 1 | 00:31<01:10``.
+
+    ``done`` / ``successes`` count episodes already recorded (a resumed run starts there; the rate and
+    the ETA count only this run's episodes). On a terminal it redraws in place at most 5 times a
+    second; into a log file it writes a line at most every 10 s, and always the last one.
+    """
 
     def __init__(self, total: int, done: int = 0, successes: int = 0, stream=None, width: int = 24):
+        from tqdm import tqdm
+
         self.total, self.done, self.width = total, done, width
-        self.start_done = done
         self.successes, self.finished, self.errors = successes, done, 0
         self.stream = stream or sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.t0 = time.monotonic()
-        self._last = 0.0
+        self.bar = tqdm(total=total, initial=done, file=self.stream, ascii="-#", leave=True, dynamic_ncols=False,
+                        bar_format="[{bar:%d}] {n_fmt}/{total_fmt} episodes{postfix} | {elapsed}<{remaining}" % width,
+                        postfix=self._stats(), mininterval=0.2 if self.tty else 10.0, smoothing=0.0, disable=False)
+
+    def _stats(self) -> str:
+        rate = f"{self.successes / self.finished:.2f}" if self.finished else "-"
+        return f"success {rate} | errors {self.errors}"
 
     def update(self, success: bool | None, error: bool = False) -> None:
         self.done += 1
@@ -266,36 +243,22 @@ class ProgressBar:
         else:
             self.finished += 1
             self.successes += int(bool(success))
-        self.draw()
+        self.bar.set_postfix_str(self._stats(), refresh=False)
+        self.bar.update(1)
+        if self.done >= self.total:
+            self.close()
 
     def line(self) -> str:
-        frac = self.done / self.total if self.total else 1.0
-        bar = "#" * int(round(frac * self.width))
-        rate = f"{self.successes / self.finished:.2f}" if self.finished else "-"
-        elapsed = time.monotonic() - self.t0
-        ran = self.done - self.start_done
-        eta = elapsed / ran * (self.total - self.done) if ran else float("nan")
-        return (f"[{bar.ljust(self.width, '-')}] {self.done}/{self.total} episodes | success {rate} | "
-                f"errors {self.errors} | {_clock(elapsed)} < {_clock(eta)}")
+        """The bar as one line of text (what it draws)."""
+        return str(self.bar)
 
     def draw(self, force: bool = False) -> None:
-        now = time.monotonic()
-        final = self.done >= self.total
-        if not (force or final or now - self._last >= (0.2 if self.tty else 10.0)):
-            return
-        self._last = now
-        if self.tty:
-            self.stream.write("\r" + self.line() + ("\n" if final else ""))
-        else:
-            self.stream.write(self.line() + "\n")
-        self.stream.flush()
+        """Redraw now if the bar shows an older count (tqdm drew it when it was made)."""
+        if self.bar.n != self.bar.last_print_n:
+            self.bar.refresh()
 
-
-def _clock(s: float) -> str:
-    if not math.isfinite(s):
-        return "--:--"
-    s = int(s)
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60:02d}:{s % 60:02d}"
+    def close(self) -> None:
+        self.bar.close()  # draws the final state once (a second close does nothing)
 
 
 def _slug(text: str) -> str:
@@ -349,7 +312,7 @@ class _EnvPool:
 
 def run_remote(todo: list[Episode], model: ModelRef, settings: dict, cfg: Config, base_url: str, concurrency: int,
                on_record: Callable[[dict], None]) -> None:
-    from actor.eval_remote import ChatEndpoint, play_episode
+    from worldloop.eval.remote import ChatEndpoint, play_episode
 
     key = os.environ.get(cfg.eval.api_key_env) or ""
     if not key:
@@ -388,7 +351,7 @@ def run_remote(todo: list[Episode], model: ModelRef, settings: dict, cfg: Config
 
 def run_local(todo: list[Episode], model: ModelRef, settings: dict, cfg: Config, backend_name: str,
               concurrency: int, on_record: Callable[[dict], None]) -> None:
-    from actor.eval_local import play_local
+    from worldloop.eval.local import play_local
 
     play_local(todo, model, settings, cfg, backend_name, concurrency,
                lambda ep, fields: on_record(_record(ep, model, settings, backend_name, fields)))
@@ -468,12 +431,14 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
             else:
                 run_local(todo, model, settings, cfg, backend, concurrency, on_record)
         except Exception as err:
-            from actor.eval_remote import EndpointError
+            from worldloop.eval.remote import EndpointError
 
             if isinstance(err, EndpointError):
+                bar.close()
                 print(f"\nworldloop eval: {err}", file=sys.stderr)
                 return 1
             raise
+    bar.close()
     records = [store.records[ep.key] for ep in all_eps if ep.key in store.records]
     table = build_table(records)
     title = _title(model, plans, settings, (e.seed_start, e.seed_start + episodes))

@@ -43,6 +43,8 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
+from worldloop.common.modeling import DEFAULT_SYSTEM, MERGE, PATCH, TEMPORAL_PATCH
+
 log = logging.getLogger(__name__)
 
 Arch = Literal["qwen2_5_vl", "qwen2"]
@@ -64,7 +66,6 @@ SPECIAL_TOKENS: list[str] = [
     "<|video_pad|>",
 ]
 
-DEFAULT_SYSTEM = "You are a helpful assistant."
 
 # Qwen2.5-VL's template, reduced to what worldloop renders: string or list content, images as
 # one <|image_pad|> each (the codec / processor expands it to the image's token count).
@@ -93,9 +94,6 @@ MROPE_SECTION = [4, 6, 6]  # sums to head_dim / 2 = (64 / 2) / 2 = 16
 VISION_DEPTH = 2
 VISION_HIDDEN = 64
 VISION_HEADS = 4
-PATCH = 14
-MERGE = 2
-TEMPORAL_PATCH = 2
 IMAGE_MEAN = [0.48145466, 0.4578275, 0.40821073]
 IMAGE_STD = [0.26862954, 0.26130258, 0.27577711]
 
@@ -151,7 +149,7 @@ def _env_corpus(episodes_per_env: int = 4, turns: int = 3) -> list[str]:
     """Prompts and expert answers of the registered worldloop envs; [] when ``envs`` is absent."""
     try:
         import gymnasium
-        import envs  # noqa: F401  (registers worldloop/* ids)
+        from worldloop import envs  # noqa: F401  (registers worldloop/* ids)
     except Exception:  # envs not importable: the fallback corpus covers the format
         return []
     texts: list[str] = []
@@ -166,7 +164,10 @@ def _play_for_corpus(env_id: str, episodes: int, turns: int) -> list[str]:
 
     texts: list[str] = []
     env = None
-    for kwargs in ({"render_mode": "vision", "prompt_format": "grounding_worldmodeling"}, {}):
+    vision = {"render_mode": "vision", "prompt_format": "grounding_worldmodeling"}
+    # renderers with a time limit (the SVG env's worker) get a generous one: under heavy load a 3 s
+    # limit could cut the corpus short and so silently change the tokenizer, and the model with it
+    for kwargs in ({**vision, "render_timeout_s": 120.0}, vision, {}):
         try:
             env = gymnasium.make(env_id, **kwargs)
             break
@@ -186,7 +187,7 @@ def _play_for_corpus(env_id: str, episodes: int, turns: int) -> list[str]:
                 if term or trunc:
                     break
     except Exception as e:
-        log.debug("corpus: %s stopped early: %s", env_id, e)
+        log.warning("corpus: %s stopped early (the tokenizer is then not the usual one): %s", env_id, e)
     finally:
         env.close()
     return texts

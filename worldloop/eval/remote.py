@@ -41,8 +41,8 @@ import numpy as np
 import openai
 from openai import AsyncOpenAI
 
-from envs.base import IMAGE_PLACEHOLDER  # == common.modeling.IMAGE_PLACEHOLDER (no torch import here)
-from common.openai_retry import PermanentError, RetryableError, call_with_retries
+from worldloop.envs.base import IMAGE_PLACEHOLDER  # == worldloop.common.modeling.IMAGE_PLACEHOLDER (no torch import here)
+from worldloop.common.openai_retry import PermanentError, RetryableError, call_with_retries
 
 log = logging.getLogger(__name__)
 

@@ -6,9 +6,12 @@
     worldloop learner --config CONFIG [overrides]    the DeepSpeed learner
     worldloop eval --model PATH --envs a,b ...       evaluate a model on the env suite
     worldloop status --config CONFIG                 streams, lag, versions, actors, failures
+    worldloop config show [CONFIG] [overrides]       the resolved config as YAML (or what is wrong)
+    worldloop show PATH [--out FILE]                 an HTML page of eval / sampled episodes
+    worldloop --version                              the installed version
 
-Every subcommand loads the config first, so a bad key or value fails here,
-before any process starts, with the key and the reason.
+Every subcommand but ``show`` loads the config first, so a bad key or value fails here,
+before any process starts, with the key and the reason (exit code 2).
 """
 
 from __future__ import annotations
@@ -17,16 +20,19 @@ import argparse
 import faulthandler
 import importlib
 import logging
+import os
 import signal
 import sys
-from typing import Callable
+from typing import Any, Callable
 
-from common.config import Config, ConfigError, load_config
+from worldloop import __version__
+from worldloop.common.config import Config, ConfigError, load_config, to_dict
+from worldloop.common.streams import RedisUnreachable
 
 # subcommand -> (module, function, one-line help, long description)
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "up": (
-        "common.up", "run",
+        "worldloop.up", "run",
         "run a whole local training job",
         "Start everything a training run needs on this machine: a local Redis when redis.url is null, "
         "the embedded tiny model when model.path does not exist (with a short SFT warm start), then the "
@@ -35,39 +41,72 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
         "checkpoints and logs.",
     ),
     "actor": (
-        "actor.process", "run",
+        "worldloop.actor.process", "run",
         "run a rollout actor",
         "Play num_envs episodes at once with the configured generation backend (hf or vllm), push finished "
         "trajectories to the rollouts stream (or scored when the judge is off), and apply new weights from "
         "the learner's ZeroMQ channel between generations. Needs redis.url, weights.host and model.path.",
     ),
     "judge": (
-        "judge.process", "run",
+        "worldloop.judge.process", "run",
         "run a judge worker",
         "Consume the rollouts stream, score each turn's <observation> and <prediction> against the true "
         "states (rule, llm or hybrid scorers), write the scored trajectory to the scored stream, then ack. "
         "Run as many as needed; they share one consumer group.",
     ),
     "learner": (
-        "learner.process", "run",
+        "worldloop.learner.process", "run",
         "run the DeepSpeed learner",
         "Read the scored stream, build PPO batches (bounded staleness, dedup by trajectory id), update "
         "policy and critic with DeepSpeed, publish each new policy version over ZeroMQ, checkpoint. "
         "Use --resume (or trainer.resume=true) to continue from the newest checkpoint.",
     ),
+    "evaluator": (
+        "worldloop.evaluator", "run",
+        "evaluate held-out seeds while a run trains",
+        "Play trainer.eval_episodes held-out seeds per env (from eval.seed_start on) with the newest "
+        "weights every trainer.eval_every policy versions, taking the weights from the learner's ZeroMQ "
+        "channel like an actor; append the results to <run_dir>/eval.jsonl and metrics.jsonl and export "
+        "them on /metrics. worldloop up starts it when trainer.eval_every > 0.",
+    ),
     "eval": (
-        "actor.evaluate", "run",
+        "worldloop.eval.evaluate", "run",
         "evaluate a model on the env suite",
         "Run held-out seeds for a local model directory, a learner checkpoint or an OpenAI-compatible "
         "endpoint and print a success-rate table in the layout of the VAGEN paper's Table 2.",
     ),
     "status": (
-        "common.status", "run",
+        "worldloop.status", "run",
         "show the state of a run",
         "Print stream lengths, pending counts, consumer lag, the policy version, recently seen actors and "
         "judge failures of the run whose redis.url/namespace the config names.",
     ),
+    "config": (
+        "worldloop.cli", "config_command",
+        "print the resolved config",
+        "`worldloop config show [CONFIG] [key.sub=value ...]` loads CONFIG (or the defaults) with the "
+        "overrides, validates it as every process does at start-up, and prints the resolved config as YAML, "
+        "every default filled in. A bad key or value prints the key and the reason and exits 2.",
+    ),
+    "show": (
+        "worldloop.show", "run",
+        "write an HTML page of episodes",
+        "Write one self-contained HTML page (images inlined, no network) from an eval output folder "
+        "(its episodes.jsonl) or a JSONL file of sampled trajectories: per turn the image, the agent's "
+        "<observation> beside the true state, its <prediction> beside the next true state, the judge's "
+        "scores, the actions and the rewards. Needs no config.",
+    ),
+    "sd": (
+        "worldloop.sd", "run",
+        "write Prometheus file_sd targets from the heartbeats",
+        "Write the /metrics address of every live process of the run (learner, actors, judges on any "
+        "machine) to a Prometheus file_sd JSON file, labelled role, namespace, host and process_id; with "
+        "--interval keep refreshing it. deploy/prometheus.yml reads that file.",
+    ),
 }
+
+# subcommands that take no config (everything else loads and validates one first)
+NO_CONFIG: frozenset[str] = frozenset({"show"})
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -82,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__,
     )
+    parser.add_argument("--version", action="version", version=f"worldloop {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, _, short, long) in COMMANDS.items():
         p = sub.add_parser(name, help=short, description=long)
@@ -89,6 +129,16 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("config_file", nargs="?", default=None, help="YAML config (e.g. configs/tiny-sokoban.yaml)")
             p.add_argument("--config", "-c", default=None, help=argparse.SUPPRESS)
             p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides, values parsed as YAML")
+        elif name == "config":
+            p.add_argument("action", choices=["show"], help="show: print the resolved config as YAML")
+            p.add_argument("config_file", nargs="?", default=None, help="YAML config (default: the built-in defaults)")
+            p.add_argument("--config", "-c", default=None, help=argparse.SUPPRESS)
+            p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides, values parsed as YAML")
+        elif name == "show":
+            p.add_argument("path", help="an eval output folder (episodes.jsonl) or a JSONL file of trajectories")
+            p.add_argument("--out", "-o", default=None,
+                           help="HTML file to write (default: episodes.html in the folder / beside the file)")
+            p.add_argument("--max-episodes", type=int, default=200, help="at most this many episodes (default 200)")
         elif name == "eval":
             p.add_argument("--config", "-c", default=None, help="YAML config file")
             p.add_argument("--model", default=None, help="local model dir, learner checkpoint dir, or a model name at --base-url")
@@ -112,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
                 p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
                 # the deepspeed launcher passes --local_rank=N (torchrun sets LOCAL_RANK instead)
                 p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+            elif name == "sd":
+                p.add_argument("--out", required=True, help="file_sd JSON file to write (replaced atomically)")
+                p.add_argument("--interval", type=float, default=None, help="refresh every S seconds until stopped")
+                p.add_argument("--timeout", type=float, default=None, help="drop processes silent this long (s, default 30)")
     return parser
 
 
@@ -155,7 +209,21 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
-    config_path = getattr(args, "config_file", None) or args.config
+    if args.command in NO_CONFIG:
+        fn = _entry(args.command)
+        if fn is None:
+            print(f"worldloop {args.command}: not built yet in this version of worldloop", file=sys.stderr)
+            return 2
+        try:
+            return int(fn(None, args) or 0)
+        except KeyboardInterrupt:
+            return 130
+    config_file = getattr(args, "config_file", None)
+    if config_file and "=" in config_file and not os.path.exists(config_file):
+        # `worldloop up a.b=1` / `config show a.b=1`: no config file, the first word is an override
+        args.overrides = [config_file, *(args.overrides or [])]
+        config_file = args.config_file = None
+    config_path = config_file or args.config
     try:
         cfg = load_config(config_path, args.overrides or [])
     except ConfigError as e:
@@ -171,13 +239,40 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"worldloop {args.command}: bad configuration: {e}", file=sys.stderr)
         return 2
+    except RedisUnreachable as e:  # a wrong redis.url: say so instead of retrying for ever
+        print(f"worldloop {args.command}: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
     return int(rc or 0)
 
 
+def _plain(obj: Any) -> Any:
+    """Tuples and other sequences as lists, so that yaml.safe_dump writes plain YAML."""
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [_plain(v) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return str(obj)
+
+
+def config_command(cfg: Config, args: argparse.Namespace) -> int:
+    """``worldloop config show``: the resolved (validated) config as YAML on stdout; loadable again
+    with ``worldloop ... --config`` since every key it prints is a config key."""
+    import yaml
+
+    source = getattr(args, "config_file", None) or getattr(args, "config", None) or "(built-in defaults)"
+    overrides = " ".join(args.overrides or []) or "none"
+    sys.stdout.write(f"# worldloop {__version__}: resolved config of {source}; overrides: {overrides}\n")
+    sys.stdout.write(yaml.safe_dump(_plain(to_dict(cfg)), sort_keys=False, default_flow_style=False, width=100))
+    sys.stdout.flush()
+    return 0
+
+
 def run() -> None:
-    """The process entry point (the ``worldloop`` script and ``python -m common.cli``): stack dumps
+    """The process entry point (the ``worldloop`` script and ``python -m worldloop``): stack dumps
     on, then :func:`main`. Callers inside another program call :func:`main` instead."""
     install_stack_dumps()
     sys.exit(main())

@@ -2,9 +2,9 @@
 
 Public API::
 
-    make_demonstrations(env_specs, n_episodes, seed, codec, max_turns) -> list[dict]
+    make_demonstrations(env_specs, n_episodes, seed, codec, max_turns) -> list[Trajectory]
     run_sft(model_dir, demos, epochs, lr, batch_size, out_dir=None, *, seed=0, codec=None,
-            progress=None) -> dict
+            progress=None, loss_sample=64) -> dict
     sequence_loss(model, demos, codec, batch_size=8) -> float
     answer_format_ok(text) -> bool
     format_ok_rate(model_dir, demos, *, temperature=0.7, top_p=1.0, max_new_tokens=96, seed=0) -> float
@@ -14,10 +14,10 @@ Demonstrations are played with ``env.unwrapped.expert_response()`` as the respon
 (the env contract: ``gymnasium.make(id, **kwargs)``, ``obs = {"text", "image"}``,
 ``env.unwrapped.system_prompt()``, ``env.step(response_text)``), so they carry the
 ``<observation>``/``<prediction>`` fields of the env's prompt format. Each demonstration is a
-trajectory-like dict (``turns[i]`` with ``index``, ``policy_version`` 0, ``obs_ids``,
-``response_ids``, ``logprobs`` (zeros), ``images``, ``response_text``; plus ``env_id``, ``seed``,
-``success``) that :func:`common.modeling.build_sequence` accepts, laid out exactly as the actors
-lay out their episodes.
+:class:`worldloop.common.schemas.Trajectory` (``policy_version`` 0, ``logprobs`` zeros, the parsed
+fields, rewards and states from the env's ``info``; ``actor_id`` "sft") that
+:func:`worldloop.common.modeling.build_sequence` accepts, laid out exactly as the actors lay out
+their episodes.
 
 ``run_sft`` minimises the mean cross-entropy of the response tokens only (plain ``torch.optim.AdamW``,
 fp32, CPU or the model's device) and saves the model (``save_pretrained``) in place or into
@@ -37,8 +37,10 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from common.modeling import ChatCodec, build_sequence, collate, load_policy, token_logprobs
-from envs.base import observation_parts
+from worldloop.common.config import SFT_PROBE_SEEDS
+from worldloop.common.modeling import ChatCodec, build_sequence, collate, load_policy, token_logprobs
+from worldloop.common.schemas import TRAJECTORY_SCHEMA, Trajectory, Turn, state_from_info
+from worldloop.envs.base import observation_parts
 
 log = logging.getLogger(__name__)
 
@@ -58,61 +60,110 @@ def _spec_fields(spec: Any) -> tuple[str, dict]:
     return str(spec.id), dict(getattr(spec, "kwargs", None) or {})
 
 
-def _play_episode(env_id: str, kwargs: dict, seed: int, codec: ChatCodec, max_turns: int) -> dict:
+def _opt_str(x: Any) -> str | None:
+    return None if x is None else str(x)
+
+
+def _first_sentences(text: str | None, n: int) -> str | None:
+    if text is None:
+        return None
+    kept = [p.strip().rstrip(".") for p in text.split(". ") if p.strip()][:n]
+    return ". ".join(kept) + ("." if kept else "")
+
+
+def concise_response(response: str, prompt_format: str, observation_relations: int) -> str:
+    """The same answer in the same format, with the observation and prediction cut to their first
+    ``observation_relations`` sentences and an empty reasoning (fewer tokens to sample and learn)."""
+    from worldloop.envs.base import build_response, parse_response
+
+    p = parse_response(response, prompt_format)
+    if not p.format_ok:
+        return response
+    return build_response(prompt_format, answer=str(p.answer), think="",
+                          observation=_first_sentences(p.observation, observation_relations), reasoning="",
+                          prediction=_first_sentences(p.prediction, observation_relations))
+
+
+def _play_episode(env_id: str, kwargs: dict, seed: int, codec: ChatCodec, max_turns: int,
+                  style: str = "expert", observation_relations: int = 2) -> Trajectory:
     import gymnasium
 
-    import envs  # noqa: F401  (registers worldloop/* ids)
+    from worldloop import envs  # noqa: F401  (registers worldloop/* ids)
+    from worldloop.actor.rollout import env_name
 
     env = gymnasium.make(env_id, **kwargs)
     try:
-        obs, _ = env.reset(seed=seed)
+        obs, info = env.reset(seed=seed)
         system = str(env.unwrapped.system_prompt())
-        turns: list[dict] = []
-        success, ended = False, True
+        prompt_format = str(getattr(env.unwrapped, "prompt_format", "grounding_worldmodeling"))
+        state = state_from_info(info)
+        turns: list[Turn] = []
+        success, ended, end_reason = False, True, "max_turns"
         for t in range(max_turns):
             text, images = observation_parts(obs)
             seg = codec.encode_obs(text, images, system=system, first=t == 0, prev_response_ended=ended)
             response = str(env.unwrapped.expert_response())
+            if style == "concise":
+                response = concise_response(response, prompt_format, observation_relations)
             ids = codec.encode_response(response)
-            turns.append(
-                {"index": t, "policy_version": 0, "obs_ids": seg.ids, "response_ids": ids,
-                 "logprobs": [0.0] * len(ids), "images": seg.images, "response_text": response}
-            )
             obs, _, terminated, truncated, info = env.step(response)
-            success = bool(info.get("success", False)) if isinstance(info, dict) else False
+            info = info if isinstance(info, dict) else {}
+            success = bool(info.get("success", False))
+            after = state_from_info(info)
+            actions = [str(a) for a in info.get("actions") or []]
+            turns.append(Turn(
+                index=t, policy_version=0, obs_ids=seg.ids, response_ids=ids, logprobs=[0.0] * len(ids),
+                images=seg.images, response_text=response, observation=_opt_str(info.get("observation")),
+                reasoning=_opt_str(info.get("reasoning")), prediction=_opt_str(info.get("prediction")),
+                actions=actions, format_ok=bool(info.get("format_ok", False)),
+                env_reward=float(info.get("env_reward", 0.0)), format_reward=float(info.get("format_reward", 0.0)),
+                done=bool(terminated or truncated), success=success, state_before=state, state_after=after,
+                actions_total=int(info.get("actions_executed", len(actions))),
+                actions_effective=int(info.get("actions_effective", 0))))
+            state = after
             if terminated or truncated:
+                end_reason = "done"
                 break
-        return {"env_id": env_id, "env_kwargs": kwargs, "seed": seed, "turns": turns, "success": success}
+        return Trajectory(schema=TRAJECTORY_SCHEMA, trajectory_id=f"sft-{env_id}-{seed}", group_id=f"sft-{env_id}-{seed}",
+                          env_id=env_id, env_name=env_name(env_id),
+                          env_kwargs=dict(kwargs), seed=int(seed), actor_id="sft", created_at=time.time(),
+                          prompt_format=prompt_format, max_turns=int(max_turns), turns=turns, success=success,
+                          scored=False, end_reason=end_reason)
     finally:
         env.close()
 
 
 def make_demonstrations(
-    env_specs: Sequence[Any], n_episodes: int, seed: int, codec: ChatCodec, max_turns: int
-) -> list[dict]:
-    """Play ``n_episodes`` expert episodes, cycling over ``env_specs``, seeds ``seed, seed+1, ...``."""
+    env_specs: Sequence[Any], n_episodes: int, seed: int, codec: ChatCodec, max_turns: int,
+    *, style: str = "expert", observation_relations: int = 2,
+) -> list[Trajectory]:
+    """Play ``n_episodes`` expert episodes, cycling over ``env_specs``, seeds ``seed, seed+1, ...``.
+
+    ``style`` "expert": the env's ``expert_response()``; "concise": :func:`concise_response` of it."""
     if not env_specs:
         raise ValueError("make_demonstrations needs at least one env spec")
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    if style not in ("expert", "concise"):
+        raise ValueError(f"style must be 'expert' or 'concise', got {style!r}")
     specs = [_spec_fields(s) for s in env_specs]
     demos = []
     for k in range(n_episodes):
         env_id, kwargs = specs[k % len(specs)]
-        demos.append(_play_episode(env_id, kwargs, seed + k, codec, max_turns))
+        demos.append(_play_episode(env_id, kwargs, seed + k, codec, max_turns, style, observation_relations))
     return demos
 
 
 # --------------------------------------------------------------------------- training
 
 
-def _batches(demos: Sequence[dict], batch_size: int, order: Iterable[int]) -> Iterable[list[dict]]:
+def _batches(demos: Sequence[Trajectory], batch_size: int, order: Iterable[int]) -> Iterable[list[Trajectory]]:
     order = list(order)
     for s in range(0, len(order), batch_size):
         yield [demos[i] for i in order[s : s + batch_size]]
 
 
-def _batch_loss(model: torch.nn.Module, demos: list[dict], codec: ChatCodec) -> tuple[torch.Tensor, int]:
+def _batch_loss(model: torch.nn.Module, demos: list[Trajectory], codec: ChatCodec) -> tuple[torch.Tensor, int]:
     """Mean negative log-likelihood of the response tokens of ``demos``, and their count."""
     batch = collate([build_sequence(d) for d in demos], codec)
     lp, _ = token_logprobs(model, batch)
@@ -122,7 +173,7 @@ def _batch_loss(model: torch.nn.Module, demos: list[dict], codec: ChatCodec) -> 
 
 
 @torch.no_grad()
-def sequence_loss(model: torch.nn.Module, demos: Sequence[dict], codec: ChatCodec, batch_size: int = 8) -> float:
+def sequence_loss(model: torch.nn.Module, demos: Sequence[Trajectory], codec: ChatCodec, batch_size: int = 8) -> float:
     """Token-weighted mean response cross-entropy over all ``demos``."""
     total, count = 0.0, 0
     for chunk in _batches(demos, batch_size, range(len(demos))):
@@ -143,7 +194,7 @@ def _save(model: torch.nn.Module, model_dir: Path, out_dir: Path) -> None:
 
 def run_sft(
     model_dir: str | Path,
-    demos: Sequence[dict],
+    demos: Sequence[Trajectory],
     epochs: int,
     lr: float,
     batch_size: int,
@@ -152,8 +203,12 @@ def run_sft(
     seed: int = 0,
     codec: ChatCodec | None = None,
     progress: Callable[[dict], None] | None = None,
+    loss_sample: int = 64,
 ) -> dict:
-    """Fine-tune on the demonstrations' response tokens; save; return loss before/after etc."""
+    """Fine-tune on the demonstrations' response tokens; save; return loss before/after etc.
+
+    ``loss_before``/``loss_after`` are measured on the first ``loss_sample`` demonstrations (all of
+    them when 0): a full pass over a large demonstration set would cost as much as an epoch."""
     if not demos:
         raise ValueError("run_sft needs at least one demonstration")
     if epochs < 0 or batch_size < 1 or lr <= 0:
@@ -162,7 +217,8 @@ def run_sft(
     codec = codec or ChatCodec(model_dir)
     model = load_policy(model_dir, dtype="float32")
     start = time.monotonic()
-    before = sequence_loss(model, demos, codec, batch_size)
+    probe = list(demos[:loss_sample]) if loss_sample > 0 else list(demos)
+    before = sequence_loss(model, probe, codec, batch_size)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
@@ -179,7 +235,7 @@ def run_sft(
                 progress({"epoch": epoch, "step": steps, "loss": float(loss.detach())})
         log.info("sft epoch %d/%d done, %d steps", epoch + 1, epochs, steps)
     model.eval()
-    after = sequence_loss(model, demos, codec, batch_size)
+    after = sequence_loss(model, probe, codec, batch_size)
     _save(model, model_dir, Path(out_dir) if out_dir is not None else model_dir)
     return {"loss_before": before, "loss_after": after, "steps": steps, "epochs": epochs,
             "tokens": tokens, "seconds": time.monotonic() - start}
@@ -196,7 +252,7 @@ def answer_format_ok(text: str) -> bool:
 
 def format_ok_rate(
     model_dir: str | Path,
-    demos: Sequence[dict],
+    demos: Sequence[Trajectory],
     *,
     temperature: float = 0.7,
     top_p: float = 1.0,
@@ -204,11 +260,12 @@ def format_ok_rate(
     seed: int = 0,
 ) -> float:
     """Fraction of well-formed answers sampled for the first-turn prompts of ``demos``."""
-    from actor.backends import GenRequest, HFBackend
+    from worldloop.actor.generation import GenRequest
+    from worldloop.actor.hf_backend import HFBackend
 
     backend = HFBackend(model_dir)
     try:
-        reqs = [GenRequest(d["turns"][0]["obs_ids"], d["turns"][0]["images"]) for d in demos]
+        reqs = [GenRequest(d.turns[0].obs_ids, d.turns[0].images) for d in demos]
         results = backend.generate(reqs, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
     finally:
         backend.close()
@@ -218,26 +275,28 @@ def format_ok_rate(
 # --------------------------------------------------------------------------- worldloop up
 
 
-def warm_start(cfg: Any, model_dir: str | Path, *, probe_prompts: int = 8) -> dict:
+def warm_start(cfg: Any, model_dir: str | Path, *, probe_prompts: int = SFT_PROBE_SEEDS) -> dict:
     """SFT of a freshly made model on solver demonstrations of the run's own envs (``worldloop up``).
 
-    ``cfg.sft.episodes`` expert episodes cycle over ``cfg.actor.envs`` with seeds from the start of
-    the training range (``actor.seed_start``, never the held-out eval seeds), ``actor.max_turns``
-    turns each, in the envs' own prompt format, so the ``<observation>``/``<prediction>`` fields
-    hold the true states. Trains in place; returns ``run_sft``'s report plus
+    ``cfg.sft.episodes`` expert episodes cycle over ``cfg.actor.envs`` with seeds ``sft.seed_start``
+    onwards (a range the config loader checks is disjoint from the RL seeds and the held-out eval
+    seeds), ``actor.max_turns`` turns each, in the envs' own prompt format, so the
+    ``<observation>``/``<prediction>`` fields hold the true states (cut short with
+    ``sft.answer_style: concise``). Trains in place; returns ``run_sft``'s report plus
     ``format_ok_before``/``format_ok_after``: the share of well-formed answers sampled (at the
-    actor's temperature) for the first-turn prompts of ``probe_prompts`` other training seeds.
+    actor's temperature) for the first-turn prompts of ``probe_prompts`` further demonstration-range seeds.
     """
     model_dir = Path(model_dir)
     s, a = cfg.sft, cfg.actor
     codec = ChatCodec(model_dir, max_image_side=cfg.model.max_image_side)
     specs = [{"id": e.id, "kwargs": dict(e.kwargs)} for e in a.envs]
     start = time.monotonic()
-    demos = make_demonstrations(specs, s.episodes, a.seed_start, codec, a.max_turns)
-    probes = make_demonstrations(specs, probe_prompts, a.seed_start + s.episodes, codec, 1)
-    log.info("sft: %d demonstrations (%d turns) in %.1fs", len(demos), sum(len(d["turns"]) for d in demos),
+    style = dict(style=s.answer_style, observation_relations=s.observation_relations)
+    demos = make_demonstrations(specs, s.episodes, s.seed_start, codec, a.max_turns, **style)
+    probes = make_demonstrations(specs, probe_prompts, s.seed_start + s.episodes, codec, 1, **style)
+    log.info("sft: %d demonstrations (%d turns) in %.1fs", len(demos), sum(len(d.turns) for d in demos),
              time.monotonic() - start)
-    lengths = [len(t["response_ids"]) for d in demos for t in d["turns"]]
+    lengths = [len(t.response_ids) for d in demos for t in d.turns]
     too_long = sum(n > a.max_new_tokens for n in lengths)
     if too_long:
         log.warning("sft: %d of %d demonstration answers are longer than actor.max_new_tokens=%d (longest %d): "
@@ -257,6 +316,6 @@ def warm_start(cfg: Any, model_dir: str | Path, *, probe_prompts: int = 8) -> di
 
     report = run_sft(model_dir, demos, s.epochs, s.lr, s.batch_size, seed=cfg.run.seed, codec=codec, progress=progress)
     report.update(format_ok_before=before, format_ok_after=rate(), demonstrations=len(demos),
-                  success_rate_of_demonstrations=float(np.mean([d["success"] for d in demos])),
+                  success_rate_of_demonstrations=float(np.mean([d.success for d in demos])),
                   answer_tokens_max=max(lengths), answers_longer_than_max_new_tokens=too_long)
     return report

@@ -9,15 +9,16 @@ Steps, each logged:
    Qwen2.5-VL model is made on the spot and, with ``sft.enabled``, warm-started by SFT on solver
    demonstrations (observation/prediction fields included);
 4. children: the learner, ``up.num_actors`` actors and ``up.num_judges`` judges (none when
-   ``judge.enabled`` is false), each ``python -m common.cli <role>`` with the resolved config written
+   ``judge.enabled`` is false), each ``python -m worldloop <role>`` with the resolved config written
    to ``<run_dir>/config.yaml``, output in ``<run_dir>/logs/<name>.log``; a crashed actor or judge is
-   restarted (at most ``MAX_RESTARTS`` times), a crashed learner ends the run with its exit code;
+   restarted (at most ``MAX_RESTARTS`` times each), a crashed learner too, with ``--resume``;
 5. a live progress line (step, episodes/s, success rate, reward, staleness) built from the learner's
    ``metrics.jsonl`` and from scraping every child's ``/metrics`` (the URLs come from the process
    heartbeats in Redis);
 6. the end: after ``trainer.total_steps`` (the learner exits 0) or on Ctrl-C/SIGTERM the control
    record says ``stopped``, children get SIGTERM (then SIGKILL), ``training.png`` is drawn from
-   ``metrics.jsonl`` and ``scrapes.json`` records which processes were scraped.
+   ``metrics.jsonl``, ``scrapes.json`` records which processes were scraped and
+   ``process_metrics.json`` the last scrape of each (its metric sums: idle seconds, episodes, ...).
 """
 
 from __future__ import annotations
@@ -36,14 +37,17 @@ from pathlib import Path
 
 import yaml
 
-from common.config import Config, to_dict
-from common.control import Keys, list_processes, read_control, write_control
+from worldloop.common.config import Config, to_dict
+from worldloop.common.control import list_processes, read_control, write_control
+from worldloop.common.keys import Keys
 
 log = logging.getLogger("worldloop.up")
 
 MAX_RESTARTS = 5
 RATE_WINDOW_S = 30.0  # episodes/s on the progress line: over this window
 QUIET_PRINT_S = 30.0  # without a terminal, an unchanged progress line is repeated this rarely
+LEARNER_QUIET_S = 20.0  # the progress line says what the learner waits on once it has for this long
+FINAL_EVAL_WAIT_S = 600.0  # at most this long for the evaluator's last evaluation after the last step
 
 
 @dataclass
@@ -55,6 +59,7 @@ class Child:
     proc: subprocess.Popen | None = None
     restarts: int = 0
     log_file: object | None = None
+    finished: bool = False  # exited cleanly after the run was stopped: not restarted
 
     def start(self, env: dict) -> None:
         self.log_file = open(self.log_path, "ab")
@@ -89,7 +94,15 @@ class Progress:
     success_rate: float | None = None
     reward: float | None = None
     staleness: float | None = None
+    learner_phase: str | None = None  # from the learner's heartbeat: what it is doing or waiting on
+    learner_phase_s: float = 0.0  # for how long
+    learner_silent_s: float | None = None  # seconds since its last heartbeat (None: never seen)
+    learner_restarts: int = 0
+    held_out: float | None = None  # the evaluator's newest held-out success rate
+    held_out_version: int | None = None
     scraped: dict[str, int] = field(default_factory=dict)
+    # the last scrape of every process ("role:id" -> time, metric sums): process_metrics.json
+    last_values: dict[str, dict] = field(default_factory=dict)
     # (monotonic time, episodes) samples of the last RATE_WINDOW_S: episodes arrive in bursts
     _samples: deque = field(default_factory=deque)
 
@@ -97,11 +110,25 @@ class Progress:
         def fmt(x, spec):
             return "-" if x is None else format(x, spec)
 
-        return (
+        out = (
             f"step {self.step}/{total_steps} | episodes {self.episodes:.0f} ({self.episodes_per_s:.2f}/s) | "
             f"success {fmt(self.success_rate, '.2f')} | reward {fmt(self.reward, '.3f')} | "
             f"staleness {fmt(self.staleness, '.2f')}"
         )
+        if self.held_out is not None:
+            out += f" | held-out {self.held_out:.2f} @v{self.held_out_version}"
+        if self.learner_restarts:
+            out += f" | learner restarted {self.learner_restarts}x (resumed)"
+        return out + self.learner_note()
+
+    def learner_note(self) -> str:
+        """Where a learner that makes no progress is: its heartbeat's phase once it has lasted
+        LEARNER_QUIET_S, or how long it has been silent."""
+        if self.learner_silent_s is not None and self.learner_silent_s > LEARNER_QUIET_S:
+            return f" | learner: no heartbeat for {self.learner_silent_s:.0f}s (see logs/learner.log)"
+        if self.learner_phase and self.learner_phase_s >= LEARNER_QUIET_S:
+            return f" | learner: {self.learner_phase} for {self.learner_phase_s:.0f}s"
+        return ""
 
 
 def default_run_dir(cfg: Config) -> Path:
@@ -116,12 +143,12 @@ def _prepare_model(cfg: Config, run_dir: Path) -> None:
         return
     if not cfg.model.make_tiny_if_missing:
         raise FileNotFoundError(f"model.path {str(path)!r} has no config.json and model.make_tiny_if_missing is false")
-    from common.tiny_model import make_tiny_model
+    from worldloop.tiny_model import make_tiny_model
 
     log.info("model: making the embedded tiny model in %s", path)
     make_tiny_model(path, seed=cfg.run.seed)
     if cfg.sft.enabled:
-        from learner.sft import warm_start
+        from worldloop.sft import warm_start
 
         log.info("model: SFT warm start on %d solver demonstrations", cfg.sft.episodes)
         report = warm_start(cfg, path)
@@ -131,13 +158,16 @@ def _prepare_model(cfg: Config, run_dir: Path) -> None:
 
 def _children(cfg: Config, config_path: Path, run_dir: Path) -> list[Child]:
     py = sys.executable
-    base = [py, "-m", "common.cli"]
+    base = [py, "-m", "worldloop"]
     logs = run_dir / "logs"
     out = [Child("learner", "learner", base + ["learner", "--config", str(config_path)], logs / "learner.log")]
     for i in range(cfg.up.num_actors):
         name = f"actor-{i}"
         out.append(Child(name, "actor", base + ["actor", "--config", str(config_path), f"actor.actor_id={name}"],
                          logs / f"{name}.log"))
+    if cfg.trainer.eval_every > 0:
+        out.append(Child("evaluator", "evaluator", base + ["evaluator", "--config", str(config_path)],
+                         logs / "evaluator.log"))
     if cfg.judge.enabled:
         for i in range(cfg.up.num_judges):
             name = f"judge-{i}"
@@ -179,8 +209,26 @@ def _last_jsonl(path: Path) -> dict | None:
         return None
 
 
+def _last_step_record(path: Path) -> dict | None:
+    """The newest learner step line of metrics.jsonl (the evaluator's ``eval`` lines are skipped)."""
+    if not path.exists():
+        return None
+    for line in reversed(path.read_text(errors="replace").splitlines()):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if "step" in rec:
+            return rec
+    return None
+
+
 def _refresh(progress: Progress, r, keys: Keys, run_dir: Path) -> None:
-    rec = _last_jsonl(run_dir / "metrics.jsonl")
+    rec = _last_step_record(run_dir / "metrics.jsonl")
+    last_eval = (_last_jsonl(run_dir / "eval.jsonl") or {}).get("eval")
+    if last_eval:
+        progress.held_out = last_eval["success_rate"].get("all")
+        progress.held_out_version = last_eval["policy_version"]
     if rec:
         progress.step = int(rec.get("step", progress.step))
         progress.reward = rec.get("reward", {}).get("total") if isinstance(rec.get("reward"), dict) else rec.get("reward")
@@ -188,7 +236,14 @@ def _refresh(progress: Progress, r, keys: Keys, run_dir: Path) -> None:
         progress.success_rate = sr.get("all") if isinstance(sr, dict) else sr
         progress.staleness = rec.get("staleness_mean", rec.get("staleness"))
     episodes = 0.0
-    for p in list_processes(r, keys):
+    procs = list_processes(r, keys)
+    learners = [p for p in procs if p.get("role") == "learner"]
+    if learners:
+        newest = max(learners, key=lambda p: float(p.get("seen_at", 0)))
+        progress.learner_silent_s = max(0.0, time.time() - float(newest.get("seen_at", 0)))
+        progress.learner_phase = newest.get("phase")
+        progress.learner_phase_s = max(0.0, time.time() - float(newest.get("phase_since", time.time())))
+    for p in procs:
         url = p.get("metrics_url")
         if not url or time.time() - float(p.get("seen_at", 0)) > 30:
             continue
@@ -198,6 +253,7 @@ def _refresh(progress: Progress, r, keys: Keys, run_dir: Path) -> None:
             continue
         key = f"{p.get('role')}:{p.get('id')}"
         progress.scraped[key] = progress.scraped.get(key, 0) + 1
+        progress.last_values[key] = {"time": time.time(), "started_at": p.get("started_at"), "metrics": sums}
         episodes += sums.get("worldloop_actor_episodes_total", 0.0)
     now = time.monotonic()
     if episodes < progress.episodes:  # an actor restarted and its counter began again: restart the window
@@ -210,21 +266,30 @@ def _refresh(progress: Progress, r, keys: Keys, run_dir: Path) -> None:
     progress.episodes = max(progress.episodes, episodes)
 
 
-def plot_metrics(metrics_path: Path, out_png: Path) -> bool:
-    """Draw success rate and reward over steps from metrics.jsonl; False when there is nothing to draw."""
-    rows = []
+def plot_metrics(metrics_path: Path, out_png: Path, window: int = 5) -> bool:
+    """Draw ``training.png`` from metrics.jsonl: held-out success over policy versions with 95%
+    intervals (the evaluator's ``eval`` lines) beside the moving average (``window`` steps) of the
+    training-batch success rate, and the mean reward by component. False when nothing to draw."""
+    rows, evals = [], []
     if metrics_path.exists():
         for line in metrics_path.read_text().splitlines():
             try:
-                rows.append(json.loads(line))
+                rec = json.loads(line)
             except ValueError:
                 continue
-    import matplotlib
-
+            if "eval" in rec:
+                evals.append(rec["eval"])
+            elif "step" in rec:
+                rows.append(rec)
+    try:
+        import matplotlib
+    except ImportError:
+        log.warning("training.png not drawn: matplotlib is not installed (pip install 'worldloop[plot]')")
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r.get("step", i) for i, r in enumerate(rows)]
+    steps = [r["step"] for r in rows]
 
     def series(key: str, sub: str) -> list[float]:
         vals = []
@@ -234,30 +299,50 @@ def plot_metrics(metrics_path: Path, out_png: Path) -> bool:
             vals.append(float("nan") if v is None else float(v))
         return vals
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    axes[0].plot(steps, series("success_rate", "all"), marker="o")
-    axes[0].set_title("success rate (training batches)")
-    axes[0].set_xlabel("learner step")
-    axes[0].set_ylim(-0.02, 1.02)
+    def moving(xs: list[float]) -> list[float]:
+        out = []
+        for i in range(len(xs)):
+            w = [x for x in xs[max(0, i - window + 1) : i + 1] if x == x]
+            out.append(sum(w) / len(w) if w else float("nan"))
+        return out
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax = axes[0]
+    train = series("success_rate", "all")
+    ax.plot(steps, train, ".", color="0.7", label="training batch")
+    ax.plot(steps, moving(train), "-", color="0.35", label=f"training batch, moving mean of {window}")
+    if evals:
+        vs = [e["policy_version"] for e in evals]
+        rate = [e["success_rate"].get("all") for e in evals]
+        lo = [e["ci95"]["all"][0] for e in evals]
+        hi = [e["ci95"]["all"][1] for e in evals]
+        n = evals[-1]["episodes"].get("all")
+        ax.errorbar(vs, rate, yerr=[[r - a for r, a in zip(rate, lo)], [b - r for r, b in zip(rate, hi)]],
+                    fmt="o-", color="C0", capsize=3, label=f"held-out ({n} episodes, 95% CI)")
+    ax.set_title("success rate")
+    ax.set_xlabel("learner step = policy version")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(fontsize=8, loc="upper left")
     for comp in ("total", "env", "format", "reasoning"):
         axes[1].plot(steps, series("reward", comp), marker=".", label=comp)
-    axes[1].set_title("mean trajectory reward by component")
+    axes[1].set_title("mean trajectory reward by component (training batches)")
     axes[1].set_xlabel("learner step")
-    axes[1].legend()
-    if not rows:
-        for ax in axes:
-            ax.text(0.5, 0.5, "no learner steps recorded", ha="center", va="center", transform=ax.transAxes)
+    axes[1].legend(fontsize=8)
+    if not rows and not evals:
+        for a_ in axes:
+            a_.text(0.5, 0.5, "no learner steps recorded", ha="center", va="center", transform=a_.transAxes)
     fig.tight_layout()
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, dpi=100)
     plt.close(fig)
-    return bool(rows)
+    return bool(rows or evals)
 
 
 def run(cfg: Config, args) -> int:
     import redis
 
-    from common.redis_local import LocalRedis
+    from worldloop.common.redis_local import LocalRedis
+    from worldloop.common.streams import connect
 
     run_dir = Path(cfg.run.run_dir) if cfg.run.run_dir else default_run_dir(cfg)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -270,7 +355,7 @@ def run(cfg: Config, args) -> int:
         cfg.redis.url = local_redis.url
         print(f"worldloop up: started a local redis-server at {cfg.redis.url}", flush=True)
     # ports left at 0 are chosen here, so several local runs can share a machine
-    from common.metrics import free_port
+    from worldloop.common.metrics import free_port
 
     if cfg.weights.pub_port == 0:
         cfg.weights.pub_port = free_port()
@@ -283,7 +368,7 @@ def run(cfg: Config, args) -> int:
         stop["flag"] = True
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    r = redis.Redis.from_url(cfg.redis.url)
+    r = connect(cfg.redis.url, cfg.redis.socket_timeout_s)
     keys = Keys(cfg.redis.namespace)
     progress = Progress()
     rc = 0
@@ -296,6 +381,10 @@ def run(cfg: Config, args) -> int:
         env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.cwd() / ".torch_extensions"))
         env["PYTHONUNBUFFERED"] = "1"
         children = _children(cfg, config_path, run_dir)
+        # one machine's cores shared by every child: torch's default (a thread per core in each
+        # process) oversubscribes them, measured 10-20x slower per step on 2 cores; a user's own
+        # OMP_NUM_THREADS wins
+        env.setdefault("OMP_NUM_THREADS", str(child_threads(len(children))))
         for c in children:
             c.start(env)
         rc = _supervise(cfg, children, env, r, keys, run_dir, progress, stop)
@@ -308,6 +397,7 @@ def run(cfg: Config, args) -> int:
             pass
         _stop_children(children)
         (run_dir / "scrapes.json").write_text(json.dumps(progress.scraped, indent=2))
+        (run_dir / "process_metrics.json").write_text(json.dumps(progress.last_values, indent=1))
         drew = plot_metrics(run_dir / "metrics.jsonl", run_dir / "training.png")
         print(f"\nworldloop up: {'plot' if drew else 'empty plot'} in {run_dir / 'training.png'}", flush=True)
         if local_redis is not None:
@@ -323,17 +413,40 @@ def _supervise(cfg, children, env, r, keys, run_dir, progress, stop) -> int:
     while not stop["flag"]:
         time.sleep(0.5)
         code = learner.poll()
-        if code is not None:
+        if code == 0:
             _refresh(progress, r, keys, run_dir)
             print(("\r" if tty else "") + progress.line(cfg.trainer.total_steps), flush=True)
-            if code == 0:
-                print("worldloop up: learner finished trainer.total_steps", flush=True)
-            else:
-                print(f"worldloop up: learner exited with {code}; see {learner.log_path}", flush=True)
-            return code
+            print("worldloop up: learner finished trainer.total_steps", flush=True)
+            evaluator = next((c for c in children if c.role == "evaluator"), None)
+            if evaluator is not None:
+                _wait_final_eval(evaluator, run_dir, stop)
+            return 0
+        if code is not None and not stop["flag"]:
+            # a crashed learner continues from its newest checkpoint, like any other child within
+            # the restart budget: what it had not checkpointed is still pending and is trained again
+            learner.close()
+            if learner.restarts >= MAX_RESTARTS:
+                print(f"\nworldloop up: learner exited with {code} {learner.restarts} times; giving up; see "
+                      f"{learner.log_path}", flush=True)
+                return code
+            learner.restarts += 1
+            progress.learner_restarts = learner.restarts
+            if "--resume" not in learner.argv:
+                learner.argv = learner.argv + ["--resume"]
+            print(f"\nworldloop up: learner exited with {code}; restarting with --resume "
+                  f"({learner.restarts}/{MAX_RESTARTS}); see {learner.log_path}", flush=True)
+            learner.start(env)
+            continue
         for c in children[1:]:
             code = c.poll()
-            if code is not None and not stop["flag"]:
+            if code is not None and not stop["flag"] and not c.finished:
+                if code == 0 and _run_stopped(r, keys):
+                    # the learner finished and said stopped: actors and judges exit cleanly while it
+                    # waits for the final evaluation; the run is over, nothing to restart
+                    print(f"\nworldloop up: {c.name} finished (run_state stopped)", flush=True)
+                    c.close()
+                    c.finished = True
+                    continue
                 c.close()
                 if c.restarts >= MAX_RESTARTS:
                     print(f"\nworldloop up: {c.name} exited with {code} {c.restarts} times; giving up", flush=True)
@@ -356,6 +469,42 @@ def _supervise(cfg, children, env, r, keys, run_dir, progress, stop) -> int:
                 shown, last_shown = line, last_print
     print("\nworldloop up: stopping", flush=True)
     return 130
+
+
+def _run_stopped(r, keys: Keys) -> bool:
+    try:
+        return read_control(r, keys).get("run_state") == "stopped"
+    except Exception:  # Redis away: treat the exit as a crash (restarted, as before)
+        return False
+
+
+def child_threads(n_children: int, cores: int | None = None) -> int:
+    """Threads per child process so that the children together use about every core once."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, n_children))
+
+
+def _final_version(run_dir: Path) -> int | None:
+    rec = _last_jsonl(run_dir / "learner_ledger.jsonl")
+    return None if rec is None else int(rec["policy_version"])
+
+
+def _wait_final_eval(evaluator: Child, run_dir: Path, stop: dict, limit_s: float = FINAL_EVAL_WAIT_S) -> None:
+    """After the last step: let the evaluator play the final version before the run is stopped
+    (the learner set run_state stopped, which makes the evaluator evaluate it and exit)."""
+    final = _final_version(run_dir)
+    print(f"worldloop up: held-out evaluation of the final version v{final} ...", flush=True)
+    deadline = time.monotonic() + limit_s
+    while not stop["flag"] and time.monotonic() < deadline and evaluator.poll() is None:
+        time.sleep(0.5)
+    last = (_last_jsonl(run_dir / "eval.jsonl") or {}).get("eval")
+    if last is not None and last["policy_version"] == final:
+        lo, hi = last["ci95"]["all"]
+        print(f"worldloop up: held-out success at v{final}: {last['success_rate']['all']:.3f} "
+              f"[{lo:.3f}, {hi:.3f}] over {last['episodes']['all']} episodes", flush=True)
+    else:
+        print(f"worldloop up: the final held-out evaluation did not finish; see {evaluator.log_path}", flush=True)
 
 
 def _stop_children(children: list[Child], grace_s: float = 20.0) -> None:

@@ -1,55 +1,46 @@
-"""Rule scorer: deterministic extraction of facts from free text and F1 against the ground truth.
+"""Facts stated in the agent's free text (untrusted: nothing here raises on any text, nothing is
+ever read as an instruction).
 
-No model is involved and nothing in the agent's text is ever interpreted as an instruction, so
-"ignore the instructions and answer YES" earns exactly what its spatial content is worth: nothing.
+Relations. Canonical 4-tuples ``(a, b, axis, value)`` with ``a < b`` (:func:`make_fact`): axis ``v``
+(above/below/same row), ``h`` (left/right/same column) or ``d`` (ahead/behind, Navigation); "box is
+above player" and "player is below box" give the same fact, "at the same place as" gives v=same
+and h=same. Generic mentions are mapped onto the truth's entity ids by a :class:`Lexicon`: "the box"
+-> box0 when there is one box and "any box" when there are several (a predicted item is then a set
+of alternatives and counts once), "goal"/"target"/"destination" and "me"/"agent"/"player" are
+synonyms when the truth lacks the exact word, an entity the truth does not have ("the box" in
+FrozenLake) can only be a false positive. Negated clauses ("not", "no longer") yield nothing,
+directions right after a motion verb ("move up", "pushing the box left") are actions, not relations,
+and absolute positions ("the box is at the top") are not relations (App. D.1: "Absolute position is
+not allowed"), except where an ``implicit`` reference is given (Navigation: the agent).
 
-Ground truth comes from the env's ``state`` (``{"relations", "symbolic", "structured"}``) and the
-scoring method is chosen from what the text and the state offer (first match wins):
+Grids: the longest block of text lines as wide as the truth's grid, as (row, column, symbol) cells.
+Coordinates: the number tuples after each key of a structured state (``box_positions: [(3, 2)]``).
+SVG: (shape, colour) of every shape word and the stated similarity, or the elements of a dict the
+agent wrote. Hybrid: the facts of an LLM extractor's JSON list.
 
-``symbolic``    the text contains a grid block as wide as ``state["symbolic"]``: facts are the
-                (row, column, symbol) cells of the informative symbols (not walls/floor).
-``structured``  the text contains number tuples and ``state["structured"]`` holds numeric values:
-                facts are (key, tuple) pairs, e.g. ("box", (3, 2)); tuples match within
-                ``COORD_TOLERANCE`` of the env (PrimitiveSkill: 10 units, App. D.1), else exactly.
-``navigation``  ``state["structured"]`` names a target object and its direction (Navigation):
-                facts are egocentric relations object-vs-agent ("the toaster is ahead").
-``svg``         ``state["structured"]`` lists image elements (SVG): facts are (shape, colour) of the
-                elements the agent sees (the target before its first answer, its own rendering
-                after) plus, once rendered, the similarity (within ``SIMILARITY_TOLERANCE``).
-``relations``   ``state["relations"]`` has App. D.1 sentences ("box0 is above and on the left side of
-                the player"): facts are pairwise relations on two axes.
-(none)          nothing to compare with: :func:`rule_score` returns None, "not applicable".
+Public API::
 
-Relations are canonical 4-tuples ``(a, b, axis, value)`` with ``a < b``: axis ``v`` (above/below/
-same row), ``h`` (left/right/same column) or ``d`` (ahead/behind, Navigation); "box is above player"
-and "player is below box" give the same fact, "at the same place as" gives v=same and h=same.
-Generic mentions are mapped onto the truth's entity ids: "the box" -> box0 when there is one box and
-"any box" when there are several (a predicted item is then a set of alternatives and counts once),
-"goal"/"target"/"destination" and "me"/"agent"/"player" are synonyms when the truth lacks the exact
-word, an entity the truth does not have ("the box" in FrozenLake) can only be a false positive.
-Negated clauses ("not", "no longer") yield nothing, directions right after a motion verb ("move
-up", "pushing the box left") are actions, not relations, and absolute positions ("the box is at the
-top") are not relations (App. D.1: "Absolute position is not allowed"), except in Navigation where
-the agent is the implicit reference.
-
-Score = F1 = 2PR/(P+R) with P = matched predicted items / predicted items and R = matched truth facts
-/ truth facts (a maximum bipartite matching, so an item of alternatives is counted once). For
-Navigation, P is measured against every visible object and R only against the target (the paper's
-judge asks for the target's direction; a wrong claim about another object still costs precision).
+    make_fact(subj, axis, value, obj) -> Fact | None
+    Lexicon(ids, aliases={}, multiword={}), lexicon_from_sentences(sentences) -> Lexicon
+    relation_items(text, lex, implicit=None) -> list[Item]    relation_facts(sentences, lex) -> list[Fact]
+    directions_of(text) -> list[(axis, value)]
+    grid_rows(symbolic) -> list[str]    grid_block(text, symbolic) -> list[str] | None
+    grid_items(text, symbolic, background) -> list[Item]
+    has_number_tuple(text) -> bool      norm_key(key) -> str      is_number(x) -> bool
+    coordinate_facts(text, keys) -> list[Fact]
+    BASIC_COLORS, svg_element_facts(structured) -> list[Fact], svg_text_facts(text, colors) -> list[Fact]
+    extracted_relation_items(data, lex) -> list[Item], extracted_position_items(data) -> list[Item]
 """
 from __future__ import annotations
 
 import ast
-import functools
 import json
 import math
 import re
-from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
-Fact = tuple
-Item = frozenset  # alternatives of one predicted fact
+from worldloop.judge.rule.f1 import Fact, Item
 
 # ----------------------------------------------------------------------------- vocabulary
 
@@ -124,7 +115,7 @@ def _singular(word: str) -> str:
 _WORD_FAMILY: dict[str, str] = {w: fam for fam, words in _FAMILY_WORDS.items() for w in words}
 _CLASS_FAMILY: dict[str, str] = {_singular(w): fam for w, fam in _WORD_FAMILY.items()}
 
-# ----------------------------------------------------------------------------- facts and F1
+# ----------------------------------------------------------------------------- relation facts
 
 
 def make_fact(subj: str, axis: str, value: str, obj: str) -> Fact | None:
@@ -136,42 +127,10 @@ def make_fact(subj: str, axis: str, value: str, obj: str) -> Fact | None:
     return (obj, subj, axis, _INVERSE[value])
 
 
-def max_matching(items: list[Item], truth: list[Fact], compatible: Callable[[Fact, Fact], bool] | None = None) -> int:
-    """Size of a maximum matching between predicted items (sets of alternatives) and truth facts."""
-    if not items or not truth:
-        return 0
-    eq = compatible or (lambda a, b: a == b)
-    adj = [[j for j, t in enumerate(truth) if any(eq(alt, t) for alt in item)] for item in items]
-    owner: dict[int, int] = {}
-
-    def augment(i: int, seen: set[int]) -> bool:
-        for j in adj[i]:
-            if j in seen:
-                continue
-            seen.add(j)
-            if j not in owner or augment(owner[j], seen):
-                owner[j] = i
-                return True
-        return False
-
-    return sum(1 for i in range(len(items)) if adj[i] and augment(i, set()))
-
-
-def f1_from_counts(tp_pred: int, n_pred: int, tp_truth: int, n_truth: int) -> float:
-    """F1 from matched predictions (precision side) and matched truth facts (recall side)."""
-    if n_truth == 0:
-        return 1.0 if n_pred == 0 else 0.0
-    if n_pred == 0 or tp_pred == 0 or tp_truth == 0:
-        return 0.0
-    precision, recall = tp_pred / n_pred, tp_truth / n_truth
-    return 2 * precision * recall / (precision + recall)
-
-
-def f1(predicted: Iterable[Fact], truth: Iterable[Fact]) -> float:
-    """F1 of two plain fact sets; both empty -> 1.0, exactly one empty -> 0.0."""
-    p, t = set(predicted), set(truth)
-    tp = len(p & t)
-    return f1_from_counts(tp, len(p), tp, len(t))
+def directions_of(text: str) -> list[tuple[str, str]]:
+    """The (axis, value) directions of the single direction words in ``text`` ("front-left" ->
+    ahead, left)."""
+    return [d for tok in re.findall(r"[a-z]+", text.lower()) for d in _DIR_PHRASES.get((tok,), ())]
 
 
 # ----------------------------------------------------------------------------- entity lexicon
@@ -512,122 +471,7 @@ def relation_facts(sentences: Iterable[str], lex: Lexicon) -> list[Fact]:
     return list(dict.fromkeys(out))
 
 
-# ----------------------------------------------------------------------------- truth
-
-
-COORD_TOLERANCE: dict[str, float] = {"primitiveskill": 10.0}  # App. D.1: within +-10 units
-SIMILARITY_TOLERANCE = 0.1  # SVG: a predicted similarity this close to the measured one is right
-
-
-@dataclass
-class Truth:
-    """What one text is compared with: facts for recall (essential) and precision (known)."""
-
-    method: str
-    essential: list[Fact]
-    known: list[Fact]
-    lexicon: Lexicon | None = None
-    implicit: str | None = None
-    tolerance: float = 0.0
-    keys: dict[str, int] = field(default_factory=dict)  # structured: normalised key -> tuple arity
-    background: frozenset = frozenset()  # symbolic: symbols that are not facts (walls, floor)
-    info: Any = None  # what an LLM judge is shown as ground truth
-
-    def compatible(self, a: Fact, b: Fact) -> bool:
-        if self.method == "svg" and a[0] == b[0] == "similarity":
-            return abs(a[1] - b[1]) <= SIMILARITY_TOLERANCE + 1e-9
-        if self.method != "structured":
-            return a == b
-        return a[0] == b[0] and len(a[1]) == len(b[1]) and all(
-            abs(x - y) <= self.tolerance + 1e-9 for x, y in zip(a[1], b[1]))
-
-
-@dataclass
-class RuleResult:
-    score: float
-    method: str
-    matched: int
-    predicted: int
-    truth: int
-
-    def to_dict(self) -> dict:
-        return {"score": self.score, "method": self.method, "matched": self.matched,
-                "predicted": self.predicted, "truth": self.truth}
-
-
-def score_items(items: list[Item], truth: Truth) -> RuleResult:
-    """F1 of predicted items against a truth (precision vs ``known``, recall vs ``essential``)."""
-    items = list(dict.fromkeys(items))
-    tp_pred = max_matching(items, truth.known, truth.compatible)
-    tp_truth = tp_pred if truth.known is truth.essential else max_matching(items, truth.essential, truth.compatible)
-    score = f1_from_counts(tp_pred, len(items), tp_truth, len(truth.essential))
-    return RuleResult(score, truth.method, tp_truth, len(items), len(truth.essential))
-
-
-def build_truth(text: str | None, state: dict | None, env_name: str = "") -> Truth | None:
-    """Pick the comparison for ``text`` against ``state`` (see module docstring); None if none applies."""
-    state = state if isinstance(state, dict) else {}
-    text = text if isinstance(text, str) else ""
-    env = (env_name or "").lower()
-    relations = [s for s in (state.get("relations") or []) if isinstance(s, str)]
-    symbolic = state.get("symbolic") if isinstance(state.get("symbolic"), str) else None
-    structured = state.get("structured") if isinstance(state.get("structured"), dict) else {}
-
-    if symbolic and symbolic.strip() and _grid_block(text, symbolic):
-        t = _symbolic_truth(symbolic)
-        if t is not None:
-            return t
-    if isinstance(structured.get("target_elements"), list):
-        t = _svg_truth(structured)
-        if t is not None and relations:
-            t.info = relations  # what an LLM judge reads: the env's sentences about the elements
-        return t
-    numeric = _structured_facts(structured)
-    if numeric and _TUPLE_RE.search(text):
-        return _structured_truth(numeric, structured, env)
-    nav = _navigation_truth(structured)
-    if nav is not None:
-        return nav
-    if relations:
-        lex, facts = _relations_truth(tuple(relations))
-        if facts:
-            return Truth("relations", list(facts), list(facts), lex, info=relations)
-    if numeric:
-        return _structured_truth(numeric, structured, env)
-    return None
-
-
-@functools.lru_cache(maxsize=4096)
-def _relations_truth(relations: tuple[str, ...]) -> tuple[Lexicon, tuple[Fact, ...]]:
-    """Lexicon and facts of a relation list (cached: a turn's state_after is the next one's state_before)."""
-    lex = lexicon_from_sentences(relations)
-    return lex, tuple(relation_facts(relations, lex))
-
-
-def extract_items(text: str | None, truth: Truth) -> list[Item]:
-    """The agent's facts in ``text`` in the form ``truth`` compares (never raises on any text)."""
-    if not text or not isinstance(text, str):
-        return []
-    if truth.method == "symbolic":
-        return _grid_items(text, truth)
-    if truth.method == "structured":
-        return [frozenset([f]) for f in _text_structured(text, truth)]
-    if truth.method == "svg":
-        return [frozenset([f]) for f in _svg_text_facts(text, truth)]
-    return relation_items(text, truth.lexicon, truth.implicit)
-
-
-def rule_score(text: str | None, state: dict | None, env_name: str = "") -> RuleResult | None:
-    """F1 of ``text`` against ``state``; None when the state offers nothing to compare with."""
-    truth = build_truth(text, state, env_name)
-    if truth is None:
-        return None
-    return score_items(extract_items(text, truth), truth)
-
-
 # ----------------------------------------------------------------------------- symbolic grids
-
-_BACKGROUND = frozenset("#_. |:-+")
 
 
 def _norm_row(line: str, keep_spaces: bool) -> str:
@@ -635,7 +479,7 @@ def _norm_row(line: str, keep_spaces: bool) -> str:
     return row if keep_spaces else row.replace(" ", "")
 
 
-def _keeps_spaces(symbolic: str) -> bool:
+def keeps_spaces(symbolic: str) -> bool:
     """Grids whose rows only line up with their spaces (Taxi's wide cells) are compared with them;
     grids whose spaces only separate symbols (Maze's "P o *") without."""
     lines = [ln for ln in symbolic.splitlines() if ln.strip()]
@@ -652,9 +496,9 @@ def _grid_like(line: str) -> bool:
     return not re.search(r"[A-Za-z]{2,}\s+[A-Za-z]{2,}", line) and not line.strip().endswith(":")
 
 
-def _grid_block(text: str, symbolic: str) -> list[str] | None:
+def grid_block(text: str, symbolic: str) -> list[str] | None:
     """The longest run of consecutive text lines as wide as the truth grid."""
-    keep = _keeps_spaces(symbolic)
+    keep = keeps_spaces(symbolic)
     truth_rows = _grid_rows(symbolic, keep)
     if not truth_rows:
         return None
@@ -674,21 +518,17 @@ def _grid_block(text: str, symbolic: str) -> list[str] | None:
     return best[: len(truth_rows)] if len(best) >= need else None
 
 
-def _symbolic_truth(symbolic: str) -> Truth | None:
-    rows = _grid_rows(symbolic, _keeps_spaces(symbolic))
-    counts = Counter("".join(rows))
-    cells = max(1, sum(counts.values()))
-    background = set(_BACKGROUND) | {ch for ch, n in counts.items() if n > 0.3 * cells}
-    facts = [(r, c, ch) for r, row in enumerate(rows) for c, ch in enumerate(row) if ch not in background]
-    if not facts:
-        return None
-    return Truth("symbolic", facts, facts, background=frozenset(background), info=symbolic)
+def grid_rows(symbolic: str) -> list[str]:
+    """The rows of a grid (spaces kept only where the rows need them to line up)."""
+    return _grid_rows(symbolic, keeps_spaces(symbolic))
 
 
-def _grid_items(text: str, truth: Truth) -> list[Item]:
-    block = _grid_block(text, truth.info) or []
-    return [frozenset([(r, c, ch)]) for r, row in enumerate(block) for c, ch in enumerate(row)
-            if ch not in truth.background]
+def grid_items(text: str, symbolic: str, background: Iterable[str]) -> list[Item]:
+    """The (row, column, symbol) cells of the grid block of ``text`` (see :func:`grid_block`),
+    ``background`` symbols (walls, floor) left out."""
+    skip = set(background)
+    block = grid_block(text, symbolic) or []
+    return [frozenset([(r, c, ch)]) for r, row in enumerate(block) for c, ch in enumerate(row) if ch not in skip]
 
 
 # ----------------------------------------------------------------------------- structured dicts / coordinates
@@ -707,31 +547,9 @@ def norm_key(key: str) -> str:
     return "_".join(parts)
 
 
-def _is_num(x: Any) -> bool:
+def is_number(x: Any) -> bool:
+    """A finite int or float (not a bool)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _structured_facts(structured: dict) -> list[Fact]:
-    """(normalised key, number tuple) facts of a structured state; non-numeric values are skipped."""
-    out: list[Fact] = []
-    for k, v in structured.items():
-        key = norm_key(k)
-        if _is_num(v):
-            out.append((key, (float(v),)))
-        elif isinstance(v, (list, tuple)) and v and all(_is_num(x) for x in v):
-            out.append((key, tuple(float(x) for x in v)))
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                if isinstance(x, (list, tuple)) and x and all(_is_num(y) for y in x):
-                    out.append((key, tuple(float(y) for y in x)))
-    return list(dict.fromkeys(out))
-
-
-def _structured_truth(facts: list[Fact], structured: dict, env: str) -> Truth:
-    keys: dict[str, int] = {}
-    for k, tup in facts:
-        keys.setdefault(k, len(tup))
-    return Truth("structured", facts, facts, tolerance=COORD_TOLERANCE.get(env, 0.0), keys=keys, info=structured)
 
 
 def _key_pattern(key: str) -> str:
@@ -741,11 +559,12 @@ def _key_pattern(key: str) -> str:
     return rf"(?<![a-z0-9]){body}(?:[\s_]*(?:positions?|pos|coordinates?|coords?|locations?))?(?![a-z0-9])"
 
 
-def _text_structured(text: str, truth: Truth) -> list[Fact]:
-    """(key, tuple) facts stated in text: the number tuples after each key mention, up to the next key."""
+def coordinate_facts(text: str, keys: dict[str, int]) -> list[Fact]:
+    """(key, tuple) facts stated in text: the number tuples after each mention of a key of ``keys``
+    (normalised key -> tuple arity), up to the next key."""
     low = text.lower()[:20000]
     spans: list[tuple[int, int, str]] = []
-    for key in sorted(truth.keys, key=len, reverse=True):
+    for key in sorted(keys, key=len, reverse=True):
         for m in re.finditer(_key_pattern(key), low):
             if not any(s <= m.start() < e or s < m.end() <= e for s, e, _ in spans):
                 spans.append((m.start(), m.end(), key))
@@ -754,7 +573,7 @@ def _text_structured(text: str, truth: Truth) -> list[Fact]:
     for idx, (start, end, key) in enumerate(spans):
         stop = spans[idx + 1][0] if idx + 1 < len(spans) else min(len(low), end + 300)
         region = low[end:stop]
-        arity = truth.keys[key]
+        arity = keys[key]
         tuples = [tuple(float(x) for x in re.findall(_NUM, m.group(1))) for m in _TUPLE_RE.finditer(region)]
         tuples = [t for t in tuples if len(t) == arity]
         if not tuples and "(" not in region and "[" not in region:
@@ -765,52 +584,9 @@ def _text_structured(text: str, truth: Truth) -> list[Fact]:
     return list(dict.fromkeys(out))
 
 
-# ----------------------------------------------------------------------------- navigation
-
-_NAV_TARGET_KEYS = ("target_obj_type", "target_object_type", "target_type", "target_object", "target_name")
-_NAV_DIR_KEYS = ("target_direction_to_player", "target_direction", "direction_to_target")
-_NAV_ALIASES = ("target", "goal", "object", "destination", "item")
-
-
-def _object_id(name: str) -> tuple[str, list[tuple[str, ...]]]:
-    """``CounterTop`` -> id ``countertop`` with surfaces ("countertop",), ("counter", "top")."""
-    spaced = re.sub(r"(?<=[a-z])(?=[A-Z])", " ", str(name)).lower()
-    words = re.findall(r"[a-z]+", spaced)
-    oid = "".join(words) or "object"
-    surfaces = [tuple(words)] if len(words) > 1 else []
-    return oid, surfaces
-
-
-def _navigation_truth(structured: dict) -> Truth | None:
-    tkey = next((k for k in _NAV_TARGET_KEYS if isinstance(structured.get(k), str)), None)
-    dkey = next((k for k in _NAV_DIR_KEYS if isinstance(structured.get(k), str)), None)
-    if tkey is None or dkey is None:
-        return None
-    target, surfaces = _object_id(structured[tkey])
-    ids = ["player", target]
-    multi: dict[tuple[str, ...], str] = {s: target for s in surfaces}
-    objects: list[tuple[str, str]] = [(target, structured[dkey])]
-    for o in structured.get("visible_objects") or []:
-        if not isinstance(o, dict) or not isinstance(o.get("type"), str):
-            continue
-        oid, osurf = _object_id(o["type"])
-        direction = o.get("direction_to_player") or o.get("direction")
-        if isinstance(direction, str):
-            objects.append((oid, direction))
-        if oid not in ids:
-            ids.append(oid)
-        multi.update({s: oid for s in osurf})
-    lex = Lexicon(tuple(ids), aliases={a: target for a in _NAV_ALIASES}, multiword=multi)
-
-    def facts_of(oid: str, direction: str) -> list[Fact]:
-        dirs = [d for tok in re.findall(r"[a-z]+", direction.lower()) for d in _DIR_PHRASES.get((tok,), ())]
-        return [f for axis, value in dirs if (f := make_fact(oid, axis, value, "player"))]
-
-    essential = list(dict.fromkeys(facts_of(target, structured[dkey])))
-    known = list(dict.fromkeys(f for oid, d in objects for f in facts_of(oid, d)))
-    if not essential:
-        return None
-    return Truth("navigation", essential, known, lex, implicit="player", info=structured)
+def has_number_tuple(text: str) -> bool:
+    """Whether ``text`` holds a tuple of numbers such as ``(3, 2)`` or ``[1.5, -2, 0]``."""
+    return _TUPLE_RE.search(text) is not None
 
 
 # ----------------------------------------------------------------------------- SVG elements
@@ -824,7 +600,7 @@ for _shape, _words in {"rectangle": "rectangle rectangles rect rects square squa
                        "path": "path paths curve curves arc", "text": "text label letters"}.items():
     for _w in _words.split():
         _SHAPE_WORDS[_w] = _shape
-_BASIC_COLORS = ("red green blue yellow orange purple pink brown black white gray grey cyan magenta teal navy "
+BASIC_COLORS = ("red green blue yellow orange purple pink brown black white gray grey cyan magenta teal navy "
                  "violet gold silver beige maroon olive lime indigo turquoise").split()
 _COLOR_MODIFIERS = r"(?:(?:light|dark|pale|bright|deep)\s+)?"
 
@@ -833,7 +609,9 @@ def _color(c: Any) -> str:
     return re.sub(r"\s+", " ", str(c or "").lower().replace("grey", "gray")).strip()
 
 
-def _svg_truth(structured: dict) -> Truth | None:
+def svg_element_facts(structured: dict) -> list[Fact]:
+    """("el", shape, colour) of the elements of an SVG state (the generated ones once the agent
+    answered, else the target's) plus ("similarity", value) once measured."""
     answered = structured.get("similarity") is not None
     elements = structured.get("generated_elements" if answered else "target_elements") or []
     facts: list[Fact] = []
@@ -841,24 +619,19 @@ def _svg_truth(structured: dict) -> Truth | None:
         if isinstance(e, dict) and isinstance(e.get("shape"), str):
             shape = _SHAPE_WORDS.get(e["shape"].lower(), e["shape"].lower())
             facts.append(("el", shape, _color(e.get("fill") or e.get("stroke"))))
-    if answered and _is_num(structured["similarity"]):
+    if answered and is_number(structured["similarity"]):
         facts.append(("similarity", float(structured["similarity"])))
-    facts = list(dict.fromkeys(facts))
-    if not facts:
-        return None
-    colors = sorted({f[2] for f in facts if f[0] == "el" and f[2]} | set(_BASIC_COLORS) | {"grey"}, key=len, reverse=True)
-    return Truth("svg", facts, facts, keys={c: 0 for c in colors}, info=structured)
+    return list(dict.fromkeys(facts))
 
 
-def _svg_text_facts(text: str, truth: Truth) -> list[Fact]:
-    """(shape, colour) of every shape word (colour: the nearest colour in the 4 words before it)
-    and the stated similarity, if any."""
+def svg_text_facts(text: str, colors: Iterable[str]) -> list[Fact]:
+    """(shape, colour) of every shape word (colour: the nearest of ``colors`` in the 4 words before
+    it) and the stated similarity, if any."""
     data = _dict_in(text)
     if data is not None and any(isinstance(data.get(k), list) for k in ("target_elements", "generated_elements")):
-        stated = _svg_truth(data)  # the structured format: the agent wrote the dict itself
-        return stated.essential if stated else []
+        return svg_element_facts(data)  # the structured format: the agent wrote the dict itself
     low = text.lower()[:20000]
-    colors = "|".join(re.escape(c) for c in truth.keys)
+    colors = "|".join(re.escape(c) for c in colors)
     out: list[Fact] = []
     for m in re.finditer(r"[a-z]+", low):
         shape = _SHAPE_WORDS.get(m.group(0))
@@ -890,64 +663,6 @@ def _dict_in(text: str) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-# ----------------------------------------------------------------------------- repetition penalty
-
-
-def normalise_sentence(s: str) -> str:
-    return re.sub(r"\s+", " ", re.sub(r"[^a-z0-9 ]+", " ", s.lower())).strip()
-
-
-def sentences_of(text: str | None) -> list[str]:
-    """Normalised sentences of a text (the unit the repetition penalty counts)."""
-    if not text or not isinstance(text, str):
-        return []
-    return [n for s in re.split(r"[.!?;\n]+", text[:20000]) if len(n := normalise_sentence(s)) >= 3]
-
-
-class RepetitionTracker:
-    """Frequency of the sentences an agent produced so far, with its top-k kept incrementally.
-
-    VAGEN App. D.1.2: a max-heap of the most frequent sentences in the agent's history; a response
-    that repeats one of the top-k (a sentence seen at least twice) while its F1 is below the
-    threshold is penalised. Counts only grow, so a sentence enters the top-k exactly when its count
-    passes the smallest count in it. The history is bounded: past ``max_sentences`` distinct
-    sentences the ones seen once are forgotten.
-    """
-
-    def __init__(self, top_k: int = 5, threshold: float = 0.7, penalty: float = 0.1, max_sentences: int = 100_000):
-        self.top_k, self.threshold, self.penalty, self.max_sentences = top_k, threshold, penalty, max_sentences
-        self.counts: Counter[str] = Counter()
-        self.top: dict[str, int] = {}
-
-    def observe(self, text: str | None) -> list[str]:
-        sents = sentences_of(text)
-        for s in sents:
-            self.counts[s] += 1
-            c = self.counts[s]
-            if s in self.top or len(self.top) < self.top_k:
-                self.top[s] = c
-            else:
-                low = min(self.top, key=self.top.__getitem__)
-                if c > self.top[low]:
-                    del self.top[low]
-                    self.top[s] = c
-        if len(self.counts) > self.max_sentences:
-            for s in [s for s, c in self.counts.items() if c == 1 and s not in self.top]:
-                del self.counts[s]
-        return sents
-
-    def is_frequent(self, sentences: list[str]) -> bool:
-        return any(self.top.get(s, 0) >= 2 for s in sentences)
-
-    def apply(self, text: str | None, score: float | None) -> float:
-        """Record ``text`` and return its penalty (``-penalty`` or 0.0); None scores are not judged."""
-        sents = self.observe(text)
-        if score is None or self.top_k <= 0:
-            return 0.0
-        return -self.penalty if score < self.threshold and self.is_frequent(sents) else 0.0
-
-
-
 # ----------------------------------------------------------------------------- hybrid: extracted JSON -> facts
 
 _RELATION_DIRS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -965,40 +680,38 @@ def _entity_word(name: Any) -> str | None:
     return n or None
 
 
-def entity_names(truth: Truth) -> list[str]:
-    """What the hybrid extractor is told the scene contains (names only, never relations)."""
-    if truth.method == "structured":
-        return sorted(truth.keys)
-    return list(truth.lexicon.ids) if truth.lexicon else []
+def extracted_relation_items(data: list, lex: Lexicon) -> list[Item]:
+    """Relation facts of a hybrid extraction (``[{"subject", "relation", "object"}, ...]``).
 
-
-def items_from_extraction(data: list[dict], truth: Truth) -> list[Item]:
-    """Facts of a hybrid extraction (``[{"subject","relation","object"} | {"entity","position"}]``).
-
-    Entries that name no known relation, or positions of unknown arity, count for nothing; an
-    entity the truth lacks resolves to a literal id and can only be a false positive.
+    Entries that name no known relation count for nothing; an entity the lexicon lacks resolves to
+    a literal id and can only be a false positive.
     """
     items: list[Item] = []
     for entry in data[:500]:
         if not isinstance(entry, dict):
-            continue
-        if truth.method == "structured":
-            pos = entry.get("position")
-            name = entry.get("entity")
-            if isinstance(name, str) and isinstance(pos, list) and pos and all(_is_num(x) for x in pos):
-                items.append(frozenset([(norm_key(name), tuple(float(x) for x in pos))]))
-            continue
-        if truth.lexicon is None:
             continue
         rel = str(entry.get("relation", "")).lower().strip().replace(" ", "_")
         dirs = _RELATION_DIRS.get(rel)
         subj, obj = _entity_word(entry.get("subject")), _entity_word(entry.get("object"))
         if not dirs or not subj or not obj:
             continue
-        s_ids = truth.lexicon.resolve(subj)
-        o_ids = truth.lexicon.resolve(obj)
+        s_ids = lex.resolve(subj)
+        o_ids = lex.resolve(obj)
         for axis, value in dirs:
             alts = {make_fact(a, axis, value, b) for a in s_ids for b in o_ids} - {None}
             if alts:
                 items.append(frozenset(alts))
+    return list(dict.fromkeys(items))
+
+
+def extracted_position_items(data: list) -> list[Item]:
+    """(normalised key, tuple) facts of a hybrid extraction (``[{"entity", "position"}, ...]``)."""
+    items: list[Item] = []
+    for entry in data[:500]:
+        if not isinstance(entry, dict):
+            continue
+        pos = entry.get("position")
+        name = entry.get("entity")
+        if isinstance(name, str) and isinstance(pos, list) and pos and all(is_number(x) for x in pos):
+            items.append(frozenset([(norm_key(name), tuple(float(x) for x in pos))]))
     return list(dict.fromkeys(items))

@@ -18,6 +18,9 @@ Behaviour, configurable per test (attributes may be changed while it runs):
   becomes a 500. Helpers: :func:`text_of` (all text of the messages), :func:`images_of` (decoded
   data-URL images).
 * ``delay_s``: seconds every request waits before it is answered (a slow endpoint).
+* ``hang``: chat requests are read and recorded, then never answered (the connection stays open,
+  as with an endpoint that accepted the request and stalled) until ``hang`` is cleared or the
+  server closes.
 * ``fail_first`` / ``fail_status`` / ``retry_after``: the first N chat requests get that status
   (500, 429, ...) before normal answers resume.
 * ``requests``, ``max_concurrent``: what arrived, and the most requests handled at the same time.
@@ -84,6 +87,8 @@ class FakeOpenAI:
         self.fail_status = fail_status
         self.retry_after = retry_after
         self.model = model
+        self.hang = False
+        self._closed = threading.Event()
         self.requests: list[dict] = []
         self.max_concurrent = 0
         self._active = 0
@@ -103,6 +108,7 @@ class FakeOpenAI:
         return self
 
     def close(self) -> None:
+        self._closed.set()  # releases hung requests
         self._server.shutdown()
         self._server.server_close()
 
@@ -218,6 +224,10 @@ class FakeOpenAI:
                     fake._active += 1
                     fake.max_concurrent = max(fake.max_concurrent, fake._active)
                 try:
+                    while fake.hang and not fake._closed.wait(0.05):
+                        pass  # no answer, no close: the client's own timeout must end it
+                    if fake.hang:  # closed while hanging: drop the connection unanswered
+                        return
                     status, headers, payload, delay = fake._answer_chat(body)
                     if delay > 0:
                         time.sleep(delay)

@@ -4,7 +4,7 @@ episodes with the ``hf`` or ``vllm`` backend, ``concurrency`` episodes per batch
 Public API::
 
     play_local(episodes, model, settings, cfg, backend_name, concurrency, on_done)
-        # on_done(episode, fields) as each episode ends; fields as actor.eval_remote.play_episode's
+        # on_done(episode, fields) as each episode ends; fields as worldloop.eval.remote.play_episode's
     TranscriptEnv(env)     # gymnasium wrapper keeping the texts and infos the trajectory lacks
 
 The engine's trajectories carry the token ids, the response texts and the parsed fields; the eval
@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import gymnasium
 
-from actor.eval_remote import turn_record
+from worldloop.eval.remote import turn_record
 
 if TYPE_CHECKING:
-    from actor.eval_model import ModelRef
-    from actor.evaluate import Episode
-    from common.config import Config
+    from worldloop.eval.model import ModelRef
+    from worldloop.eval.plan import Episode
+    from worldloop.common.config import Config
+    from worldloop.common.schemas import Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -62,18 +63,17 @@ class TranscriptEnv(gymnasium.Wrapper):
         return obs, reward, terminated, truncated, info
 
 
-def _fields(traj: dict, rec: TranscriptEnv | None) -> dict:
-    """The record fields of a finished trajectory (see ``actor.eval_remote.play_episode``)."""
-    if traj.get("end_reason") == "env_error" or rec is None:
+def _fields(traj: Trajectory, rec: TranscriptEnv | None) -> dict:
+    """The record fields of a finished trajectory (see ``worldloop.eval.remote.play_episode``)."""
+    if traj.end_reason == "env_error" or rec is None:
         return {"error": "env_error: the env raised (see the log)", "turns": []}
     turns = []
-    for t, (reward, done, info) in zip(traj["turns"], rec.steps):
-        prompt, n_img = rec.prompts[t["index"]]
-        turns.append(turn_record(t["index"], prompt, n_img, t["response_text"], info, reward, done,
-                                 t.get("truncated_response", False)))
+    for t, (reward, done, info) in zip(traj.turns, rec.steps):
+        prompt, n_img = rec.prompts[t.index]
+        turns.append(turn_record(t.index, prompt, n_img, t.response_text, info, reward, done, t.truncated_response))
     last = rec.steps[-1][2] if rec.steps else rec.reset_info
-    return {"task": rec.reset_info.get("task"), "success": bool(traj["success"]),
-            "metrics": dict(last.get("metrics") or {}), "turns": turns, "end_reason": traj.get("end_reason"),
+    return {"task": rec.reset_info.get("task"), "success": bool(traj.success),
+            "metrics": dict(last.get("metrics") or {}), "turns": turns, "end_reason": traj.end_reason,
             "system_prompt": rec.system_prompt, "error": None}
 
 
@@ -83,9 +83,9 @@ def _env_key(env_id: str, kwargs: dict, seed: int) -> str:
 
 def play_local(episodes: list["Episode"], model: "ModelRef", settings: dict, cfg: "Config", backend_name: str,
                concurrency: int, on_done: Callable[["Episode", dict], None]) -> None:
-    import envs  # noqa: F401  (registers the ids)
-    from actor.backends import make_backend
-    from actor.rollout import EpisodeSpec, RolloutEngine, Sampling
+    from worldloop import envs  # noqa: F401  (registers the ids)
+    from worldloop.actor.backends import make_backend
+    from worldloop.actor.rollout import EpisodeSpec, RolloutEngine, Sampling
 
     cfg.actor.backend = backend_name  # type: ignore[assignment]
     backend = make_backend(cfg, str(model.path))
@@ -114,7 +114,7 @@ def play_local(episodes: list["Episode"], model: "ModelRef", settings: dict, cfg
                                    max_turns=ep.plan.max_turns)
                 by_id[engine.start(spec)] = ep
             for traj in engine.step().finished:
-                ep = by_id.pop(traj["trajectory_id"])
+                ep = by_id.pop(traj.trajectory_id)
                 rec = made.pop(_env_key(ep.plan.env_id, ep.plan.kwargs, ep.seed), None)
                 on_done(ep, _fields(traj, rec))
     finally:

@@ -29,7 +29,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.config import Config
+from worldloop.common.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def resolve_model(model: str | None, *, base_url: str | None, cfg: Config, scrat
     if not _is_checkpoint(p):
         root = _checkpoints_root(p)
         if root is not None:
-            from learner import checkpoint
+            from worldloop.learner import checkpoint
 
             newest = checkpoint.latest(root)
             if newest is None:
@@ -105,7 +105,7 @@ def _base_model_dir(ckpt: Path, cfg: Config) -> Path:
     candidates: list[Path] = []
     run_cfg = ckpt.parent.parent / "config.yaml"
     if run_cfg.is_file():
-        from common.config import load_config
+        from worldloop.common.config import load_config
 
         try:
             candidates.append(Path(load_config(run_cfg).model.path))
@@ -126,12 +126,12 @@ def consolidate_deepspeed(ckpt: Path, base_model_dir: Path, out: Path) -> Path:
 
     import torch
 
-    from common.modeling import load_policy
+    from worldloop.common.modeling import load_policy
 
     ds_dir = ckpt / "policy"
     model = load_policy(base_model_dir, dtype="float32", device="cpu")
     sd = _deepspeed_state_dict(ds_dir)
-    prefix = "hf."  # learner.engine.PolicyModule wraps the HF model as .hf
+    prefix = "hf."  # worldloop.learner.engine.PolicyModule wraps the HF model as .hf
     sd = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in sd.items()}
     missing, unexpected = model.load_state_dict(sd, strict=False)
     tied = {k for k in missing if k.endswith("lm_head.weight")} if getattr(model.config, "tie_word_embeddings", False) else set()

@@ -1,0 +1,122 @@
+"""The Hugging Face transformers generation backend (CPU or one GPU); the contract is
+``worldloop.actor.generation``.
+
+    HFBackend(model_dir, device="cpu", dtype="auto", codec=None, max_image_side=224)
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from worldloop.actor.generation import GenRequest, GenResult, check_state_dict, cut_at_eos, resolve_device, validate_requests
+from worldloop.common.modeling import ChatCodec, load_policy
+
+log = logging.getLogger(__name__)
+
+
+class HFBackend:
+    """Batched sampling with ``transformers`` ``generate`` (CPU or one GPU)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: str = "cpu",
+        dtype: str = "auto",
+        codec: ChatCodec | None = None,
+        max_image_side: int = 224,
+    ):
+        self.device = resolve_device(device)
+        self.codec = codec or ChatCodec(model_dir, max_image_side=max_image_side)
+        self.model = load_policy(model_dir, dtype=dtype, device=self.device)
+        self.version = 0
+        self._vocab = self.model.get_input_embeddings().num_embeddings
+
+    # -- generation
+    def _batch(self, requests: list[GenRequest]) -> dict[str, torch.Tensor]:
+        """Left-padded input_ids/attention_mask (+ vision inputs) for all requests."""
+        width = max(len(r.prompt_ids) for r in requests)
+        ids = torch.full((len(requests), width), self.codec.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(requests), width), dtype=torch.long)
+        for i, r in enumerate(requests):
+            ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids, dtype=torch.long)
+            mask[i, width - len(r.prompt_ids) :] = 1
+        batch = {"input_ids": ids, "attention_mask": mask}
+        if self.codec.is_vision:
+            batch.update(self._vision(requests, ids))
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    def _vision(self, requests: list[GenRequest], ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        images = [png for r in requests for png in r.images]
+        found = int((ids == self.codec.image_token_id).sum())
+        vis = self.codec.vision_inputs(images)
+        expected = int(vis["image_grid_thw"].prod(-1).sum()) // 4 if vis else 0
+        if found != expected:
+            raise ValueError(f"prompts hold {found} image tokens but their {len(images)} image(s) need {expected}")
+        out = {"mm_token_type_ids": (ids == self.codec.image_token_id).long()}
+        if vis:
+            out["pixel_values"] = vis["pixel_values"].to(self.model.dtype)
+            out["image_grid_thw"] = vis["image_grid_thw"]
+        return out
+
+    @torch.no_grad()
+    def generate(
+        self,
+        requests: list[GenRequest],
+        *,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        seed: int | None = None,
+    ) -> list[GenResult]:
+        """Sample one response per request in one batched ``generate`` call."""
+        if not requests:
+            return []
+        validate_requests(requests, max_new_tokens, self._vocab)
+        batch = self._batch(requests)
+        sample = temperature > 0
+        kwargs = dict(do_sample=True, temperature=float(temperature), top_p=float(top_p), top_k=0) if sample else dict(do_sample=False)
+        with torch.random.fork_rng(devices=[self.device] if self.device.startswith("cuda") else []):
+            if seed is not None:
+                torch.manual_seed(seed)
+            out = self.model.generate(
+                **batch,
+                **kwargs,
+                max_new_tokens=int(max_new_tokens),
+                eos_token_id=self.codec.eos_token_ids,
+                pad_token_id=self.codec.pad_token_id,
+                output_logits=True,
+                return_dict_in_generate=True,
+                use_cache=True,
+            )
+        new = out.sequences[:, batch["input_ids"].shape[1] :].cpu()
+        logits = torch.stack(out.logits, dim=1).float().cpu()  # [B, T, V], raw (pre-processing)
+        logp = torch.log_softmax(logits / (temperature if sample else 1.0), dim=-1)
+        token_lp = logp.gather(-1, new[:, : logits.shape[1]].unsqueeze(-1)).squeeze(-1)
+        return [self._result(new[i], token_lp[i]) for i in range(len(requests))]
+
+    def _result(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> GenResult:
+        keep, truncated = cut_at_eos(tokens.tolist(), self.codec.eos_token_ids)
+        return GenResult(
+            response_ids=keep,
+            logprobs=[float(x) for x in logprobs[: len(keep)]],
+            text=self.codec.decode(keep),
+            truncated=truncated,
+        )
+
+    # -- weights
+    @torch.no_grad()
+    def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Copy a full state dict into the model in place (all-or-nothing), then set ``version``."""
+        check_state_dict(self.model, tensors)
+        own = self.model.state_dict()
+        for k, t in tensors.items():
+            own[k].copy_(t.to(device=own[k].device, dtype=own[k].dtype))
+        self.version = int(version)
+
+    def close(self) -> None:
+        self.model = None  # type: ignore[assignment]
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()

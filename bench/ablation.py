@@ -1,0 +1,192 @@
+"""The VAGEN paper's comparisons in miniature, on the embedded tiny model.
+
+    python bench/ablation.py [--suite methods|strategies|all] [--envs sokoban,frozenlake]
+                             [--seeds 3] [--steps N] [--eval-episodes 64] [--out runs/bench-ablation]
+                             [key.sub=value ...]
+
+Two suites, every arm on the same compute budget (the preset's batch, the same ``--steps`` learner
+updates) and ``--seeds`` run seeds (``run.seed``: the tiny model's initialisation, the SFT data
+order and all sampling):
+
+* ``methods`` — VAGEN Table 4 with the paper's RL baselines of Table 2, every arm with the
+  Grounding-WorldModeling prompt:
+  VAGEN-Full (``bilevel_gae`` + the judge's reasoning reward), VAGEN-Base (token GAE with masking,
+  ``masked_gae``, no reasoning reward), Turn-PPO w/ mask (``turn_ppo``), GRPO w/ mask (``grpo``,
+  groups of ``actor.n_samples_per_seed``) and Vanilla-PPO (``vanilla_ppo``: no observation
+  masking), the last three without reasoning reward, as in the paper.
+* ``strategies`` — the five reasoning strategies of the paper's Table 2 (No-Think, Free-Think,
+  Grounding, WorldModeling, Grounding-WorldModeling), each trained the way the paper trains them:
+  VAGEN-Base (``masked_gae``, format and task rewards, no reasoning reward). The SFT warm start
+  uses demonstrations in the arm's own format.
+
+Each (arm, env, seed) is one ``worldloop up`` of the env's preset (``tiny-<env>``) with the arm's
+overrides and the evaluator on (``trainer.eval_every = --steps``): held-out success of the warm
+start (v0) and of the final policy on the same ``--eval-episodes`` held-out seeds. Warm-started
+models are made once per (env, seed, prompt format) and copied, so the arms of a suite start from
+the same model. The table follows the paper's layout (rows = arms, columns = envs and overall);
+each cell is the mean over run seeds with its 95% t-interval and, beside it, the warm start's
+mean. Every row names the judge's scoring mode (``judge.rule_mode``) and the estimator.
+
+Resume: every finished run leaves ``done.json`` in its folder and is not run again; progress goes
+to stdout. Nothing here is a pass/fail check: it reports what happened, whichever way it goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+from worldloop.common.config import load_config, to_dict  # noqa: E402
+from worldloop.eval.stats import mean_interval  # noqa: E402
+
+GWM = "grounding_worldmodeling"
+METHODS = {  # arm -> (estimator, reasoning reward from the judge, prompt format)
+    "VAGEN-Full": ("bilevel_gae", True, GWM),
+    "VAGEN-Base": ("masked_gae", False, GWM),
+    "Turn-PPO w/ mask": ("turn_ppo", False, GWM),
+    "GRPO w/ mask": ("grpo", False, GWM),
+    "Vanilla-PPO": ("vanilla_ppo", False, GWM),
+}
+STRATEGIES = {
+    "No-Think": ("masked_gae", False, "no_think"),
+    "Free-Think": ("masked_gae", False, "free_think"),
+    "Grounding": ("masked_gae", False, "grounding"),
+    "WorldModeling": ("masked_gae", False, "worldmodeling"),
+    "Grounding-WorldModeling": ("masked_gae", False, GWM),
+}
+ENV_TITLES = {"frozenlake": "FrozenLake", "sokoban": "Sokoban"}
+
+
+def arm_config(env: str, arm: tuple[str, bool, str], seed: int, steps: int, eval_episodes: int, run_dir: Path,
+               model: Path, overrides: list[str]) -> dict:
+    """The resolved config of one run: the env's preset with the arm's settings."""
+    estimator, reasoning, prompt_format = arm
+    cfg = to_dict(load_config(f"tiny-{env}", overrides))
+    for e in cfg["actor"]["envs"]:
+        e["kwargs"] = dict(e.get("kwargs") or {}, prompt_format=prompt_format)
+    cfg["run"].update(name=f"ablation-{env}", seed=seed, run_dir=str(run_dir))
+    cfg["model"]["path"] = str(model)
+    cfg["redis"]["url"] = None
+    cfg["redis"]["namespace"] = f"ablation-{run_dir.name}"
+    cfg["judge"]["enabled"] = bool(reasoning)
+    cfg["trainer"].update(estimator=estimator, total_steps=steps, eval_every=steps, eval_episodes=eval_episodes,
+                          resume=False)
+    if estimator == "grpo" and cfg["actor"]["n_samples_per_seed"] < 2:
+        cfg["actor"]["n_samples_per_seed"] = 2  # a group of one has no baseline
+    return cfg
+
+
+def run_one(cfg: dict, run_dir: Path, model_cache: Path) -> dict:
+    done = run_dir / "done.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    model = Path(cfg["model"]["path"])
+    if model_cache.exists():
+        shutil.copytree(model_cache, model)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    t0 = time.monotonic()
+    with open(run_dir / "up.log", "wb") as f:
+        rc = subprocess.run([sys.executable, "-m", "worldloop", "up", str(run_dir / "config.yaml")], cwd=ROOT,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise RuntimeError(f"worldloop up exited {rc}; see {run_dir / 'up.log'}")
+    if not model_cache.exists():
+        shutil.copytree(model, model_cache)
+    evals = [json.loads(line)["eval"] for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    start = next(e for e in evals if e["policy_version"] == 0)
+    final = evals[-1]
+    row = {"start": start["success_rate"]["all"], "final": final["success_rate"]["all"],
+           "final_version": final["policy_version"], "n": final["episodes"]["all"], "wall_s": time.monotonic() - t0,
+           "rule_mode": cfg["judge"]["rule_mode"], "estimator": cfg["trainer"]["estimator"]}
+    done.write_text(json.dumps(row))
+    return row
+
+
+def cell(values: list[float]) -> str:
+    if not values:
+        return "-"
+    m, lo, hi = mean_interval(values)
+    return f"{m:.2f} [{lo:.2f}, {hi:.2f}]"
+
+
+def table(title: str, arms: dict, results: dict, envs: list[str]) -> str:
+    head = "| " + title + " | " + " | ".join(ENV_TITLES.get(e, e) for e in envs) + " | Overall | warm start (overall) | estimator | judge | scoring mode |"
+    lines = [head, "|" + "---|" * (len(envs) + 6)]
+    for name, (estimator, reasoning, _) in arms.items():
+        per_env, overall, starts = [], [], []
+        for e in envs:
+            rows = results.get((name, e), [])
+            per_env.append(cell([r["final"] for r in rows]))
+        seeds = sorted({s for (n, e), rows in results.items() if n == name for s in range(len(rows))})
+        for s in seeds:
+            finals = [results[(name, e)][s]["final"] for e in envs if len(results.get((name, e), [])) > s]
+            st = [results[(name, e)][s]["start"] for e in envs if len(results.get((name, e), [])) > s]
+            if len(finals) == len(envs):
+                overall.append(sum(finals) / len(finals))
+                starts.append(sum(st) / len(st))
+        mode = next((r["rule_mode"] for e in envs for r in results.get((name, e), [])), "-")
+        lines.append(f"| {name} | " + " | ".join(per_env) + f" | {cell(overall)} | {cell(starts)} | {estimator} | "
+                     f"{'reasoning reward' if reasoning else 'off'} | {mode if reasoning else '-'} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--suite", choices=["methods", "strategies", "all"], default="all")
+    ap.add_argument("--envs", default="sokoban,frozenlake")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=None, help="learner steps per run (default: the preset's)")
+    ap.add_argument("--eval-episodes", type=int, default=64)
+    ap.add_argument("--out", default="runs/bench-ablation")
+    ap.add_argument("overrides", nargs="*", help="key.sub=value for every run")
+    args = ap.parse_args()
+    envs = [e.strip() for e in args.envs.split(",") if e.strip()]
+    out = Path(args.out).resolve()
+    suites = {"methods": METHODS, "strategies": STRATEGIES}
+    chosen = list(suites) if args.suite == "all" else [args.suite]
+    plan = [(suite, name, env, seed) for suite in chosen for name in suites[suite] for env in envs
+            for seed in range(args.seeds)]
+    results: dict[str, dict] = {s: {} for s in chosen}
+    t_start = time.monotonic()
+    for i, (suite, name, env, seed) in enumerate(plan, 1):
+        arm = suites[suite][name]
+        steps = args.steps or load_config(f"tiny-{env}", args.overrides).trainer.total_steps
+        slug = f"{suite}/{env}/{name.lower().replace(' ', '-').replace('/', '')}/seed{seed}"
+        run_dir = out / slug
+        cache = out / "models" / f"{env}-seed{seed}-{arm[2]}"
+        cfg = arm_config(env, arm, seed, steps, args.eval_episodes, run_dir, run_dir / "model", args.overrides)
+        status = "cached" if (run_dir / "done.json").exists() else "running"
+        print(f"[ablation {i}/{len(plan)}, {time.monotonic() - t_start:.0f}s] {suite}: {name} on {env}, seed {seed} ({status})",
+              flush=True)
+        row = run_one(cfg, run_dir, cache)
+        results[suite].setdefault((name, env), []).append(row)
+        print(f"    held-out success {row['start']:.3f} -> {row['final']:.3f} (n={row['n']}, {row['wall_s']:.0f}s)", flush=True)
+    text = []
+    for suite in chosen:
+        title = "Method (Grounding-WorldModeling)" if suite == "methods" else "Reasoning strategy (VAGEN-Base)"
+        text.append(f"### {suite}: held-out success, mean over {args.seeds} run seeds [95% t-interval]\n\n"
+                    + table(title, suites[suite], results[suite], envs))
+    report = "\n\n".join(text)
+    print(report)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ablation.md").write_text(report + "\n")
+    (out / "ablation.json").write_text(json.dumps({s: {f"{k[0]}|{k[1]}": v for k, v in r.items()} for s, r in results.items()},
+                                                  indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

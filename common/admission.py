@@ -1,0 +1,211 @@
+"""Rollout admission: staleness bounded at the source, for all actors on all machines at once.
+
+An actor starts an episode only once the run's admission budget, kept atomically in Redis, lets
+it. With learner version ``v``, train batch ``B`` and staleness bound ``s``, at most
+``(v + s + 1) * B`` trajectories may have been admitted in all (minus those given back). The
+learner consumes ``B`` per version, so at most ``(s + 1) * B`` are ever admitted but not yet
+trained, and an episode admitted while its actor held weights ``v_a`` is trained at a version
+``<= v_a + s`` as long as episodes finish in about the order they were admitted. Consequences:
+
+* ``max_staleness: 0`` is synchronous on-policy PPO: one batch per version, then the actors wait
+  (phase "waiting for admission") until they hold the next weights.
+* The version used is the *lower* of the learner's published one and the actor's own weights
+  (``admit(..., actor_version=...)``): an actor that has not applied ``v`` yet is admitted as of
+  its older weights, so its turns are never older than the bound allows.
+* GRPO groups are admitted whole (one call with all ``n_samples_per_seed`` ids) while any budget is
+  left, so a group may pass the bound by at most its size − 1. A stricter rule (the whole group
+  must fit) deadlocks: when one member of a group is refunded (it ended before its first turn), one
+  slot is free and no group fits it, while the learner still waits for that trajectory.
+
+The budget never leaks, so the run never stalls:
+
+* every admitted id holds a **lease** (``<ns>:admission:leases``, expiry time) that its actor renews
+  while the episode runs (:meth:`Admission.renew`) and settles when the trajectory is in the
+  stream (:meth:`Admission.settle`). A lease that expires (the actor was SIGKILLed, or its machine
+  vanished) gives its budget back; any admission call reaps expired leases first and keeps those
+  ids in ``<ns>:admission:expired``. A trajectory whose lease had expired but that arrives after
+  all (a paused actor) is counted again on settle, or when the learner trains it if that comes
+  first. A settle that comes after the learner already retired or refunded its id counts nothing:
+  the actor settles once its XADD returned, and over a slow link (200 ms each way) the judge and
+  the learner can have scored and trained the trajectory before that; counting it again there
+  leaked one slot each time until every actor waited for admission and the run stalled.
+* the learner **refunds** an admitted trajectory it cannot train (dead-lettered, unusable, stale)
+  and **retires** the ones it trains. Both go through the set ``<ns>:admission:ids`` of ids
+  admitted and not yet retired: SREM answers whether this is the first time, so a refund happens
+  at most once per id even when a restarted learner decides the same entry again, and a
+  duplicate of an already-trained trajectory refunds nothing.
+
+Keys: ``<ns>:admission`` (hash: ``admitted``, ``expired``, ``refunded``), ``<ns>:admission:leases``
+(zset id -> expiry), ``<ns>:admission:ids`` (set), ``<ns>:admission:expired`` (set: ids whose lease
+ran out before they arrived; one per episode lost with a killed actor, cleared by a fresh learner).
+The learner writes ``train_batch_size`` and ``max_staleness`` into the control record, so the
+bound is the learner's even when an actor's config differs; before the learner wrote them, the
+actor's own values are used.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from worldloop.common.keys import Keys
+from worldloop.common.metrics import metric
+from worldloop.common.streams import RedisLink
+
+log = logging.getLogger(__name__)
+
+# KEYS: admission hash, leases zset, ids set, expired set, control hash
+# ARGV: now, lease_s, max_staleness, batch, actor_version, n, id_1 .. id_n
+ADMIT_LUA = """
+local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[1])
+for _, id in ipairs(expired) do
+  redis.call('ZREM', KEYS[2], id)
+  if redis.call('SREM', KEYS[3], id) == 1 then
+    redis.call('HINCRBY', KEYS[1], 'admitted', -1)
+    redis.call('HINCRBY', KEYS[1], 'expired', 1)
+    redis.call('SADD', KEYS[4], id)
+  end
+end
+local v = tonumber(redis.call('HGET', KEYS[5], 'policy_version') or '0')
+local va = tonumber(ARGV[5])
+if va < v then v = va end
+local s = tonumber(redis.call('HGET', KEYS[5], 'max_staleness') or ARGV[3])
+local b = tonumber(redis.call('HGET', KEYS[5], 'train_batch_size') or ARGV[4])
+local limit = (v + s + 1) * b
+local admitted = tonumber(redis.call('HGET', KEYS[1], 'admitted') or '0')
+local n = tonumber(ARGV[6])
+if admitted >= limit then return {0, admitted, limit} end
+local until_t = tonumber(ARGV[1]) + tonumber(ARGV[2])
+for i = 1, n do
+  local id = ARGV[6 + i]
+  if redis.call('SADD', KEYS[3], id) == 1 then admitted = admitted + 1 end
+  redis.call('ZADD', KEYS[2], until_t, id)
+end
+redis.call('HSET', KEYS[1], 'admitted', admitted)
+return {1, admitted, limit}
+"""
+
+# KEYS: admission hash, leases zset, ids set, expired set; ARGV: id
+# 1: settled; 2: its lease had expired, counted again; 0: nothing to do (the learner already
+# retired or refunded it: its actor's link to Redis was slower than the judge-to-learner path)
+SETTLE_LUA = """
+if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 then return 1 end
+if redis.call('SREM', KEYS[4], ARGV[1]) == 1 then
+  redis.call('SADD', KEYS[3], ARGV[1])
+  redis.call('HINCRBY', KEYS[1], 'admitted', 1)
+  return 2
+end
+return 0
+"""
+
+# KEYS: admission hash, leases zset, ids set, expired set; ARGV: refund (1/0), id_1 .. id_n
+RELEASE_LUA = """
+local n = 0
+local again = 0
+for i = 2, #ARGV do
+  redis.call('ZREM', KEYS[2], ARGV[i])
+  if redis.call('SREM', KEYS[3], ARGV[i]) == 1 then
+    n = n + 1
+  elseif redis.call('SREM', KEYS[4], ARGV[i]) == 1 and ARGV[1] ~= '1' then
+    again = again + 1
+  end
+end
+if ARGV[1] == '1' and n > 0 then
+  redis.call('HINCRBY', KEYS[1], 'admitted', -n)
+  redis.call('HINCRBY', KEYS[1], 'refunded', n)
+end
+if again > 0 then
+  redis.call('HINCRBY', KEYS[1], 'admitted', again)
+end
+return n
+"""
+
+
+# KEYS: admission hash, leases zset, ids set, expired set: keep only what is leased (in flight)
+RESET_LUA = """
+local leased = redis.call('ZRANGE', KEYS[2], 0, -1)
+redis.call('DEL', KEYS[1], KEYS[3], KEYS[4])
+for _, id in ipairs(leased) do redis.call('SADD', KEYS[3], id) end
+redis.call('HSET', KEYS[1], 'admitted', #leased)
+return #leased
+"""
+
+
+@dataclass
+class Decision:
+    admitted: bool
+    total: int  # admitted so far (after this call when admitted)
+    limit: int
+
+
+class Admission:
+    """The run's admission budget (see the module docstring)."""
+
+    def __init__(self, url: str, keys: Keys, *, max_staleness: int, batch_size: int, lease_s: float = 120.0,
+                 reconnect_max_s: float = 30.0, socket_timeout_s: float = 10.0,
+                 should_stop: Callable[[], bool] | None = None, startup_timeout_s: float | None = None):
+        self.keys = keys
+        self.max_staleness = int(max_staleness)
+        self.batch_size = int(batch_size)
+        self.lease_s = float(lease_s)
+        self.link = RedisLink(url, keys.admission, reconnect_max_s, socket_timeout_s, should_stop=should_stop,
+                              startup_timeout_s=startup_timeout_s)
+        r = self.link.r
+        self._admit, self._settle, self._release = (r.register_script(ADMIT_LUA), r.register_script(SETTLE_LUA),
+                                                    r.register_script(RELEASE_LUA))
+        self._reset = r.register_script(RESET_LUA)
+        self._keys4 = [keys.admission, keys.admission_leases, keys.admission_ids, keys.admission_expired]
+
+    def admit(self, ids: list[str], actor_version: int, now: float | None = None) -> Decision:
+        """Admit all of ``ids`` (one group) or none; leases start ``now`` (wall-clock seconds,
+        default the current time; every actor's clock is used for its own leases)."""
+        if not ids:
+            raise ValueError("admit needs at least one id")
+        res = self.link.call(lambda r: self._admit(
+            keys=[*self._keys4, self.keys.control],
+            args=[time.time() if now is None else now, self.lease_s, self.max_staleness, self.batch_size, int(actor_version), len(ids), *ids],
+            client=r))
+        ok, total, limit = (int(x) for x in res)
+        if ok:
+            metric("worldloop_actor_admitted_episodes").inc(len(ids))
+        return Decision(bool(ok), total, limit)
+
+    def renew(self, ids: list[str], now: float | None = None) -> None:
+        """Extend the leases of episodes still running (only ids that still hold a lease)."""
+        if ids:
+            until_t = (time.time() if now is None else now) + self.lease_s
+            self.link.call(lambda r: r.zadd(self.keys.admission_leases, {i: until_t for i in ids}, xx=True))
+
+    def settle(self, trajectory_id: str) -> None:
+        """The trajectory is in the stream: its lease ends, its budget stays spent."""
+        if self.link.call(lambda r: self._settle(keys=self._keys4, args=[trajectory_id], client=r)) == 2:
+            log.info("trajectory %s arrived after its lease expired: counted again", trajectory_id)
+
+    def release(self, ids: list[str], *, refund: bool) -> int:
+        """Retire ids that were trained (``refund=False``) or give back the budget of ids that
+        will never be trained (``refund=True``); returns how many were still admitted."""
+        if not ids:
+            return 0
+        n = int(self.link.call(lambda r: self._release(keys=self._keys4, args=["1" if refund else "0", *ids], client=r)))
+        if refund and n:
+            metric("worldloop_learner_admission_refunds").inc(n)
+        return n
+
+    def reset(self) -> None:
+        """Forget the admissions of an earlier run in this namespace (a fresh, non-resumed learner),
+        except the episodes in flight now: actors of this run may have started before the learner
+        (``worldloop up`` starts every child at once), and those still hold leases and will settle.
+        Trajectories they already pushed are forgotten; at worst the first batches get a few more
+        than the bound, which the learner drops as stale and refunds."""
+        self.link.call(lambda r: self._reset(keys=self._keys4, client=r))
+
+    def state(self) -> dict[str, int]:
+        raw = self.link.call(lambda r: r.hgetall(self.keys.admission)) or {}
+        out = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
+        out["leases"] = int(self.link.call(lambda r: r.zcard(self.keys.admission_leases)))
+        return out
+
+    def close(self) -> None:
+        self.link.close()

@@ -1,0 +1,1 @@
+"""Config presets, shipped as package data (``worldloop up tiny-sokoban`` finds them by name)."""

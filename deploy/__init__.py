@@ -1,0 +1,1 @@
+"""Deployment files (supervisord, Prometheus, Grafana), shipped as package data."""

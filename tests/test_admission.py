@@ -1,0 +1,116 @@
+"""Rollout admission (common/admission.py) against a real redis-server: the (v + s + 1) * B bound,
+leases that give the budget back when an actor dies, exactly-once refunds."""
+
+from __future__ import annotations
+
+import time
+
+from worldloop.common.admission import Admission
+from worldloop.common.control import write_control
+from worldloop.common.keys import Keys
+from worldloop.common.streams import connect
+
+
+def _adm(url: str, ns: str, **kw) -> Admission:
+    opts = dict(max_staleness=1, batch_size=2, lease_s=60.0)
+    opts.update(kw)
+    return Admission(url, Keys(ns), **opts)
+
+
+def test_the_budget_is_v_plus_s_plus_one_batches(redis_url: str) -> None:
+    a = _adm(redis_url, "b1")  # s = 1, B = 2: (0 + 1 + 1) * 2 = 4 at version 0
+    assert a.admit(["t1", "t2"], actor_version=0).admitted
+    d = a.admit(["t3", "t4"], actor_version=0)
+    assert d.admitted and (d.total, d.limit) == (4, 4)
+    d = a.admit(["t5"], actor_version=0)
+    assert not d.admitted and (d.total, d.limit) == (4, 4)
+    r = connect(redis_url)
+    write_control(r, Keys("b1"), policy_version=1)
+    # the actor still holds v0: admitted as of its own weights
+    assert not a.admit(["t5"], actor_version=0).admitted
+    d = a.admit(["t5", "t6"], actor_version=1)  # (1 + 1 + 1) * 2 = 6
+    assert d.admitted and (d.total, d.limit) == (6, 6)
+    # a group is admitted whole while any budget is left (it may pass the bound by size - 1): a
+    # group that had to fit exactly would never fill the one slot a refunded member leaves
+    write_control(r, Keys("b1"), policy_version=2)  # limit 8
+    d = a.admit(["g1", "g2", "g3"], actor_version=2)
+    assert d.admitted and (d.total, d.limit) == (9, 8)
+    assert not a.admit(["g4"], actor_version=2).admitted  # nothing left
+    assert a.state()["admitted"] == 9 and a.state()["leases"] == 9
+
+
+def test_the_learners_bound_wins_over_the_actors_config(redis_url: str) -> None:
+    a = _adm(redis_url, "b2", max_staleness=4, batch_size=8)  # the actor's own config: 40
+    write_control(connect(redis_url), Keys("b2"), policy_version=0, max_staleness=0, train_batch_size=1)
+    assert a.admit(["t1"], actor_version=0).admitted
+    d = a.admit(["t2"], actor_version=0)
+    assert not d.admitted and d.limit == 1  # synchronous: one batch of one per version
+
+
+def test_an_expired_lease_gives_its_budget_back_and_a_late_arrival_counts_again(redis_url: str) -> None:
+    a = _adm(redis_url, "b3", max_staleness=0, batch_size=2, lease_s=10.0)
+    t = time.time()  # explicit clock: the leases' expiry is tested without sleeping
+    assert a.admit(["t1", "t2"], actor_version=0, now=t).admitted
+    assert not a.admit(["t3"], actor_version=0, now=t + 1).admitted
+    a.renew(["t1", "t2"], now=t + 8)  # the actor renews while its episodes run: held until t + 18
+    assert not a.admit(["t3"], actor_version=0, now=t + 15).admitted
+    a.settle("t1")  # t1 reached the stream: its lease ends, its budget stays spent
+    # t2's actor died after the renewal: nothing renews it, its lease runs out at t + 18
+    d = a.admit(["t3"], actor_version=0, now=t + 19)
+    assert d.admitted and d.total == 2
+    st = a.state()
+    assert st["expired"] == 1 and st["admitted"] == 2
+    # t2 arrives after all (its actor was only paused): counted again, the bound holds
+    a.settle("t2")
+    assert a.state()["admitted"] == 3
+
+
+def test_refunds_happen_once_and_trained_ids_refund_nothing(redis_url: str) -> None:
+    a = _adm(redis_url, "b4")
+    assert a.admit(["t1", "t2", "t3"], actor_version=0).admitted
+    for t in ("t1", "t2", "t3"):
+        a.settle(t)
+    assert a.release(["t1"], refund=False) == 1  # trained: retired, budget stays spent
+    assert a.release(["t1"], refund=True) == 0  # a duplicate of a trained trajectory refunds nothing
+    assert a.release(["t2"], refund=True) == 1  # dead-lettered: given back
+    assert a.release(["t2"], refund=True) == 0  # a restarted learner decides it again: no second refund
+    st = a.state()
+    assert st["admitted"] == 2 and st["refunded"] == 1
+    assert a.admit(["t4"], actor_version=0).admitted  # in flight: holds a lease
+    a.reset()  # a fresh learner forgets the earlier run but not the episodes in flight
+    assert a.state() == {"admitted": 1, "leases": 1}
+    a.settle("t4")
+    assert a.release(["t4"], refund=True) == 1 and a.state()["admitted"] == 0
+
+
+def test_a_settle_after_the_learner_trained_the_trajectory_counts_nothing(redis_url: str) -> None:
+    """Over a slow actor link the judge and the learner score and train a trajectory before its
+    actor's settle arrives: that settle must not count it again (each one leaked a slot, and the
+    run stalled once the leaks filled the budget)."""
+    a = _adm(redis_url, "b5", max_staleness=0, batch_size=2, lease_s=10.0)
+    t = time.time()
+    assert a.admit(["t1", "t2"], actor_version=0, now=t).admitted
+    assert a.release(["t1"], refund=False) == 1  # trained and retired while t1's settle is on the wire
+    a.settle("t1")
+    assert a.state()["admitted"] == 2  # not 3
+    assert a.release(["t2"], refund=True) == 1  # refunded (e.g. dead-lettered) before its settle
+    a.settle("t2")
+    assert a.state()["admitted"] == 1 and a.state()["leases"] == 0
+    # a lease that expired, then the learner trained the late trajectory before its settle: counted
+    # again once (by the retire), and the settle after it adds nothing
+    assert a.admit(["t3"], actor_version=0, now=t).admitted
+    assert a.admit(["t4"], actor_version=0, now=t + 11).admitted  # reaps t3 (and nothing else leased)
+    assert a.state()["expired"] == 1 and a.state()["admitted"] == 2
+    assert a.release(["t3"], refund=False) == 0
+    assert a.state()["admitted"] == 3
+    a.settle("t3")
+    assert a.state()["admitted"] == 3
+    # an expired one that the learner refunds: its budget went back at expiry, nothing more is
+    # given back, and its settle after that counts nothing
+    write_control(connect(redis_url), Keys("b5"), policy_version=5)  # limit (5 + 0 + 1) * 2 = 12
+    assert a.admit(["t5"], actor_version=5, now=t + 11).admitted
+    assert a.admit(["t6"], actor_version=5, now=t + 22).admitted  # reaps t4 and t5
+    assert a.state()["expired"] == 3 and a.state()["admitted"] == 3
+    assert a.release(["t5"], refund=True) == 0
+    a.settle("t5")
+    assert a.state()["admitted"] == 3 and a.state()["refunded"] == 1

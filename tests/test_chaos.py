@@ -1,0 +1,116 @@
+"""The chaos soak (bench/chaos.py): its schedule, its accounting on a hand-built run, the actors'
+produced log it relies on, and (slow) a 2-minute soak with one fault of each kind in which
+nothing is lost or trained twice."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from worldloop.actor.process import ProducedLog
+from worldloop.common.keys import Keys
+from worldloop.common.schemas import deadletter_message, encode_trajectory, packb
+from worldloop.common.streams import connect
+from worldloop.testing.trajectories import make_trajectory
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load_chaos():
+    spec = importlib.util.spec_from_file_location("bench_chaos", ROOT / "bench" / "chaos.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_chaos"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+chaos = _load_chaos()
+
+
+def test_schedule_is_seeded_one_of_each_kind_per_round_inside_the_soak() -> None:
+    a = chaos.make_schedule(7, 600.0, 3)
+    assert a == chaos.make_schedule(7, 600.0, 3) and a != chaos.make_schedule(8, 600.0, 3)
+    assert len(a) == 18 and Counter(k for _, k in a) == {k: 3 for k in chaos.KINDS}
+    for i in range(3):  # every round holds each kind once
+        assert sorted(k for _, k in a[6 * i: 6 * i + 6]) == sorted(chaos.KINDS)
+    offsets = [t for t, _ in a]
+    assert offsets == sorted(offsets) and 0 < offsets[0] and offsets[-1] < 600.0
+    # each fault in its own slot of 600/18 s, never at a slot's edge
+    slot = 600.0 / 18
+    assert all(i * slot + 0.1 * slot <= t <= i * slot + 0.9 * slot for i, t in enumerate(offsets))
+
+
+def test_produced_log_appends_one_line_per_id_from_the_environment(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv(ProducedLog.ENV, raising=False)
+    assert ProducedLog.from_env() is None
+    path = tmp_path / "a.ids"
+    monkeypatch.setenv(ProducedLog.ENV, str(path))
+    log = ProducedLog.from_env()
+    log.record("aa")
+    log.record("bb")
+    assert path.read_text() == "aa\nbb\n"
+    ProducedLog.from_env().record("cc")  # a restarted actor appends to the same file
+    assert path.read_text().splitlines() == ["aa", "bb", "cc"]
+
+
+def test_accounting_classifies_every_fate_from_independent_sources(tmp_path, redis_url) -> None:
+    c = chaos.Chaos(tmp_path, echo=lambda *_: None)
+    c.r, c.keys = connect(redis_url), Keys(chaos.NS)
+    ids = {k: uuid.uuid4().hex for k in "abcdefghij"}
+    (tmp_path / "produced").mkdir()
+    (tmp_path / "run" / "logs").mkdir(parents=True)
+    # a..i produced by the actors (j only appears downstream: its actor died before the log line)
+    (tmp_path / "produced" / "actor-0.ids").write_text("".join(ids[k] + "\n" for k in "abcde"))
+    (tmp_path / "produced" / "actor-1.ids").write_text("".join(ids[k] + "\n" for k in "fghi") + "0123")
+    ledger = [{"step": 1, "trained": [ids["a"], ids["b"]]},
+              {"step": 2, "trained": [ids["c"], ids["i"]]},  # a lost update: step 2 again below
+              {"step": 2, "trained": [ids["c"], ids["d"]]},
+              {"step": 3, "trained": [ids["e"], ids["j"]]},
+              {"step": 4, "trained": [ids["e"]]}]  # e twice in the surviving lineage
+    (tmp_path / "run" / "learner_ledger.jsonl").write_text("".join(json.dumps(x) + "\n" for x in ledger))
+    # f dead-lettered (its payload is a trajectory), plus an injected malformed entry
+    bad_id = c.r.xadd(c.keys.scored, {b"data": b"\xc1"}).decode()
+    c.r.xdel(c.keys.scored, bad_id)
+    c.injected = [(c.keys.scored, bad_id)]
+    for tid, sid, payload in ((ids["f"], "9-1", encode_trajectory(make_trajectory(ids["f"]))),
+                              ("-", bad_id, b"\xc1")):
+        rec = deadletter_message("learner: unusable", c.keys.scored, sid, "learner-0", payload, 0.0)
+        c.r.xadd(c.keys.deadletter, {b"data": packb(rec)})
+    c.r.xadd(c.keys.rollouts, {b"data": encode_trajectory(make_trajectory(ids["g"]))})  # g still queued
+    (tmp_path / "run" / "logs" / "learner.log").write_text(
+        f"INFO dropping stale trajectory {ids['h']} (entry 5-0): lag 6 > max_staleness 4\n")
+    res = c.account()
+    assert (res["produced"], res["unlogged"]) == (10, 1)  # a..i and the unlogged j
+    assert (res["trained_once"], res["trained_twice"], res["twice_ids"]) == (5, 1, [ids["e"]])  # a b c d j once
+    assert (res["dead_lettered"], res["queued"], res["dropped"]) == (1, 1, {"stale": 1})
+    assert (res["lost"], res["lost_ids"]) == (1, [ids["i"]])  # i trained only in the lost update
+    assert (res["malformed_injected"], res["malformed_dead_lettered"], res["other_dead_letters"]) == (1, 1, 0)
+    assert chaos.last_line(res) == ("chaos: produced 10, trained once 5, trained twice 1, lost 1, dropped 1, "
+                                    "dead-lettered 1, queued 1")
+
+
+@pytest.mark.slow
+def test_two_minute_soak_loses_nothing_and_trains_nothing_twice(tmp_path, capsys) -> None:
+    rc = chaos.main(["--minutes", "2", "--rounds", "1", "--seed", "3", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    last = out.strip().splitlines()[-1]
+    m = re.fullmatch(r"chaos: produced (\d+), trained once (\d+), trained twice (\d+), lost (\d+), dropped (\d+), "
+                     r"dead-lettered (\d+), queued (\d+)", last)
+    assert m, out[-3000:]
+    produced, once, twice, lost, dropped, dead, queued = map(int, m.groups())
+    assert (twice, lost) == (0, 0) and rc == 0, out[-3000:]
+    assert produced == once + dropped + dead + queued and once >= 8, out[-3000:]
+    res = json.loads((tmp_path / "chaos.json").read_text())
+    assert Counter(f["kind"] for f in res["faults"]) == {k: 1 for k in chaos.KINDS}
+    assert all(f["target"] for f in res["faults"]), res["faults"]
+    # every malformed entry was dead-lettered, and every fault was recovered from
+    assert res["malformed_dead_lettered"] == res["malformed_injected"] == 6
+    assert all(f["recovery_s"] is not None for f in res["faults"]), res["faults"]
+    assert res["unexpected_exits"] == {} and res["ledger_gaps"] == []

@@ -1,0 +1,54 @@
+"""The import rules of worldloop (tools/check_layers.py): no cycles, nothing imports upward, roles
+never import each other, contracts import no machinery; and benches never import the tests."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+import check_layers  # noqa: E402
+
+
+def test_the_tree_keeps_the_import_rules() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "check_layers.py")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 cycles, 0 layer violations" in proc.stdout
+
+
+def test_the_checker_finds_a_cycle_and_each_kind_of_violation() -> None:
+    graph = {
+        "worldloop.common.schemas": {"worldloop.common.streams"},      # a contract imports machinery
+        "worldloop.common.streams": set(),
+        "worldloop.actor.rollout": {"worldloop.learner.trainer"},       # a role imports another role
+        "worldloop.learner.trainer": {"worldloop.envs.base"},           # only actors/apps import envs
+        "worldloop.envs.base": {"worldloop.common.streams"},            # envs import only contracts
+        "worldloop.judge.rule": {"worldloop.up"},                       # upward
+        "worldloop.up": {"worldloop.status"},
+        "worldloop.status": {"worldloop.up"},                           # a cycle
+    }
+    found = "\n".join(check_layers.violations(graph))
+    for words in ("upward: contracts imports machinery", "a role imports another role", "only actors and applications import envs",
+                  "envs import machinery", "upward: roles imports apps"):
+        assert words in found, (words, found)
+    assert check_layers.cycles(graph) == [["worldloop.status", "worldloop.up"]]
+    assert check_layers.cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_lazy_and_type_checking_imports_count(tmp_path: Path) -> None:
+    f = tmp_path / "m.py"
+    f.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from worldloop.up import x\n"
+                 "def g():\n    from worldloop.learner import trainer\n")
+    known = {"worldloop.up", "worldloop.learner", "worldloop.learner.trainer", "worldloop.actor.m"}
+    assert check_layers.imports_of("worldloop.actor.m", f, known) == {"worldloop.up", "worldloop.learner.trainer"}
+
+
+def test_benches_never_import_the_tests() -> None:
+    for f in sorted((ROOT / "bench").glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n == "tests" or n.startswith("tests.") or n.startswith("test_") for n in names), f"{f.name} imports {names}"

@@ -1,0 +1,379 @@
+"""Prometheus finds every process: `worldloop sd` targets from heartbeats, the shipped config and
+alert rules (promtool), and a real Prometheus scraping real worldloop processes found that way."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import redis
+import yaml
+
+from worldloop.common.control import list_processes, register_process
+from worldloop.common.keys import Keys
+from worldloop.common.metrics import CATALOG, advertised_host, exported_names, free_port, metrics_url
+from worldloop.sd import targets, write_atomic
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+METRIC_RE = re.compile(r"\bworldloop_[a-z0-9_]+")
+
+
+def _tool(name: str) -> str:
+    """The path of a Prometheus binary; skipped where it is not installed, a failure on CI."""
+    path = shutil.which(name)
+    if path is None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"{name} is not installed (.ci/run installs Debian's prometheus package)")
+        pytest.skip(f"{name} is not installed (apt-get install prometheus)")
+    return path
+
+
+# --------------------------------------------------------------------------- worldloop sd
+
+
+def test_wildcard_bind_is_advertised_as_a_routable_address():
+    assert advertised_host("10.1.2.3") == "10.1.2.3"
+    assert advertised_host("127.0.0.1") == "127.0.0.1"
+    import socket
+
+    try:  # this machine's address on its default route, found independently of the code under test
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("198.51.100.1", 9))
+            routable = s.getsockname()[0]
+    except OSError:
+        routable = None  # a machine without a network: loopback is all there is
+    for wildcard in ("0.0.0.0", "::", ""):
+        host = advertised_host(wildcard)
+        assert host not in ("0.0.0.0", "::", ""), host
+        if routable:
+            assert host == routable, (host, routable)
+    assert metrics_url("fe80::1", 9100) == "http://[fe80::1]:9100/metrics"
+    assert metrics_url("10.1.2.3", 9100) == "http://10.1.2.3:9100/metrics"
+
+
+def test_targets_keep_live_processes_with_their_labels():
+    now = 1000.0
+    procs = [
+        {"role": "actor", "id": "gpu7-actor-01", "host": "gpu7", "metrics_url": "http://10.0.0.7:9501/metrics", "seen_at": 995.0},
+        {"role": "actor", "id": "gpu7-actor-00", "host": "gpu7", "metrics_url": "http://10.0.0.7:9500/metrics", "seen_at": 999.0},
+        {"role": "learner", "id": "head-1", "host": "head", "metrics_url": "http://10.0.0.1:9400/metrics", "seen_at": 969.0},  # 31 s
+        {"role": "judge", "id": "head-2", "host": "head", "metrics_url": None, "seen_at": 999.0},  # metrics off
+        {"role": "judge", "id": "head-3", "host": "head", "metrics_url": "http://[fd00::3]:9600/metrics", "seen_at": 990.0},
+    ]
+    got = targets(procs, "run-a", now, timeout_s=30.0)
+    assert got == [
+        {"targets": ["10.0.0.7:9500"], "labels": {"role": "actor", "namespace": "run-a", "host": "gpu7", "process_id": "gpu7-actor-00"}},
+        {"targets": ["10.0.0.7:9501"], "labels": {"role": "actor", "namespace": "run-a", "host": "gpu7", "process_id": "gpu7-actor-01"}},
+        {"targets": ["[fd00::3]:9600"], "labels": {"role": "judge", "namespace": "run-a", "host": "head", "process_id": "head-3"}},
+    ]
+    # a longer timeout keeps the learner whose last heartbeat is 31 s old
+    assert [g["labels"]["role"] for g in targets(procs, "run-a", now, timeout_s=60.0)] == ["actor", "actor", "judge", "learner"]
+
+
+def test_write_atomic_replaces_the_file_in_one_rename(tmp_path):
+    out = tmp_path / "sd" / "targets.json"
+    write_atomic(out, "[1]\n")
+    inode = out.stat().st_ino
+    write_atomic(out, "[2]\n")
+    assert out.read_text() == "[2]\n"
+    assert out.stat().st_ino != inode  # a new file renamed over the old one, not rewritten in place
+    assert oct(out.stat().st_mode & 0o777) == "0o644"
+    assert [p.name for p in out.parent.iterdir()] == ["targets.json"]  # no temporary left behind
+
+
+def test_sd_command_writes_targets_from_real_heartbeats(tmp_path, redis_url):
+    ns = "sd-test"
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(ns)
+    register_process(r, keys, "learner", "l-1", 9400, host="0.0.0.0")
+    register_process(r, keys, "actor", "a-0", 9500, host="127.0.0.1")
+    register_process(r, keys, "judge", "j-0", 9600, host="127.0.0.1")
+    # a judge that died a minute ago: its heartbeat stays in the hash, but it is no target
+    dead = json.loads(r.hget(keys.procs, "judge:j-0"))
+    dead.update(id="j-dead", seen_at=time.time() - 60)
+    r.hset(keys.procs, "judge:j-dead", json.dumps(dead))
+    assert len(list_processes(r, keys)) == 4
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"redis": {"url": redis_url, "namespace": ns}}))
+    out = tmp_path / "targets.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "-m", "worldloop", "sd", "--config", str(cfg), "--out", str(out)],
+                         capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    got = json.loads(out.read_text())
+    by_id = {g["labels"]["process_id"]: g for g in got}
+    assert set(by_id) == {"l-1", "a-0", "j-0"}
+    assert by_id["a-0"] == {"targets": ["127.0.0.1:9500"],
+                            "labels": {"role": "actor", "namespace": ns, "host": dead["host"], "process_id": "a-0"}}
+    # bound to 0.0.0.0: advertised with this machine's address, never the wildcard
+    learner_target = by_id["l-1"]["targets"][0]
+    assert learner_target == f"{advertised_host('0.0.0.0')}:9400" and not learner_target.startswith("0.0.0.0")
+    # bad flags and a missing redis.url fail before anything is written
+    bad = subprocess.run([sys.executable, "-m", "worldloop", "sd", "--config", str(cfg), "--out", str(out), "--interval", "0"],
+                         capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert bad.returncode == 2 and "--interval" in bad.stderr
+    cfg.write_text(yaml.safe_dump({"redis": {"namespace": ns}}))
+    bad = subprocess.run([sys.executable, "-m", "worldloop", "sd", "--config", str(cfg), "--out", str(tmp_path / "x.json")],
+                         capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert bad.returncode == 2 and "redis.url" in bad.stderr and not (tmp_path / "x.json").exists()
+
+
+# --------------------------------------------------------------------------- config and alert rules
+
+
+def _rules() -> list[dict]:
+    doc = yaml.safe_load((DEPLOY / "prometheus" / "rules.yml").read_text())
+    return [rule for group in doc["groups"] for rule in group["rules"]]
+
+
+def test_alert_rules_cover_the_issue_and_use_only_catalog_metrics():
+    rules = _rules()
+    assert {r["alert"] for r in rules} == {
+        "WorldloopLearnerStalled", "WorldloopActorPolicyLagHigh", "WorldloopDeadLettersRising",
+        "WorldloopJudgeFallbacksRising", "WorldloopBackpressureGrowing",
+    }
+    exported = exported_names()
+    for rule in rules:
+        names = METRIC_RE.findall(rule["expr"])
+        assert names, rule["alert"]
+        assert all(n in exported for n in names), (rule["alert"], names)
+    assert "worldloop_actor_policy_lag_versions" in CATALOG
+
+
+def test_alert_rules_pass_their_promtool_unit_tests():
+    promtool = _tool("promtool")
+    res = subprocess.run([promtool, "test", "rules", "rules_test.yml"], cwd=DEPLOY / "prometheus",
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "SUCCESS" in res.stdout, res.stdout + res.stderr
+    tested = set(re.findall(r"alertname:\s*(\w+)", (DEPLOY / "prometheus" / "rules_test.yml").read_text()))
+    assert tested == {r["alert"] for r in _rules()}
+
+
+def test_shipped_prometheus_config_discovers_targets_from_worldloop_sd():
+    promtool = _tool("promtool")
+    prom = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    (job,) = prom["scrape_configs"]
+    assert "static_configs" not in job
+    assert job["file_sd_configs"][0]["files"] == ["/var/lib/worldloop/prometheus-targets.json"]
+    assert prom["rule_files"] == ["prometheus/rules.yml"]
+    res = subprocess.run([promtool, "check", "config", str(DEPLOY / "prometheus.yml")], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "5 rules found" in res.stdout
+
+
+# --------------------------------------------------------------------------- a real Prometheus
+
+
+def _get(url: str, timeout: float = 10.0) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def _dashboard_queries(ns: str, rate_window: str) -> list[tuple[str, str]]:
+    """(panel title, PromQL) of every dashboard query with its variables substituted as Grafana
+    does: this run's namespace, "All" (``.*``) for role, instance and env."""
+    dash = json.loads((DEPLOY / "grafana" / "dashboards" / "worldloop.json").read_text())
+    out = []
+    for panel in dash["panels"]:
+        for t in panel.get("targets", []):
+            expr = (t["expr"].replace("$__rate_interval", rate_window).replace("$namespace", ns)
+                    .replace("$role", ".*").replace("$instance", ".*").replace("$env", ".*"))
+            assert "$" not in expr, expr
+            out.append((panel["title"], expr))
+    return out
+
+
+def _has_finite_point(result: list[dict]) -> bool:
+    return any(v not in ("NaN", "+Inf", "-Inf") for series in result for _, v in series.get("values", []))
+
+
+@pytest.mark.slow
+def test_real_prometheus_scrapes_a_run_found_by_worldloop_sd(tmp_path, redis_url):
+    """`worldloop up` (learner, actor, judge with an LLM scorer on a fake endpoint) binds /metrics on
+    0.0.0.0; `worldloop sd --interval` turns the heartbeats into targets; a real Prometheus with the
+    shipped config and rules scrapes them. Every dashboard query answers with data, every alert
+    rule evaluates, and the dead-letter alert fires on dead letters made here."""
+    prometheus = _tool("prometheus")
+    import msgspec
+
+    from worldloop.common.schemas import decode_trajectory, encode_trajectory
+    from worldloop.testing.fake_openai import FakeOpenAI, Reply
+    from procs import Child, wait_for
+
+    ns = "prom-e2e"
+    keys = Keys(ns)
+    r = redis.Redis.from_url(redis_url)
+    calls = {"n": 0}
+
+    def judge_endpoint(request: dict):  # every other request fails: failures and fallbacks (max_retries 0)
+        calls["n"] += 1
+        return Reply(status=500, body='{"error": {"message": "overloaded"}}') if calls["n"] % 2 == 0 \
+            else "<think>matches</think><answer>YES</answer>"
+
+    fake = FakeOpenAI(judge_endpoint).__enter__()
+    cfg_path = tmp_path / "run.yaml"
+    cfg_path.write_text(yaml.safe_dump({
+        "run": {"name": "prom-e2e", "run_dir": str(tmp_path / "run")},
+        "redis": {"url": redis_url, "namespace": ns, "max_backlog": 8},
+        "weights": {"pub_port": 0, "fetch_port": 0},
+        "metrics": {"host": "0.0.0.0", "port": 0},
+        "model": {"path": str(tmp_path / "model"), "make_tiny_if_missing": True, "max_image_side": 56},
+        "actor": {"num_envs": 2, "max_turns": 1, "max_new_tokens": 8,
+                  "envs": [{"id": "worldloop/FrozenLake-v0",
+                            "kwargs": {"size": 3, "min_actions_to_succeed": 2, "render_mode": "text",
+                                       "prompt_format": "grounding_worldmodeling"}}]},
+        "judge": {"enabled": True, "scorers": {"default": ["llm"]}, "base_url": fake.base_url,
+                  "max_retries": 0, "timeout_s": 10.0},
+        "trainer": {"total_steps": 1000, "train_batch_size": 2, "ppo_mini_batch_size": 2, "micro_batch_size": 1,
+                    "max_staleness": 1, "checkpoint_every": 1000},
+        "sft": {"enabled": False},
+        "up": {"num_actors": 1, "num_judges": 1, "progress_interval_s": 5.0},
+    }))
+    targets_file = tmp_path / "targets.json"
+    prom = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    prom["global"].update(scrape_interval="1s", evaluation_interval="1s")
+    prom["rule_files"] = [str(DEPLOY / p) for p in prom["rule_files"]]
+    prom["scrape_configs"][0]["file_sd_configs"][0].update(files=[str(targets_file)], refresh_interval="1s")
+    prom_cfg = tmp_path / "prometheus.yml"
+    prom_cfg.write_text(yaml.safe_dump(prom))
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api/v1"
+    env = {"OPENAI_API_KEY": "test-key"}
+    up = Child(["up", str(cfg_path)], tmp_path / "up.log", env=env, new_session=True)
+    sd = Child(["sd", "--config", str(cfg_path), "--out", str(targets_file), "--interval", "1"], tmp_path / "sd.log")
+    prom_log = open(tmp_path / "prometheus.log", "wb")
+    server = subprocess.Popen([prometheus, f"--config.file={prom_cfg}", f"--storage.tsdb.path={tmp_path / 'data'}",
+                               f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+                              stdout=prom_log, stderr=subprocess.STDOUT)
+    children = [up, sd]
+    run_dir = tmp_path / "run"
+
+    def logs() -> str:
+        text = "".join(f"\n--- {p.name}\n{p.read_text(errors='replace')[-2500:]}" for p in sorted((run_dir / "logs").glob("*.log")))
+        return text + f"\n--- prometheus\n{(tmp_path / 'prometheus.log').read_text(errors='replace')[-2000:]}"
+
+    def query(expr: str) -> list[dict]:
+        return _get(f"{api}/query?" + urllib.parse.urlencode({"query": expr}))["data"]["result"]
+
+    started = time.time()
+    try:
+        def ready() -> bool:
+            assert server.poll() is None, "prometheus exited" + logs()
+            try:
+                return _get(f"{api}/status/runtimeinfo").get("status") == "success"
+            except OSError:
+                return False
+
+        wait_for(ready, "prometheus to start", 60, children, extra=logs)
+        # every role is discovered through worldloop sd and scraped: up == 1 for learner, actor, judge
+        def roles_up():
+            try:
+                got = query(f'up{{namespace="{ns}"}} == 1')
+            except OSError:
+                return None
+            roles = {s["metric"]["role"] for s in got}
+            return got if roles == {"learner", "actor", "judge"} else None
+
+        scraped = wait_for(roles_up, "Prometheus to scrape learner, actor and judge", 300, children, extra=logs)
+        advertised = advertised_host("0.0.0.0")
+        assert all(s["metric"]["instance"].startswith(advertised + ":") for s in scraped), scraped
+        assert all({"host", "process_id", "namespace"} <= set(s["metric"]) for s in scraped), scraped
+
+        # two learner steps, then events the dashboard shows: dead letters, LLM judge requests and
+        # stale trajectories (copies of a version-0 one, more than max_staleness=1 behind)
+        wait_for(lambda: (query(f'worldloop_learner_steps_total{{namespace="{ns}"}} >= 2') or None),
+                 "two learner steps", 400, children, extra=logs)
+        scored = r.xrange(keys.scored, count=1) or r.xrange(keys.rollouts, count=1)
+        assert scored, "no trajectory left in the streams to copy" + logs()
+        traj = decode_trajectory(scored[0][1][b"data"])
+        # as if the agent had answered in format (the judge scores only turns that earned the format reward)
+        turns = [msgspec.structs.replace(t, observation="The player is at the top left, the goal at the bottom right.",
+                                         prediction="The player moves one cell down.", policy_version=0,
+                                         format_ok=True, format_reward=max(t.format_reward, 0.5))
+                 for t in traj.turns]
+        # judged by the LLM scorer (then dropped as stale by the learner): one copy first, so that the
+        # latency histogram's series exists before the next copies move it (rate() sees a change)
+        for i in range(3):
+            copy = msgspec.structs.replace(traj, trajectory_id=f"{traj.trajectory_id}-copy{i}", turns=turns, scored=False)
+            r.xadd(keys.rollouts, {b"data": encode_trajectory(copy)})
+            if i == 0:
+                wait_for(lambda: query(f'worldloop_judge_request_seconds_count{{namespace="{ns}"}}'),
+                         "the first LLM judge request to be scraped", 120, children, extra=logs)
+        for i in range(5):  # undecodable: dead-lettered by the judge
+            r.xadd(keys.rollouts, {b"data": b"not msgpack %d" % i})
+            time.sleep(1.5)
+
+        queries = _dashboard_queries(ns, "30s")
+        missing: list[str] = []
+
+        def all_answer():
+            missing.clear()
+            params = {"start": started, "end": time.time(), "step": 2}
+            for title, expr in queries:
+                res = _get(f"{api}/query_range?" + urllib.parse.urlencode({**params, "query": expr}))
+                assert res["status"] == "success", (title, expr, res)
+                if not _has_finite_point(res["data"]["result"]):
+                    missing.append(f"{title}: {expr}")
+            return not missing
+
+        wait_for(all_answer, "every dashboard query to answer", 180, children,
+                 extra=lambda: "no data for:\n" + "\n".join(missing) + logs())
+        for title, expr in queries:  # what a user sees (pytest -s): each query's series and latest value
+            result = _get(f"{api}/query_range?" + urllib.parse.urlencode(
+                {"start": started, "end": time.time(), "step": 2, "query": expr}))["data"]["result"]
+            finite = [v for series in result for _, v in series["values"] if v not in ("NaN", "+Inf", "-Inf")]
+            print(f"answered: {title} | {len(result)} series, last {float(finite[-1]):.4g} | {expr}")
+
+        # the variables' label_values() answer too
+        def label_values(label: str, match: str) -> list[str]:
+            return _get(f"{api}/label/{label}/values?" + urllib.parse.urlencode({"match[]": match}))["data"]
+        assert ns in label_values("namespace", "worldloop_process_up")
+        assert set(label_values("role", f'worldloop_process_up{{namespace="{ns}"}}')) == {"learner", "actor", "judge"}
+        assert len(label_values("instance", f'worldloop_process_up{{namespace="{ns}"}}')) == 3
+        assert label_values("env", f'worldloop_actor_episodes_total{{namespace="{ns}"}}') == ["frozenlake"]
+
+        # every alert rule was evaluated without error, and the dead letters made above fire theirs
+        def rules_evaluated():
+            groups = _get(f"{api}/rules")["data"]["groups"]
+            rules = [rule for g in groups for rule in g["rules"]]
+            return rules if rules and all(rule["lastEvaluation"] > "2000" for rule in rules) else None
+
+        rules = wait_for(rules_evaluated, "the alert rules to be evaluated", 60, children, extra=logs)
+        assert {rule["name"] for rule in rules} == {rule["alert"] for rule in _rules()}
+        for rule in rules:
+            assert rule["health"] == "ok" and not rule.get("lastError"), rule
+            print(f"rule: {rule['name']} health={rule['health']} state={rule.get('state')}")
+
+        def deadletter_alert():
+            alerts = _get(f"{api}/alerts")["data"]["alerts"]
+            return [a for a in alerts if a["labels"]["alertname"] == "WorldloopDeadLettersRising"
+                    and a["labels"].get("namespace") == ns and a["state"] == "firing"]
+
+        fired = wait_for(deadletter_alert, "WorldloopDeadLettersRising to fire", 60, children, extra=logs)
+        assert fired[0]["labels"]["reason"] == "decode_error", fired
+    finally:
+        if up.returncode is None:
+            os.killpg(up.pid, signal.SIGINT)  # up stops its children
+            try:
+                up.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                os.killpg(up.pid, signal.SIGKILL)
+        sd.kill()
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        prom_log.close()
+        fake.__exit__(None, None, None)

@@ -1,0 +1,128 @@
+"""What a process does when Redis is wrong or gone (issue: chaos soak, bugs 1, 2 and 5).
+
+* A wrong but well-formed ``redis.url`` (a closed port) fails after ``redis.startup_timeout_s``
+  with "cannot reach Redis at host:port ..., check redis.url" and exit code 2, never endless
+  warnings; the password is never printed.
+* A process asked to stop while Redis is unreachable stops: every stream primitive honours the
+  stop, including the producer's backlog check and the consumer's set-up and reads.
+* A judge that stops cleanly leaves its consumer group; dead judges' names are pruned once they
+  hold nothing.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from procs import Child, wait_for
+from worldloop.common.keys import ROLLOUTS_GROUP, Keys
+from worldloop.common.metrics import free_port
+from worldloop.common.redis_local import LocalRedis
+from worldloop.common.streams import RedisUnreachable, StopRequested, StreamConsumer, StreamProducer, connect
+
+
+def _judge_config(tmp_path: Path, name: str, url: str, **redis) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"redis": {"url": url, "namespace": name, **redis},
+                                    "metrics": {"enabled": False}, "judge": {"scorers": {"default": ["rule"]}}}))
+    return path
+
+
+def test_a_wrong_redis_url_fails_at_start_up_with_the_address(tmp_path: Path) -> None:
+    port = free_port()
+    conf = _judge_config(tmp_path, "wrong", f"redis://:s3cret@127.0.0.1:{port}/0", startup_timeout_s=2)
+    child = Child(["judge", "--config", str(conf)], tmp_path / "wrong.log")
+    try:
+        rc = child.proc.wait(timeout=60)
+    finally:
+        child.kill()
+    out = child.output(None)
+    assert rc == 2, out[-3000:]
+    assert f"cannot reach Redis at 127.0.0.1:{port}/0" in out and "check redis.url" in out
+    assert "s3cret" not in out
+
+
+def test_the_startup_wait_is_bounded_but_reconnects_after_start_are_patient() -> None:
+    port = free_port()
+    t0 = time.monotonic()
+    with pytest.raises(RedisUnreachable, match="check redis.url"):
+        StreamProducer(f"redis://127.0.0.1:{port}/0", "s", 10, startup_timeout_s=1.0).backlog()
+    assert time.monotonic() - t0 < 30
+    srv = LocalRedis().start()
+    try:
+        prod = StreamProducer(srv.url, "s", 10, startup_timeout_s=0.5, reconnect_max_s=0.2)
+        prod.add(b"x")  # reached once: from now on a restart is waited out
+        srv.stop(kill=True)
+        threading.Timer(2.0, srv.restart).start()  # longer than startup_timeout_s
+        prod.add(b"y")
+        assert connect(srv.url).xlen("s") >= 1
+        prod.close()
+    finally:
+        srv.close()
+
+
+def test_stream_calls_honour_a_stop_while_redis_is_down() -> None:
+    srv = LocalRedis().start()
+    stop = threading.Event()
+    try:
+        prod = StreamProducer(srv.url, "s", 10, should_stop=stop.is_set, reconnect_max_s=0.2)
+        cons = StreamConsumer(srv.url, "s", "g", "c", should_stop=stop.is_set, reconnect_max_s=0.2, block_ms=100)
+        prod.add(b"x")
+        assert len(cons.read(1)) == 1
+        srv.stop(kill=True)
+        threading.Timer(1.0, stop.set).start()
+        t0 = time.monotonic()
+        with pytest.raises((StopRequested, Exception)) as e:
+            prod.add(b"y")  # the backlog check used to retry for ever here
+        assert not isinstance(e.value, AssertionError)
+        with pytest.raises(Exception):
+            cons.read(1)  # and so did reads
+        assert time.monotonic() - t0 < 20
+    finally:
+        srv.close()
+
+
+def test_a_judge_stops_on_sigterm_while_redis_is_gone(tmp_path: Path) -> None:
+    srv = LocalRedis().start()
+    conf = _judge_config(tmp_path, "gone", srv.url, reconnect_max_s=0.5)
+    child = Child(["judge", "--config", str(conf)], tmp_path / "gone.log")
+    try:
+        r = connect(srv.url)
+        keys = Keys("gone")
+        wait_for(lambda: r.hlen(keys.procs) > 0 or None, "the judge's heartbeat", 120, [child])
+        srv.stop(kill=True)
+        time.sleep(1.0)  # the judge is now reconnecting
+        t0 = time.monotonic()
+        child.proc.send_signal(signal.SIGTERM)
+        rc = child.proc.wait(timeout=60)
+        assert rc == 0, child.output(None)[-3000:]
+        assert time.monotonic() - t0 < 30
+    finally:
+        child.kill()
+        srv.close()
+
+
+def test_judges_leave_the_group_and_dead_names_are_pruned(redis_url: str) -> None:
+    keys = Keys("leave")
+    prod = StreamProducer(redis_url, keys.rollouts, 10)
+    prod.add(b"x")
+    dead = StreamConsumer(redis_url, keys.rollouts, ROLLOUTS_GROUP, "dead-judge", block_ms=10)
+    live = StreamConsumer(redis_url, keys.rollouts, ROLLOUTS_GROUP, "live-judge", block_ms=10)
+    (m,) = dead.read(1)  # the dead judge holds an entry: it must stay listed until it is reclaimed
+    r = connect(redis_url)
+    for name in ("idle-judge", "live-judge"):  # judges that read once and hold nothing
+        r.xgroup_createconsumer(keys.rollouts, ROLLOUTS_GROUP, name)
+    names = lambda: sorted(c["name"].decode() for c in r.xinfo_consumers(keys.rollouts, ROLLOUTS_GROUP))  # noqa: E731
+    assert names() == ["dead-judge", "idle-judge", "live-judge"]
+    time.sleep(0.05)
+    assert live.prune_consumers(idle_ms=10) == ["idle-judge"]
+    assert names() == ["dead-judge", "live-judge"]
+    assert not dead.leave()  # still holds m: stays
+    dead.ack([m.id])
+    assert dead.leave()
+    assert names() == ["live-judge"]

@@ -1,0 +1,326 @@
+"""Resource faults as a user meets them: each ends in a clear error or a bounded, visible wait, never
+a corrupt checkpoint or a silent stall.
+
+* a disk that fills under the run directory while a checkpoint is written: the run directory is a
+  real (small) tmpfs, filled by a real file; the learner fails naming ENOSPC and the path, leaves no
+  half-written checkpoint that ``checkpoint.latest`` could pick, and ``--resume`` once there is
+  space again continues from the last complete checkpoint with nothing lost or trained twice;
+* a disk that is full when a record is appended to a run's JSON-lines file: the error names the
+  file and ENOSPC, and the file is cut back to its length before the record;
+* a judge endpoint that accepts requests and never answers: every turn gets the flagged fallback
+  after ``judge.timeout_s`` x (1 + ``judge.max_retries``) and the trajectory moves on to ``scored``;
+* the ``rollouts`` stream held at ``redis.max_backlog``: the producer waits, the wait is visible
+  (metric, log line, the actor's phase in Redis) and bounded per slice, and it resumes when drained.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from worldloop.common.config import to_dict
+from worldloop.common.files import append_lines
+from worldloop.common.keys import Keys, SCORED_GROUP
+from worldloop.common.modeling import ChatCodec
+from worldloop.common.schemas import encode_trajectory
+from worldloop.common.streams import StreamProducer, connect
+from worldloop.learner import checkpoint
+from worldloop.learner.synthetic import synthetic_trajectory, tiny_learner_config
+from worldloop.tiny_model import make_tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+_DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
+_ON_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+# ----------------------------------------------------------------------------- disk full
+
+
+def _mount_tmpfs(path: Path, size: str) -> None:
+    """A real small filesystem at ``path`` (root only); skips (fails on CI) where mounting is refused."""
+    path.mkdir(parents=True, exist_ok=True)
+    why = None
+    if os.geteuid() != 0:
+        why = "mounting a tmpfs needs root"
+    else:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            why = f"mount -t tmpfs failed: {done.stderr.strip()}"
+    if why:
+        if _ON_CI:
+            pytest.fail(f"CI must allow the disk-full test: {why}")
+        pytest.skip(why)
+
+
+def _umount(path: Path) -> None:
+    subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def _fill(fs: Path, leave: int) -> Path:
+    """Fill the filesystem of ``fs`` with one real file until ``leave`` bytes are free."""
+    filler = fs / "filler.bin"
+    free = shutil.disk_usage(fs).free
+    fd = os.open(filler, os.O_CREAT | os.O_WRONLY, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, max(free - leave, 1))
+    finally:
+        os.close(fd)
+    return filler
+
+
+def test_a_record_appended_to_a_full_disk_fails_naming_the_file_and_leaves_no_torn_line(tmp_path):
+    fs = tmp_path / "fs"
+    _mount_tmpfs(fs, "1m")
+    try:
+        path = fs / "metrics.jsonl"
+        append_lines(path, ['{"step": 1}\n'])
+        filler = _fill(fs, leave=0)
+        big = json.dumps({"step": 2, "pad": "x" * (256 << 10)}) + "\n"  # more than any page left over
+        with pytest.raises(OSError) as info:
+            append_lines(path, [big, '{"step": 3}\n'])
+        err = info.value
+        assert err.errno == errno.ENOSPC and err.filename == str(path)
+        assert "no space left on device (ENOSPC)" in str(err) and str(path) in str(err)
+        assert path.read_text() == '{"step": 1}\n'  # cut back: no half record
+        filler.unlink()  # space again: the next append lands whole after the old line
+        append_lines(path, [big])
+        assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
+    finally:
+        _umount(fs)
+
+
+@pytest.mark.slow
+def test_disk_full_during_a_checkpoint_fails_clearly_and_resume_continues(redis_url, tmp_path):
+    ns = "diskfull"
+    model_dir = make_tiny_model(tmp_path / "tiny", max_image_side=112)
+    run_dir = tmp_path / "run"
+    _mount_tmpfs(run_dir, "256m")
+    try:
+        cfg = tiny_learner_config(model_dir, redis_url, run_dir, namespace=ns, total_steps=4, checkpoint_every=2,
+                                  max_staleness=100, use_critic=True)
+        conf = tmp_path / "learner.yaml"
+        conf.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        codec = ChatCodec(model_dir, max_image_side=112)
+        prod = StreamProducer(redis_url, Keys(ns).scored, 1000)
+
+        def produce(ids):
+            for n in ids:
+                prod.add(encode_trajectory(synthetic_trajectory(codec, trajectory_id=f"t{n}", seed=n, turns=1,
+                                                                response_tokens=5, env_reward=float(n % 3))))
+
+        produce(range(8))  # steps 1 and 2 (4 per update): the checkpoint of step 2 fits
+        cmd = [sys.executable, "-m", "worldloop", "learner", "--config", str(conf)]
+        log_path = tmp_path / "first.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+            try:
+                deadline = time.monotonic() + 600
+                while time.monotonic() < deadline and proc.poll() is None:
+                    ck = checkpoint.latest(run_dir / "checkpoints")
+                    if ck is not None and ck.name == "step_00000002":
+                        break
+                    time.sleep(0.05)
+                assert proc.poll() is None, log_path.read_text()[-3000:]
+                assert checkpoint.latest(run_dir / "checkpoints").name == "step_00000002"
+                # the disk fills: 256 KiB stay free, room for the metrics and ledger lines, not for a checkpoint
+                filler = _fill(run_dir, 256 << 10)
+                produce(range(8, 16))  # steps 3 and 4; the checkpoint of step 4 meets the full disk
+                rc = proc.wait(timeout=600)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        out = log_path.read_text()
+        assert rc != 0, out[-3000:]
+        # the error says what happened and where
+        assert "no space left on device (ENOSPC)" in out, out[-4000:]
+        assert str(run_dir / "checkpoints" / ".step_00000004.tmp") in out, out[-4000:]
+        assert "step_00000002" in out.split("ENOSPC", 1)[1]  # names the checkpoint a resume will use
+        # no half-written checkpoint anywhere that latest() (or a scan) would pick up
+        ck_root = run_dir / "checkpoints"
+        assert checkpoint.latest(ck_root).name == "step_00000002"
+        assert sorted(p.name for p in ck_root.iterdir()) == ["latest", "step_00000002"]
+        assert (ck_root / "latest").read_text().strip() == "step_00000002"
+        # step 4's ledger and metrics lines travel with its checkpoint (learner/process.py): none was written
+        assert [x["step"] for x in _lines(run_dir / "metrics.jsonl")] == [1, 2, 3]
+        r = connect(redis_url)
+        assert r.xpending(Keys(ns).scored, SCORED_GROUP)["pending"] == 8  # steps 3-4: never acked
+
+        # space again: --resume continues from step 2 and trains 3 and 4 again, from the same entries
+        filler.unlink()
+        second = subprocess.run(cmd + ["--resume"], cwd=ROOT, env=_env(), capture_output=True, timeout=600)
+        assert second.returncode == 0, second.stdout.decode()[-2000:] + second.stderr.decode()[-4000:]
+        assert "resumed from " + str(ck_root / "step_00000002") in second.stdout.decode() + second.stderr.decode()
+        state = checkpoint.read_state(checkpoint.latest(ck_root))
+        assert state["step"] == 4 and state["policy_version"] == 4
+        assert [x["step"] for x in _lines(run_dir / "metrics.jsonl")] == [1, 2, 3, 3, 4]
+        last = {}
+        for x in _lines(run_dir / "learner_ledger.jsonl"):
+            last[x["step"]] = x  # the surviving lineage: the last line of each step wins
+        trained = [t for s in sorted(last) for t in last[s]["trained"]]
+        assert sorted(last) == [1, 2, 3, 4]
+        assert len(trained) == len(set(trained)) == 16 and set(trained) == {f"t{i}" for i in range(16)}
+        assert r.xpending(Keys(ns).scored, SCORED_GROUP)["pending"] == 0 and r.xlen(Keys(ns).scored) == 0
+    finally:
+        _umount(run_dir)
+
+
+# ----------------------------------------------------------------------------- a judge endpoint that hangs
+
+
+def test_hanging_judge_endpoint_gives_the_flagged_fallback_after_timeout_and_retries(redis_url, tmp_path):
+    """The endpoint accepts every request and never answers. Each part of each turn costs
+    (1 + max_retries) attempts of timeout_s each (plus backoff), then gets ``fallback_score`` flagged
+    ``fallback``; the trajectories move on to ``scored``, none stays pending, the judge stays up."""
+    from tests.procs import Child, wait_for
+    from tests.test_judge_process import _push, _scored
+    from worldloop.common.keys import ROLLOUTS_GROUP
+    from worldloop.testing.fake_openai import FakeOpenAI
+
+    keys = Keys("jhang")
+    r = connect(redis_url)
+    timeout_s, retries, n = 1.0, 1, 3
+    with FakeOpenAI() as fake:
+        fake.hang = True
+        cfg = {"redis": {"url": redis_url, "namespace": keys.ns, "block_ms": 200},
+               "judge": {"scorers": {"sokoban": ["llm"]}, "base_url": fake.base_url, "model": "fake-judge",
+                         "api_key_env": "WORLDLOOP_JUDGE_TEST_KEY", "timeout_s": timeout_s, "max_retries": retries,
+                         "backoff_s": 0.05, "fallback_score": 0.25},
+               "metrics": {"enabled": False}}
+        cfg_path = tmp_path / "judge.yaml"
+        cfg_path.write_text(yaml.safe_dump(cfg))
+        judge = Child(["judge", "--config", str(cfg_path)], tmp_path / "judge.log", env={"WORLDLOOP_JUDGE_TEST_KEY": "k"})
+        try:
+            _push(redis_url, keys, n)
+            wait_for(lambda: fake.chat_requests(), "the first judge request", 120, [judge])
+            t0 = time.monotonic()
+            # bounded: every part's attempts run concurrently, each attempt ends at its timeout
+            wait_for(lambda: r.xlen(keys.scored) == n, f"{n} scored trajectories", 30, [judge])
+            elapsed = time.monotonic() - t0
+            assert judge.returncode is None  # the judge is still up, reading
+        finally:
+            judge.kill()
+        reqs = fake.chat_requests()
+    attempts_per_part = 1 + retries
+    assert len(reqs) == n * 2 * attempts_per_part  # 2 parts (grounding, world modeling) per turn
+    # each retry followed a timed-out attempt: at least timeout_s between the two requests of a part
+    assert elapsed >= timeout_s * attempts_per_part - 0.5
+    assert elapsed < (timeout_s + 1.0 + 0.05 * 2) * attempts_per_part + 10.0
+    scored = _scored(r, keys)
+    assert sorted(t.trajectory_id for t in scored) == [f"traj-{i:03d}" for i in range(n)]
+    for t in scored:
+        turn = t.turns[0]
+        assert turn.judge["fallback"] is True
+        for part in ("grounding", "worldmodeling"):
+            d = turn.judge[part]["scorers"]["llm"]
+            assert d["fallback"] is True and d["reason"] == "timeout" and d["attempts"] == attempts_per_part
+        assert turn.grounding_score == 0.25 and turn.worldmodeling_score == 0.25
+    assert r.xlen(keys.rollouts) == 0 and r.xpending(keys.rollouts, ROLLOUTS_GROUP)["pending"] == 0
+    print(f"\nhanging judge: {n} trajectories scored by flagged fallback {elapsed:.1f} s after the first request "
+          f"(timeout_s={timeout_s}, max_retries={retries}), {len(reqs)} requests")
+
+
+# ----------------------------------------------------------------------------- backlog at its limit
+
+
+@pytest.mark.slow
+def test_backlog_at_its_limit_blocks_visibly_and_recovers_when_drained(redis_url, tmp_path):
+    """A real actor with ``redis.max_backlog`` 2 and no judge: the stream fills, the actor waits in
+    slices of ``PUSH_SLICE_S`` (each one ends, re-checks stop and adds to the wait metric), says so in
+    its log, its phase (with the seconds waited) and /metrics, and goes on once a consumer drains
+    the stream; SIGTERM during such a wait ends it within a slice or two."""
+    import re
+    import signal
+    import urllib.request
+
+    from tests.procs import Child, wait_for
+    from worldloop.common.control import list_processes
+    from worldloop.common.keys import ROLLOUTS_GROUP
+    from worldloop.common.schemas import decode_trajectory
+    from worldloop.common.streams import StreamConsumer
+
+    keys = Keys("bp")
+    r = connect(redis_url)
+    limit = 2
+    cfg = {
+        "redis": {"url": redis_url, "namespace": keys.ns, "max_backlog": limit, "block_ms": 200},
+        "weights": {"pub_port": 0, "fetch_port": 0},
+        "metrics": {"enabled": True, "port": 0},
+        "model": {"path": str(make_tiny_model(tmp_path / "model", max_image_side=56)), "make_tiny_if_missing": False,
+                  "max_image_side": 56},
+        "actor": {"num_envs": 2, "max_turns": 1, "max_new_tokens": 8, "admission": False, "actor_id": "bp-actor",
+                  "envs": [{"id": "worldloop/FrozenLake-v0", "kwargs": {"size": 3, "render_mode": "text"}}]},
+    }
+    cfg_path = tmp_path / "actor.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    actor = Child(["actor", "--config", str(cfg_path)], tmp_path / "actor.log")
+
+    def info() -> dict:
+        return next((p for p in list_processes(r, keys) if p["role"] == "actor"), {})
+
+    def scrape() -> dict[str, float]:
+        text = urllib.request.urlopen(info()["metrics_url"], timeout=5).read().decode()
+        out = {}
+        for line in text.splitlines():
+            m = re.match(r'(worldloop_stream_backpressure_\w+)\{stream="bp:rollouts"\} (\S+)', line)
+            if m:
+                out[m.group(1)] = float(m.group(2))
+        return out
+
+    try:
+        wait_for(lambda: "waiting on backpressure" in info().get("phase", ""), "the actor to block on the full stream",
+                 240, [actor])
+        assert r.xlen(keys.rollouts) == limit
+        assert "bp:rollouts is at its backlog limit (2 undelivered entries): waiting on backpressure" in actor.output(None)
+        # visible and growing, slice by slice: the phase's seconds, the metrics
+        w1, m1 = info()["backpressure_wait_s"], scrape()
+        assert m1["worldloop_stream_backpressure_blocked"] == 1.0
+        time.sleep(6.0)
+        w2, m2 = info()["backpressure_wait_s"], scrape()
+        assert w2 >= w1 + 2.0, (w1, w2)
+        # each 1 s slice ends and adds its wait: the counter grows while the block lasts
+        assert m2["worldloop_stream_backpressure_seconds_total"] >= m1["worldloop_stream_backpressure_seconds_total"] + 2.0
+        assert r.xlen(keys.rollouts) == limit  # nothing past the limit
+
+        # drain, as a judge would (read, ack + delete): the actor goes on
+        drain = StreamConsumer(redis_url, keys.rollouts, ROLLOUTS_GROUP, "drainer", decode=decode_trajectory)
+        got = drain.read(10)
+        drain.ack([m.id for m in got])
+        wait_for(lambda: "room in bp:rollouts again after" in actor.output(None), "the actor to resume", 60, [actor])
+        resumed = re.findall(r"room in bp:rollouts again after ([\d.]+) s of backpressure", actor.output(None))
+        assert float(resumed[0]) >= 4.0
+        wait_for(lambda: r.xlen(keys.rollouts) == limit, "the stream to fill again", 120, [actor])
+        wait_for(lambda: "waiting on backpressure" in info().get("phase", ""), "the second block", 60, [actor])
+        # a stop during the wait: bounded by a slice, clean exit
+        t0 = time.monotonic()
+        actor.proc.send_signal(signal.SIGTERM)
+        assert actor.wait(timeout=30) == 0
+        stop_s = time.monotonic() - t0
+        drain.close()
+    finally:
+        actor.kill()
+    assert "not pushed" in actor.output(None)  # it said what it gave up on
+    print(f"\nbackpressure: blocked {resumed[0]} s before the drain; phase wait {w1} -> {w2} s over 6 s; "
+          f"backpressure_seconds {m1['worldloop_stream_backpressure_seconds_total']:.1f} -> "
+          f"{m2['worldloop_stream_backpressure_seconds_total']:.1f}; SIGTERM while blocked -> exit 0 in {stop_s:.1f} s")
