@@ -452,8 +452,11 @@ def test_a_request_lost_with_a_dead_publisher_is_asked_again_when_it_comes_back(
     asked again as soon as the connection shakes hands with the new learner, not after ``resend_s``
     (here longer than ``fetch_timeout_s``, so waiting for it would end in WeightsTimeout)."""
     pub_port, fetch_port = free_port(), free_port()
-    ctx = zmq.Context()
-    dying = ctx.socket(zmq.ROUTER)  # the learner that takes the request and dies without answering
+    # the learner that takes the request and dies without answering, in a context of its own: a
+    # socket's close is carried out by the context's I/O thread later, and only terminating the
+    # context waits until the listening port is really released for the new learner to bind
+    dying_ctx = zmq.Context()
+    dying = dying_ctx.socket(zmq.ROUTER)
     dying.bind(f"tcp://{HOST}:{fetch_port}")
     sub = WeightSubscriber(HOST, pub_port, fetch_port, fetch_timeout_s=8, resend_s=30)
     want = weight_set(1, scale=1 << 14)
@@ -472,6 +475,7 @@ def test_a_request_lost_with_a_dead_publisher_is_asked_again_when_it_comes_back(
             assert dying.poll(5000), "the subscriber's request never reached the first publisher"
             assert dying.recv_multipart()[2] == b"INFO"
             dying.close(linger=0)
+            dying_ctx.term()
             pub = WeightPublisher(HOST, pub_port=pub_port, fetch_port=fetch_port, announce_interval_s=0.2)
             pub.publish(want, 1)
             assert_fetched(fut.result(timeout=60), 1, want)
@@ -480,7 +484,8 @@ def test_a_request_lost_with_a_dead_publisher_is_asked_again_when_it_comes_back(
         sub.close()
         if pub is not None:
             pub.close()
-        ctx.destroy(linger=0)
+        if not dying_ctx.closed:
+            dying_ctx.destroy(linger=0)
 
 
 class Cable:
