@@ -20,7 +20,6 @@ import yaml
 import zmq.auth
 
 from worldloop.common.control import list_processes
-
 from worldloop.common.keys import Keys
 from worldloop.common.metrics import free_port
 from worldloop.common.redis_local import LocalRedis
@@ -58,7 +57,7 @@ def test_two_separately_started_actors_join_a_running_learner(tmp_path: Path) ->
         "model": {"path": str(model), "max_image_side": 56},
         "actor": {"max_turns": 2, "envs": [ENV]},
         "judge": {"enabled": False},
-        "trainer": {"total_steps": 2, "train_batch_size": 4, "ppo_mini_batch_size": 2, "micro_batch_size": 2,
+        "trainer": {"total_steps": 4, "train_batch_size": 4, "ppo_mini_batch_size": 2, "micro_batch_size": 2,
                     "checkpoint_every": 1, "max_staleness": 8},
     }
     # what an actor machine gets: Redis URL, learner address + server public key, a model directory
@@ -107,13 +106,13 @@ def test_two_separately_started_actors_join_a_running_learner(tmp_path: Path) ->
         wait_for(learner_done, "the learner to finish its steps", 300, [procs["remote-a"], procs["remote-b"]])
         assert procs["learner"].returncode == 0, procs["learner"].describe()
 
-        # the learner published v1 and v2 after its updates; both actors took at least one of them
-        def both_updated() -> bool:
-            scrape_actors()
-            return all(scraped.get(a, {}).get("worldloop_actor_weight_updates_total", 0) >= 1
-                       for a in ("remote-a", "remote-b"))
-
-        wait_for(both_updated, "both actors to apply published weights", 60, live(), extra=lambda: f"scraped {scraped}")
+        # the learner marked the run stopped as it finished: each actor ends its current generation
+        # and exits by itself
+        for name in ("remote-a", "remote-b"):
+            try:
+                procs[name].proc.wait(120)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{name} did not exit after the run stopped\n" + procs[name].describe())
     finally:
         for c in live():
             os.killpg(c.pid, signal.SIGTERM)
@@ -127,8 +126,12 @@ def test_two_separately_started_actors_join_a_running_learner(tmp_path: Path) ->
     for name in ("remote-a", "remote-b"):
         assert procs[name].returncode == 0, procs[name].describe()
         assert scraped[name]["worldloop_actor_episodes_total"] >= 1
-        assert scraped[name]["worldloop_actor_policy_version"] >= 1
+        # the learner published v1..v4 after its updates (the first after 4 of the 16 trajectories it
+        # trains on); each actor applied at least one of them between generations. Read from the
+        # log: an actor may apply its last version and exit between two scrapes of its metrics.
+        applied = (tmp_path / f"{name}.log").read_text().count("applied weights v")
+        assert applied >= 1, procs[name].describe()
     steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    assert [s["step"] for s in steps] == [1, 2]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4]
     logs = "".join(p.read_text() for p in tmp_path.glob("*.log"))
     assert "not-in-any-log" not in logs  # the Redis password never reaches a log
