@@ -116,6 +116,8 @@ import numpy as np
 
 PROMPT_FORMATS: tuple[str, ...] = ("no_think", "free_think", "grounding", "worldmodeling", "grounding_worldmodeling")
 STATE_FORMATS: tuple[str, ...] = ("natural_language", "symbolic", "structured")
+# what a text-mode observation shows: the env's text rendering, or the state text itself
+TEXT_OBSERVATIONS: tuple[str, ...] = ("render", "state")
 # gymnasium's standard names first; "vision" / "text" are the original names, kept as aliases
 RENDER_MODES: tuple[str, ...] = ("rgb_array", "ansi", "vision", "text")
 RENDER_MODE_ALIASES: dict[str, str] = {"vision": "rgb_array", "text": "ansi"}
@@ -496,7 +498,8 @@ class VisualEnv(gymnasium.Env):
     "text"), ``prompt_format``,
     ``state_format``, ``max_actions_per_step``, ``image_size`` (side in pixels; None: env default),
     ``max_steps`` (executed actions per episode; None: env default), ``add_example`` (prompt example
-    in the system prompt). Attributes after ``reset``: ``task`` (sub-task label), ``steps``.
+    in the system prompt), ``text_observation`` (text mode only: ``"render"``, the env's text
+    rendering, or ``"state"``, the true state in ``state_format``). Attributes after ``reset``: ``task`` (sub-task label), ``steps``.
     """
 
     metadata = {"render_modes": list(RENDER_MODES), "render_fps": 4}
@@ -524,9 +527,15 @@ class VisualEnv(gymnasium.Env):
         image_size: int | None = None,
         max_steps: int | None = None,
         add_example: bool = True,
+        text_observation: str = "render",
     ) -> None:
         super().__init__()
         render_mode = canonical_render_mode(render_mode)
+        if text_observation not in TEXT_OBSERVATIONS:
+            raise ValueError(f"text_observation must be one of {TEXT_OBSERVATIONS}, got {text_observation!r}")
+        if text_observation != "render" and render_mode != "ansi":
+            raise ValueError(f"text_observation={text_observation!r} is for render_mode 'text' (ansi); "
+                             f"got render_mode {render_mode!r}")
         if prompt_format not in PROMPT_FORMATS:
             raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}, got {prompt_format!r}")
         if state_format not in STATE_FORMATS:
@@ -553,6 +562,7 @@ class VisualEnv(gymnasium.Env):
         self.image_size = int(size)
         self.max_steps = int(limit)
         self.add_example = bool(add_example)
+        self.text_observation = text_observation
         self.task = "base"
         self.steps = 0
         self._vocab = ActionVocab(self.ACTIONS, self.ACTION_ALIASES) if self.ACTIONS else None
@@ -685,7 +695,7 @@ class VisualEnv(gymnasium.Env):
         if self.vision:
             slot = IMAGE_PLACEHOLDER
         else:
-            slot = self._render_text()
+            slot = self._text_slot()
         text = user_message(slot, initial=initial, valid_actions=self._last_actions, context=self._turn_context(),
                             format_text=self.format_instructions(example=False))
         obs = Observation(text=text)
@@ -779,6 +789,14 @@ class VisualEnv(gymnasium.Env):
         state text (ansi / text mode)."""
         if self.vision:
             return np.array(self._render_image(), dtype=np.uint8, order="C", copy=True)
+        return self._text_slot()
+
+    def _text_slot(self) -> str:
+        """The state part of a text-mode observation: the env's own text rendering (a symbol grid,
+        ``text_observation="render"``), or the true state in ``state_format`` (``"state"``: the
+        very text an ``<observation>`` is judged against, so perception is handed to the policy)."""
+        if self.text_observation == "state":
+            return self.describe_state(self._current_state())
         return self._render_text()
 
     # ------------------------------------------------------------------ expert

@@ -45,6 +45,25 @@ def test_vision_and_text_observations(env_id: str) -> None:
 
 
 @pytest.mark.parametrize("env_id", GRID_IDS)
+def test_a_state_text_observation_is_the_true_state_in_the_state_format(env_id: str) -> None:
+    for fmt in ("natural_language", "structured"):
+        env = gymnasium.make(env_id, render_mode="text", text_observation="state", state_format=fmt)
+        obs, info = env.reset(seed=2)
+        truth = env.unwrapped.describe_state(info["state"])
+        assert truth and truth in obs["text"] and info["state"]["symbolic"] not in obs["text"]
+        if fmt == "natural_language":  # the sentences of the relations, the first one verbatim
+            assert info["state"]["relations"][0] in obs["text"]
+        else:
+            assert json.loads(truth) == info["state"]["structured"]
+        obs, _, _, _, info = env.step(env.unwrapped.expert_response())
+        assert env.unwrapped.describe_state(info["state"]) in obs["text"] and env.render() in obs["text"]
+    with pytest.raises(ValueError, match="text_observation"):  # nothing to show it on in vision mode
+        gymnasium.make(env_id, text_observation="state")
+    with pytest.raises(ValueError, match="text_observation"):
+        gymnasium.make(env_id, render_mode="text", text_observation="grid")
+
+
+@pytest.mark.parametrize("env_id", GRID_IDS)
 def test_same_seed_same_episode_regardless_of_history(env_id: str) -> None:
     env = gymnasium.make(env_id)
     obs_a, info_a = env.reset(seed=11)
