@@ -99,6 +99,8 @@ class ModelConfig:
     path: str = "models/tiny-qwen2.5-vl"
     # build the embedded tiny model (local tokenizer + small Qwen2.5-VL config) if `path` is missing
     make_tiny_if_missing: bool = True
+    # steps of in-context copy pre-training of a newly made tiny model before SFT (0: none)
+    tiny_copy_pretrain_steps: int = 0
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int = 4096
     # images are resized so that neither side exceeds this (pixels) before the vision tower
@@ -368,6 +370,7 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "sft.lr": (lambda v: v > 0, "must be > 0"),
     "sft.batch_size": (lambda v: v >= 1, "must be >= 1"),
     "sft.seed_start": (lambda v: v >= 0, "must be >= 0"),
+    "model.tiny_copy_pretrain_steps": (lambda v: v >= 0, "must be >= 0"),
     "sft.observation_relations": (lambda v: v >= 1, "must be >= 1"),
     "eval.concurrency": (lambda v: v >= 1, "must be >= 1"),
     "eval.max_tokens": (lambda v: v >= 1, "must be >= 1"),

@@ -16,7 +16,7 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
 )
 
-from worldloop.tiny_model import SPECIAL_TOKENS, make_tiny_model
+from worldloop.tiny_model import SPECIAL_TOKENS, copy_accuracy, make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +130,8 @@ def test_custom_corpus_shapes_the_vocabulary(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"arch": "llama"}, {"vocab_size": 100}, {"max_image_side": 100}, {"max_image_side": 0}],
+    [{"arch": "llama"}, {"vocab_size": 100}, {"max_image_side": 100}, {"max_image_side": 0},
+     {"copy_pretrain_steps": -1}],
 )
 def test_bad_arguments_raise(tmp_path: Path, kwargs: dict) -> None:
     with pytest.raises(ValueError):
@@ -168,3 +169,19 @@ def test_presets_render_one_grid_cell_per_image_token(preset: str, vl_dir: Path)
         assert all(not np.array_equal(blocks[pidx], blocks[i]) for i in range(cells * cells) if i != pidx)
     finally:
         env.close()
+
+
+def test_copy_pretraining_gives_the_random_init_in_context_copying(tmp_path: Path, vl_dir: Path) -> None:
+    """A random-init tiny model cannot continue a span it has seen earlier in its context; 300
+    steps of copy pre-training (seconds) give it that, and the build records what it reached."""
+    made = make_tiny_model(tmp_path / "copy", seed=0, copy_pretrain_steps=300)
+    info = json.loads((made / "worldloop_tiny.json").read_text())
+    assert info["copy_pretrain_steps"] == 300
+    vocab = len(AutoTokenizer.from_pretrained(made))
+    accs = {}
+    for name, path in (("plain", vl_dir), ("copy", made)):
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+        accs[name] = copy_accuracy(model, len(SPECIAL_TOKENS), vocab, torch.Generator().manual_seed(123))
+    assert accs["plain"] < 0.05 and accs["copy"] > 0.9, accs
+    assert abs(info["copy_accuracy"] - accs["copy"]) < 0.1  # fresh spans either way
+    assert "copy_pretrain_steps" not in json.loads((vl_dir / "worldloop_tiny.json").read_text())

@@ -3,7 +3,7 @@
 Public API::
 
     make_tiny_model(path, *, arch="qwen2_5_vl", seed=0, corpus=None, vocab_size=2048,
-                    force=False, max_image_side=224) -> Path
+                    force=False, max_image_side=224, copy_pretrain_steps=0) -> Path
     default_corpus() -> list[str]          # env prompts + expert answers (or the built-in fallback)
     fallback_corpus() -> list[str]         # the built-in synthetic part alone (fixed, for tests)
     SPECIAL_TOKENS: list[str]              # Qwen's special tokens, ids 0..len-1 in the tiny vocab
@@ -335,7 +335,47 @@ def _save_image_processor(out: Path, max_image_side: int) -> None:
     path.write_text(json.dumps(data, indent=2))
 
 
-def _build_into(tmp: Path, arch: Arch, seed: int, corpus: list[str], vocab_size: int, max_image_side: int) -> None:
+COPY_SPAN = 48  # tokens of a random span that copy pre-training repeats
+COPY_BATCH = 32
+COPY_LR = 3e-3
+
+
+def copy_accuracy(model, low: int, high: int, generator, n: int = 64) -> float:
+    """Greedy next-token accuracy on the second copy of ``n`` random spans repeated twice."""
+    import torch
+
+    a = torch.randint(low, high, (n, COPY_SPAN), generator=generator)
+    x = torch.cat([a, a], 1)
+    with torch.no_grad():
+        pred = model(input_ids=x).logits[:, COPY_SPAN:-1].argmax(-1)
+    return float((pred == x[:, COPY_SPAN + 1 :]).float().mean())
+
+
+def copy_pretrain(model, steps: int, low: int, high: int, generator) -> float:
+    """Train ``model`` for ``steps`` AdamW steps to continue a random span of ordinary token ids
+    (``low`` to ``high``) that repeats one seen before it, the in-context copying (induction) that
+    any pretrained language model brings; return the copy accuracy on fresh spans afterwards.
+
+    A random-init tiny model lacks it, and SFT on a few hundred demonstrations does not build it:
+    see the README's learning section for what it changes."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=COPY_LR)
+    model.train()
+    for _ in range(steps):
+        a = torch.randint(low, high, (COPY_BATCH, COPY_SPAN), generator=generator)
+        x = torch.cat([a, a], 1)
+        logits = model(input_ids=x).logits[:, COPY_SPAN:-1]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, COPY_SPAN + 1 :].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    model.eval()
+    return copy_accuracy(model, low, high, generator)
+
+
+def _build_into(tmp: Path, arch: Arch, seed: int, corpus: list[str], vocab_size: int, max_image_side: int,
+                copy_pretrain_steps: int = 0) -> None:
     import torch
 
     tok = _train_tokenizer(corpus, vocab_size)
@@ -343,18 +383,22 @@ def _build_into(tmp: Path, arch: Arch, seed: int, corpus: list[str], vocab_size:
     ids = _token_ids(tmp)
     # pad the embedding table to a multiple of 64 (ids >= len(tokenizer) are never produced by it)
     padded = (vocab + 63) // 64 * 64
+    info: dict = {"arch": arch, "seed": seed, "vocab_size": vocab_size, "max_image_side": max_image_side}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = _build_model(arch, padded, ids)
+        if copy_pretrain_steps:
+            gen = torch.Generator().manual_seed(seed)
+            acc = copy_pretrain(model, copy_pretrain_steps, len(SPECIAL_TOKENS), vocab, gen)
+            info.update(copy_pretrain_steps=copy_pretrain_steps, copy_accuracy=round(acc, 4))
+            log.info("tiny model: copy pre-training, %d steps, copy accuracy %.3f", copy_pretrain_steps, acc)
     model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.generation_config.bos_token_id = ids["<|endoftext|>"]
     model.save_pretrained(str(tmp), safe_serialization=True)
     if arch == "qwen2_5_vl":
         _save_image_processor(tmp, max_image_side)
-    (tmp / "worldloop_tiny.json").write_text(
-        json.dumps({"arch": arch, "seed": seed, "vocab_size": vocab_size, "max_image_side": max_image_side})
-    )
+    (tmp / "worldloop_tiny.json").write_text(json.dumps(info))
 
 
 def make_tiny_model(
@@ -366,13 +410,15 @@ def make_tiny_model(
     vocab_size: int = 2048,
     force: bool = False,
     max_image_side: int = 224,
+    copy_pretrain_steps: int = 0,
 ) -> Path:
     """Build (or reuse) the tiny model directory at ``path`` and return it.
 
     ``arch``: "qwen2_5_vl" (vision-language, default) or "qwen2" (text-only causal LM).
     ``corpus``: tokenizer training texts; default :func:`default_corpus`.
     ``vocab_size``: BPE vocabulary size incl. special tokens (the embedding table is padded to a
-    multiple of 64). ``max_image_side`` must be a multiple of 28. Raises ValueError on bad args.
+    multiple of 64). ``max_image_side`` must be a multiple of 28. ``copy_pretrain_steps``: steps of
+    :func:`copy_pretrain` after the random init (0: none). Raises ValueError on bad args.
     """
     if arch not in ("qwen2_5_vl", "qwen2"):
         raise ValueError(f"arch must be 'qwen2_5_vl' or 'qwen2', got {arch!r}")
@@ -380,13 +426,16 @@ def make_tiny_model(
         raise ValueError(f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} (bytes + special tokens), got {vocab_size}")
     if max_image_side < PATCH * MERGE or max_image_side % (PATCH * MERGE):
         raise ValueError(f"max_image_side must be a positive multiple of {PATCH * MERGE}, got {max_image_side}")
+    if isinstance(copy_pretrain_steps, bool) or not isinstance(copy_pretrain_steps, int) or copy_pretrain_steps < 0:
+        raise ValueError(f"copy_pretrain_steps must be an int >= 0, got {copy_pretrain_steps!r}")
     out = Path(path)
     if (out / "config.json").exists() and not force:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
     try:
-        _build_into(tmp, arch, seed, corpus if corpus is not None else default_corpus(), vocab_size, max_image_side)
+        _build_into(tmp, arch, seed, corpus if corpus is not None else default_corpus(), vocab_size, max_image_side,
+                    copy_pretrain_steps)
         _install(tmp, out, force)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

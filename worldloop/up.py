@@ -146,7 +146,7 @@ def _prepare_model(cfg: Config, run_dir: Path) -> None:
     from worldloop.tiny_model import make_tiny_model
 
     log.info("model: making the embedded tiny model in %s", path)
-    make_tiny_model(path, seed=cfg.run.seed)
+    make_tiny_model(path, seed=cfg.run.seed, copy_pretrain_steps=cfg.model.tiny_copy_pretrain_steps)
     if cfg.sft.enabled:
         from worldloop.sft import warm_start
 
