@@ -499,7 +499,8 @@ class VisualEnv(gymnasium.Env):
     ``state_format``, ``max_actions_per_step``, ``image_size`` (side in pixels; None: env default),
     ``max_steps`` (executed actions per episode; None: env default), ``add_example`` (prompt example
     in the system prompt), ``text_observation`` (text mode only: ``"render"``, the env's text
-    rendering, or ``"state"``, the true state in ``state_format``). Attributes after ``reset``: ``task`` (sub-task label), ``steps``.
+    rendering, or ``"state"``, the true state in ``state_format``). Attributes after ``reset``:
+    ``task`` (sub-task label), ``steps``.
     """
 
     metadata = {"render_modes": list(RENDER_MODES), "render_fps": 4}

@@ -340,15 +340,23 @@ COPY_BATCH = 32
 COPY_LR = 3e-3
 
 
-def copy_accuracy(model, low: int, high: int, generator, n: int = 64) -> float:
-    """Greedy next-token accuracy on the second copy of ``n`` random spans repeated twice."""
+def _copy_task(model, n: int, low: int, high: int, generator):
+    """``n`` random spans of ids in [low, high) repeated twice: the model's logits at the positions
+    of the repeat that can be predicted from the first copy, and the tokens they should give."""
     import torch
 
     a = torch.randint(low, high, (n, COPY_SPAN), generator=generator)
     x = torch.cat([a, a], 1)
+    return model(input_ids=x).logits[:, COPY_SPAN:-1], x[:, COPY_SPAN + 1 :]
+
+
+def copy_accuracy(model, low: int, high: int, generator, n: int = 64) -> float:
+    """Greedy next-token accuracy on the second copy of ``n`` random spans repeated twice."""
+    import torch
+
     with torch.no_grad():
-        pred = model(input_ids=x).logits[:, COPY_SPAN:-1].argmax(-1)
-    return float((pred == x[:, COPY_SPAN + 1 :]).float().mean())
+        logits, targets = _copy_task(model, n, low, high, generator)
+    return float((logits.argmax(-1) == targets).float().mean())
 
 
 def copy_pretrain(model, steps: int, low: int, high: int, generator) -> float:
@@ -363,10 +371,8 @@ def copy_pretrain(model, steps: int, low: int, high: int, generator) -> float:
     opt = torch.optim.AdamW(model.parameters(), lr=COPY_LR)
     model.train()
     for _ in range(steps):
-        a = torch.randint(low, high, (COPY_BATCH, COPY_SPAN), generator=generator)
-        x = torch.cat([a, a], 1)
-        logits = model(input_ids=x).logits[:, COPY_SPAN:-1]
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, COPY_SPAN + 1 :].reshape(-1))
+        logits, targets = _copy_task(model, COPY_BATCH, low, high, generator)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
