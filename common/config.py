@@ -101,6 +101,22 @@ class ModelConfig:
     make_tiny_if_missing: bool = True
     # steps of in-context copy pre-training of a newly made tiny model before SFT (0: none)
     tiny_copy_pretrain_steps: int = 0
+    # steps of grounding pre-training of a newly made tiny model before SFT (worldloop/grounding.py:
+    # first-turn image of a fresh level -> the true state description; 0: none), its learning rate,
+    # levels per step, and the first seed of its levels (a range disjoint from RL, SFT and eval seeds)
+    tiny_grounding_steps: int = 0
+    tiny_grounding_lr: float = 3e-3
+    tiny_grounding_batch_size: int = 32
+    tiny_grounding_seed_start: int = 30_000_000
+    # every n-th grounding step shows the whole first turn the actors send (the env's system prompt
+    # too) to tiny_grounding_agent_batch_size levels; the other steps leave the system prompt out
+    # (0: never). The system prompt is 60 % of the tokens, the image-to-answer distance is the same.
+    tiny_grounding_agent_every: int = 4
+    tiny_grounding_agent_batch_size: int = 8
+    # keep the vision tower (and its merger) at its initial weights in grounding pre-training, SFT
+    # and the learner: the tiny model's random-init tower tells every tile apart, and training it
+    # from scratch at the tiny presets' learning rates collapses it
+    freeze_vision: bool = False
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int = 4096
     # images are resized so that neither side exceeds this (pixels) before the vision tower
@@ -366,6 +382,12 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "up.num_judges": (lambda v: v >= 0, "must be >= 0"),
     "eval.episodes": (lambda v: v >= 1, "must be >= 1"),
     "model.tiny_copy_pretrain_steps": (lambda v: v >= 0, "must be >= 0"),
+    "model.tiny_grounding_steps": (lambda v: v >= 0, "must be >= 0"),
+    "model.tiny_grounding_lr": (lambda v: v > 0, "must be > 0"),
+    "model.tiny_grounding_batch_size": (lambda v: v >= 1, "must be >= 1"),
+    "model.tiny_grounding_seed_start": (lambda v: v >= 0, "must be >= 0"),
+    "model.tiny_grounding_agent_every": (lambda v: v >= 0, "must be >= 0 (0 = never)"),
+    "model.tiny_grounding_agent_batch_size": (lambda v: v >= 1, "must be >= 1"),
     "sft.episodes": (lambda v: v >= 1, "must be >= 1"),
     "sft.epochs": (lambda v: v >= 0, "must be >= 0"),
     "sft.lr": (lambda v: v > 0, "must be > 0"),
@@ -395,11 +417,19 @@ def _cross_checks(cfg: Config) -> None:
             "trainer.micro_batch_size",
             f"must divide trainer.ppo_mini_batch_size ({t.ppo_mini_batch_size}), got {t.micro_batch_size}",
         )
+    if not t.kl_in_reward and t.kl_coef > 0 and t.kl_estimator == "kl":
+        # E_pi[log pi - log ref] is the KL, but its gradient on fixed samples is grad log pi(a):
+        # minimising it lowers the probability of every sampled token (measured: a tiny run's KL
+        # term went to -20 and the policy collapsed to one repeated token)
+        raise ConfigError("trainer.kl_estimator", "the 'kl' (k1) estimator cannot be a loss term "
+                          "(trainer.kl_in_reward: false): its gradient lowers every sampled token's probability; "
+                          "use low_var_kl or mse, or keep the KL in the reward")
     if cfg.actor.seed_end <= cfg.actor.seed_start:
         raise ConfigError("actor.seed_end", "must be greater than actor.seed_start")
     if cfg.actor.seed_start <= cfg.eval.seed_start < cfg.actor.seed_end:
         raise ConfigError("eval.seed_start", "must lie outside the training seed range [actor.seed_start, actor.seed_end)")
     _check_demonstration_seeds(cfg)
+    _check_grounding_seeds(cfg)
     for name in cfg.judge.scorers.values():
         for s in name:
             if s not in ("rule", "llm", "hybrid"):
@@ -428,6 +458,31 @@ def _check_demonstration_seeds(cfg: Config) -> None:
     if lo < ehi and elo < hi:
         raise ConfigError("sft.seed_start", f"demonstration seeds [{lo}, {hi}) overlap the held-out eval seeds "
                                             f"[eval.seed_start, eval.seed_start + eval.episodes) = [{elo}, {ehi})")
+
+
+GROUNDING_EVAL_BOARDS = 128  # held-out boards of grounding pre-training (worldloop/grounding.py)
+
+
+def _overlaps(lo: int, hi: int, lo2: int, hi2: int) -> bool:
+    return lo < hi2 and lo2 < hi
+
+
+def _check_grounding_seeds(cfg: Config) -> None:
+    """The levels of grounding pre-training must be none of the RL, demonstration or held-out levels."""
+    m = cfg.model
+    if not m.tiny_grounding_steps:
+        return
+    lo = m.tiny_grounding_seed_start
+    hi = lo + m.tiny_grounding_steps * m.tiny_grounding_batch_size + GROUNDING_EVAL_BOARDS
+    key = "model.tiny_grounding_seed_start"
+    others = [("the RL seeds [actor.seed_start, actor.seed_end)", cfg.actor.seed_start, cfg.actor.seed_end),
+              ("the held-out eval seeds", cfg.eval.seed_start, cfg.eval.seed_start + cfg.eval.episodes)]
+    if cfg.sft.enabled:
+        others.append(("the SFT demonstration seeds", cfg.sft.seed_start,
+                       cfg.sft.seed_start + cfg.sft.episodes + SFT_PROBE_SEEDS))
+    for what, lo2, hi2 in others:
+        if _overlaps(lo, hi, lo2, hi2):
+            raise ConfigError(key, f"grounding pre-training seeds [{lo}, {hi}) overlap {what} = [{lo2}, {hi2})")
 
 
 # --------------------------------------------------------------------------- coercion

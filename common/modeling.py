@@ -12,6 +12,7 @@ Public API::
         .decode(ids, skip_special_tokens=True) -> str
         .eos_token_ids, .pad_token_id, .image_token_id, .im_end_id, .is_vision, .tokenizer
     load_policy(model_dir, dtype="auto", device="cpu") -> torch.nn.Module
+    freeze_vision_tower(model) -> int                          # requires_grad False on the vision tower
     build_sequence(traj: dict) -> SequenceLayout
     collate(layouts, codec, pad_to_multiple=8) -> dict[str, Tensor]
     token_logprobs(model, batch, temperature=1.0, chunk_size=512, return_entropy=False)
@@ -311,6 +312,22 @@ def load_policy(model_dir: str | Path, dtype: str | torch.dtype = "auto", device
     cls = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     model = cls.from_pretrained(str(path), dtype=resolve_dtype(dtype, device), local_files_only=True)
     return model.to(device).eval()
+
+
+def freeze_vision_tower(model: torch.nn.Module) -> int:
+    """Stop gradients into the vision tower (every parameter under a submodule named ``visual``:
+    Qwen2-VL / Qwen2.5-VL, as the policy or as a bare backbone); return how many tensors it froze
+    (0 for a text-only model). The vision-language merger is part of the tower and is frozen too.
+
+    Why the tiny presets do it: trained from scratch at the tiny model's learning rates the tower
+    collapses within tens of steps (every image token the same vector), while its random-init
+    features already tell every tile apart (README, "Why the tiny model could not see")."""
+    frozen = 0
+    for name, p in model.named_parameters():
+        if "visual." in f"{name}" and p.requires_grad:
+            p.requires_grad_(False)
+            frozen += 1
+    return frozen
 
 
 # --------------------------------------------------------------------------- sequences

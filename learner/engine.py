@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from worldloop.common.config import Config, ConfigError
-from worldloop.common.modeling import ChatCodec, load_policy, model_inputs, token_logprobs
+from worldloop.common.modeling import ChatCodec, freeze_vision_tower, load_policy, model_inputs, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -260,6 +260,10 @@ def assemble_models(cfg: Config, dist: DistInfo, codec: ChatCodec, hf: torch.nn.
     conf = ds_config(cfg, dist, bf16=bf16)
     make = engine_fn or _engine
     hf.train()
+    if cfg.model.freeze_vision:
+        freeze_vision_tower(hf)
+        if backbone is not None:
+            freeze_vision_tower(backbone)
     vocab = hf.get_input_embeddings().num_embeddings
     if t.gradient_checkpointing:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

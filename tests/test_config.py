@@ -101,6 +101,11 @@ def test_cross_checks() -> None:
     assert _error(overrides=("weights.curve_client_public=/c.key",)).key == "weights.curve_server_secret"
     # each side names only its own files: an actor never needs the server's secret key
     assert load_config(None, ["weights.curve_server_public=/s.key"]).weights.curve_server_secret is None
+    # k1 as a loss term lowers every sampled token's probability; in the reward, or k3 as a loss, is fine
+    e = _error(overrides=("trainer.kl_in_reward=false", "trainer.kl_coef=0.05"))
+    assert e.key == "trainer.kl_estimator" and "low_var_kl" in e.reason
+    assert load_config(None, ["trainer.kl_in_reward=false", "trainer.kl_estimator=low_var_kl"]).trainer.kl_coef > 0
+    assert load_config(None, ["trainer.kl_in_reward=false", "trainer.kl_coef=0"]).trainer.kl_estimator == "kl"
 
 
 def test_file_errors(tmp_path: Path) -> None:

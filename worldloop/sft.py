@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from worldloop.common.config import SFT_PROBE_SEEDS
-from worldloop.common.modeling import ChatCodec, build_sequence, collate, load_policy, token_logprobs
+from worldloop.common.modeling import ChatCodec, build_sequence, collate, freeze_vision_tower, load_policy, token_logprobs
 from worldloop.common.schemas import TRAJECTORY_SCHEMA, Trajectory, Turn, state_from_info
 from worldloop.envs.base import observation_parts
 
@@ -204,6 +204,7 @@ def run_sft(
     codec: ChatCodec | None = None,
     progress: Callable[[dict], None] | None = None,
     loss_sample: int = 64,
+    freeze_vision: bool = False,
 ) -> dict:
     """Fine-tune on the demonstrations' response tokens; save; return loss before/after etc.
 
@@ -216,11 +217,14 @@ def run_sft(
     model_dir = Path(model_dir)
     codec = codec or ChatCodec(model_dir)
     model = load_policy(model_dir, dtype="float32")
+    if freeze_vision:
+        freeze_vision_tower(model)
     start = time.monotonic()
     probe = list(demos[:loss_sample]) if loss_sample > 0 else list(demos)
     before = sequence_loss(model, probe, codec, batch_size)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
     steps = tokens = 0
     for epoch in range(epochs):
@@ -228,7 +232,7 @@ def run_sft(
             loss, n = _batch_loss(model, chunk, codec)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             steps, tokens = steps + 1, tokens + n
             if progress is not None:
@@ -314,7 +318,8 @@ def warm_start(cfg: Any, model_dir: str | Path, *, probe_prompts: int = SFT_PROB
         if p["step"] % every == 0:
             log.info("sft: epoch %d step %d loss %.3f", p["epoch"] + 1, p["step"], p["loss"])
 
-    report = run_sft(model_dir, demos, s.epochs, s.lr, s.batch_size, seed=cfg.run.seed, codec=codec, progress=progress)
+    report = run_sft(model_dir, demos, s.epochs, s.lr, s.batch_size, seed=cfg.run.seed, codec=codec, progress=progress,
+                     freeze_vision=cfg.model.freeze_vision)
     report.update(format_ok_before=before, format_ok_after=rate(), demonstrations=len(demos),
                   success_rate_of_demonstrations=float(np.mean([d.success for d in demos])),
                   answer_tokens_max=max(lengths), answers_longer_than_max_new_tokens=too_long)

@@ -3,7 +3,7 @@
 Public API::
 
     make_tiny_model(path, *, arch="qwen2_5_vl", seed=0, corpus=None, vocab_size=2048,
-                    force=False, max_image_side=224, copy_pretrain_steps=0) -> Path
+                    force=False, max_image_side=224, copy_pretrain_steps=0, rope_theta=ROPE_THETA) -> Path
     default_corpus() -> list[str]          # env prompts + expert answers (or the built-in fallback)
     fallback_corpus() -> list[str]         # the built-in synthetic part alone (fixed, for tests)
     SPECIAL_TOKENS: list[str]              # Qwen's special tokens, ids 0..len-1 in the tiny vocab
@@ -20,7 +20,8 @@ What is written to ``path`` (a normal Hugging Face model directory, nothing down
 * ``config.json`` + ``model.safetensors`` (+ ``generation_config.json``): for
   ``arch="qwen2_5_vl"`` a ``Qwen2_5_VLForConditionalGeneration`` with text hidden 64, 2 layers,
   2 query / 1 KV heads (head_dim 32: vLLM's CPU attention has kernels for head sizes 32, 64, 80, ...
-  but not 16; ``mrope_section`` [4, 6, 6] sums to 16), vision depth 2,
+  but not 16; ``mrope_section`` [4, 6, 6] sums to 16; RoPE base ``rope_theta`` 10, not Qwen's 1e6, so
+  that one board cell turns the height/width sections by a visible angle), vision depth 2,
   hidden 64, patch 14, spatial merge 2; for ``arch="qwen2"`` a ``Qwen2ForCausalLM`` of the same
   text size. Weights are a random init under ``torch.manual_seed(seed)``: the same arguments give
   byte-identical weight files. Embeddings are tied.
@@ -91,6 +92,12 @@ TEXT_HEADS = 2
 TEXT_KV_HEADS = 1
 TEXT_INTERMEDIATE = 128
 MROPE_SECTION = [4, 6, 6]  # sums to head_dim / 2 = (64 / 2) / 2 = 16
+# The text RoPE base. Qwen2.5-VL's 1e6 with a 32-dim head turns one image row into 0.03-0.001 rad and
+# one column into < 2e-4 rad (M-RoPE gives height and width the lowest frequencies), so a tiny model
+# trained from scratch cannot tell where on the board an image token is: it never learnt a relation
+# such as "goal is above the player" (README, "Why the tiny model could not see"). With base 10 a
+# cell moves the height section by 0.56-0.27 rad and the width section by 0.24-0.12 rad.
+ROPE_THETA = 10.0
 VISION_DEPTH = 2
 VISION_HIDDEN = 64
 VISION_HEADS = 4
@@ -282,14 +289,14 @@ def _text_kwargs(vocab: int, ids: dict[str, int]) -> dict:
     )
 
 
-def _build_model(arch: Arch, vocab: int, ids: dict[str, int]):
+def _build_model(arch: Arch, vocab: int, ids: dict[str, int], rope_theta: float = ROPE_THETA):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Config, Qwen2ForCausalLM
 
     text = _text_kwargs(vocab, ids)
     if arch == "qwen2":
-        cfg = Qwen2Config(**text, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+        cfg = Qwen2Config(**text, rope_parameters={"rope_type": "default", "rope_theta": rope_theta})
         return Qwen2ForCausalLM(cfg)
-    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": MROPE_SECTION}
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta, "mrope_section": MROPE_SECTION}
     vision = dict(
         depth=VISION_DEPTH,
         hidden_size=VISION_HIDDEN,
@@ -381,7 +388,7 @@ def copy_pretrain(model, steps: int, low: int, high: int, generator) -> float:
 
 
 def _build_into(tmp: Path, arch: Arch, seed: int, corpus: list[str], vocab_size: int, max_image_side: int,
-                copy_pretrain_steps: int = 0) -> None:
+                copy_pretrain_steps: int = 0, rope_theta: float = ROPE_THETA) -> None:
     import torch
 
     tok = _train_tokenizer(corpus, vocab_size)
@@ -392,7 +399,7 @@ def _build_into(tmp: Path, arch: Arch, seed: int, corpus: list[str], vocab_size:
     info: dict = {"arch": arch, "seed": seed, "vocab_size": vocab_size, "max_image_side": max_image_side}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = _build_model(arch, padded, ids)
+        model = _build_model(arch, padded, ids, rope_theta)
         if copy_pretrain_steps:
             gen = torch.Generator().manual_seed(seed)
             acc = copy_pretrain(model, copy_pretrain_steps, len(SPECIAL_TOKENS), vocab, gen)
@@ -417,6 +424,7 @@ def make_tiny_model(
     force: bool = False,
     max_image_side: int = 224,
     copy_pretrain_steps: int = 0,
+    rope_theta: float = ROPE_THETA,
 ) -> Path:
     """Build (or reuse) the tiny model directory at ``path`` and return it.
 
@@ -441,7 +449,7 @@ def make_tiny_model(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
     try:
         _build_into(tmp, arch, seed, corpus if corpus is not None else default_corpus(), vocab_size, max_image_side,
-                    copy_pretrain_steps)
+                    copy_pretrain_steps, rope_theta)
         _install(tmp, out, force)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -147,6 +147,11 @@ def _prepare_model(cfg: Config, run_dir: Path) -> None:
 
     log.info("model: making the embedded tiny model in %s", path)
     make_tiny_model(path, seed=cfg.run.seed, copy_pretrain_steps=cfg.model.tiny_copy_pretrain_steps)
+    if cfg.model.tiny_grounding_steps:
+        from worldloop.grounding import ground_for_run
+
+        report = ground_for_run(cfg, path)
+        (run_dir / "grounding.json").write_text(json.dumps(report, indent=2))
     if cfg.sft.enabled:
         from worldloop.sft import warm_start
 
