@@ -219,6 +219,9 @@ class TrainerConfig:
     # bilevel_gae: the turn-end token's -kl_coef*KL stays on its own turn (own_turn) or joins that turn's
     # turn-level reward and so reaches earlier turns discounted (turn_reward: VAGEN's code)
     bilevel_kl_routing: Literal["own_turn", "turn_reward"] = "own_turn"
+    # grpo: divide (R - group mean) by the group's std (Argos Eq. 10) or not (verl's
+    # norm_adv_by_std_in_grpo=False, "Dr. GRPO"): then groups that differ only by shaping terms stay small
+    grpo_norm_by_std: bool = True
     whiten_advantages: bool = True
     max_staleness: int = 4  # drop trajectories whose oldest turn is further behind than this
     importance_weight_cap: float = 2.0  # truncation of pi_prox / pi_behaviour

@@ -14,7 +14,7 @@ Public API::
     vanilla_ppo(*, values, response_mask, attention_mask, turn_end_mask, turn_rewards,
                 token_rewards=None, gamma=1.0, lam=1.0) -> (adv, ret)
     compute_advantages(estimator, **kwargs) -> (adv, ret)     # dispatcher, see its docstring
-    advantage_kwargs(trainer_cfg) -> dict                      # discounts + kl_routing from TrainerConfig
+    advantage_kwargs(trainer_cfg) -> dict                      # discounts, kl_routing, norm_by_std
     loss_mask_for(estimator, response_mask, attention_mask) -> mask for the policy/value losses
     whiten(x, mask, shift_mean=True) -> x whitened over the masked elements
 
@@ -69,7 +69,7 @@ baselines; Argos Eq. 10 for GRPO):
   over the rows of b's group g (std with Bessel's correction, as torch.std), broadcast to b's
   generated tokens. A group of size 1 has no baseline: its advantage is 0 (the row carries no
   policy-gradient signal), as is every row of a group whose scores are all equal. ``returns``
-  is R_b broadcast (there is no critic to train).
+  is R_b broadcast (there is no critic to train). ``norm_by_std=False``: A_b = R_b - mean_g.
 - ``vanilla_ppo`` (Vanilla-PPO, no observation masking): ``masked_gae`` run over every token
   from the row's first generated token to its last attended token, observation tokens
   included as if they were actions (their values and token_rewards are read), R at the last
@@ -313,11 +313,15 @@ def _group_index(group_ids: Any, rows: int, device: torch.device) -> torch.Tenso
     return torch.tensor(index, dtype=torch.long, device=device)
 
 
-def grpo(*, response_mask, turn_end_mask, turn_rewards, group_ids, token_rewards=None, values=None, eps: float = 1e-6):
+def grpo(*, response_mask, turn_end_mask, turn_rewards, group_ids, token_rewards=None, values=None, eps: float = 1e-6,
+         norm_by_std: bool = True):
     """Group-normalised trajectory score (Argos Eq. 10), on generated tokens; ``values`` unused.
 
     A group of size 1 gets advantage 0 (no baseline to compare with), as does a group whose
-    scores are all equal; see the module docstring.
+    scores are all equal; see the module docstring. ``norm_by_std=False`` leaves the division by
+    the group's std out, A_b = R_b - mean_g (verl's ``norm_adv_by_std_in_grpo=False``, "Dr. GRPO"):
+    a group whose scores differ only by small shaping terms then gets a small advantage instead of
+    one scaled up to unit std.
     """
     b = _Batch(response_mask, turn_end_mask, turn_rewards, token_rewards)
     rows = b.shape[0]
@@ -328,7 +332,7 @@ def grpo(*, response_mask, turn_end_mask, turn_rewards, group_ids, token_rewards
     mean = torch.zeros(groups, device=b.device).index_add_(0, gid, score) / count
     dev = score - mean[gid]  # exactly 0 for a group of one
     var = torch.zeros(groups, device=b.device).index_add_(0, gid, dev * dev) / (count - 1).clamp(min=1)
-    adv = dev / (var.sqrt()[gid] + eps)
+    adv = dev / (var.sqrt()[gid] + eps) if norm_by_std else dev
     zero = torch.zeros((), device=b.device)
     return torch.where(b.response, adv[:, None], zero), torch.where(b.response, score[:, None], zero)
 
@@ -410,7 +414,7 @@ def compute_advantages(estimator: str, **kwargs):
     estimator: the discount keywords (``gamma, lam, gamma_turn, lam_turn, gamma_token,
     lam_token``, e.g. from :func:`advantage_kwargs`), ``values`` (not read by grpo),
     ``group_ids`` (grpo only), ``attention_mask`` (vanilla_ppo only), ``kl_routing`` (bilevel_gae
-    only) and ``eps`` (grpo only) are dropped where the estimator does not use them. Any other unknown keyword is a TypeError.
+    only), ``eps`` and ``norm_by_std`` (grpo only) are dropped where the estimator does not use them. Any other unknown keyword is a TypeError.
     """
     _check_estimator(estimator)
     fn = _FUNCTIONS[estimator]
@@ -424,11 +428,12 @@ def compute_advantages(estimator: str, **kwargs):
 
 def advantage_kwargs(trainer_cfg: Any) -> dict[str, Any]:
     """The discount keywords of ``worldloop.common.config.TrainerConfig`` for :func:`compute_advantages`,
-    plus ``kl_routing`` from ``bilevel_kl_routing``.
+    plus ``kl_routing`` from ``bilevel_kl_routing`` and ``norm_by_std`` from ``grpo_norm_by_std``.
 
     masked_gae/vanilla_ppo use gamma, lam; bilevel_gae the four turn/token ones and kl_routing;
     turn_ppo gamma_turn, lam_turn (its discount is across turns); grpo none.
     """
     out: dict[str, Any] = {k: float(getattr(trainer_cfg, k)) for k in _DISCOUNTS}
     out["kl_routing"] = str(getattr(trainer_cfg, "bilevel_kl_routing", "own_turn"))
+    out["norm_by_std"] = bool(getattr(trainer_cfg, "grpo_norm_by_std", True))
     return out

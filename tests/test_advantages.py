@@ -251,6 +251,18 @@ def test_grpo_by_hand() -> None:
         close(ret, mask * torch.tensor(scores)[:, None])
 
 
+def test_grpo_without_std_normalisation_by_hand() -> None:
+    # norm_by_std=False (Dr. GRPO): A = score - group mean, same groups as above
+    want = [1.0 - 2.0, 3.0 - 2.0, 2.0 - 0.5, 0.5 - 0.5, -1.0 - 0.5, 0.0]
+    adv, ret = grpo(**grpo_batch(), group_ids=["g", "g", "h", "h", "h", "k"], norm_by_std=False)
+    mask = grpo_batch()["response_mask"]
+    close(adv, mask * torch.tensor(want)[:, None])
+    close(ret, mask * torch.tensor([1.0, 3.0, 2.0, 0.5, -1.0, 7.0])[:, None])
+    kw = advantage_kwargs(TrainerConfig(grpo_norm_by_std=False))
+    assert kw["norm_by_std"] is False and advantage_kwargs(TrainerConfig())["norm_by_std"] is True
+    close(compute_advantages("grpo", **grpo_batch(), **kw, group_ids=["g", "g", "h", "h", "h", "k"])[0], adv)
+
+
 def test_grpo_outcome_only_and_bad_ids() -> None:
     batch = grpo_batch()
     batch["token_rewards"] = None
