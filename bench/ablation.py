@@ -79,8 +79,9 @@ def arm_config(env: str, arm: tuple[str, bool, str], seed: int, steps: int, eval
     cfg["redis"]["url"] = None
     cfg["redis"]["namespace"] = f"ablation-{run_dir.name}"
     cfg["judge"]["enabled"] = bool(reasoning)
+    # the critic is the baseline of every estimator but grpo (which normalises within its group)
     cfg["trainer"].update(estimator=estimator, total_steps=steps, eval_every=steps, eval_episodes=eval_episodes,
-                          resume=False)
+                          resume=False, use_critic=estimator != "grpo")
     if estimator == "grpo" and cfg["actor"]["n_samples_per_seed"] < 2:
         cfg["actor"]["n_samples_per_seed"] = 2  # a group of one has no baseline
     return cfg

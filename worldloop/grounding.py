@@ -2,20 +2,27 @@
 
 Public API::
 
-    grounding_examples(env_specs, n, seed_start, codec) -> list[GroundingExample]
+    grounding_examples(env_specs, n, seed_start, codec, prompt="image") -> list[GroundingExample]
     grounding_accuracy(model, examples, codec, batch_size=64) -> dict
+    answer_loss(model, examples, codec) -> torch.Tensor
     grounding_pretrain(model_dir, env_specs, steps, *, seed_start, max_image_side, batch_size=32,
-                       lr=3e-3, seed=0, freeze_vision=True, eval_boards=128, progress=None) -> dict
+                       lr=3e-3, seed=0, freeze_vision=True, eval_boards=128, progress=None,
+                       agent_every=0, agent_batch_size=8, prompt="image") -> dict
+    ground_for_run(cfg, model_dir) -> dict      # what ``worldloop up`` runs before SFT
 
 A pretrained vision-language model arrives able to say what is where in an image; the tiny model
-made on the spot does not, and a few hundred SFT demonstrations do not teach it (README, "Why the
-tiny model could not see"). So before SFT, ``worldloop up`` trains the newly made model on the
-cheapest grounding task the run's own envs give for free: the first-turn image of a fresh level
-(nothing else in the prompt but Qwen's default system turn) followed by the answer prefix
-``<think><observation>{the true state, as the env describes it}</observation>``: exactly the
-text an ``<observation>`` is judged against. Loss on those answer tokens only. The levels are new
-every step (``seed_start``, ``seed_start + 1``, ...; the config checks the range is disjoint from
-the RL, demonstration and held-out seeds), so it cannot memorise them.
+made on the spot does not, and a few hundred SFT demonstrations do not teach it (README,
+"Why the tiny model could not see"). So before SFT, ``worldloop up`` trains the newly made model
+on the cheapest grounding task the run's own envs give for free: the first-turn image of a fresh
+level followed by the answer prefix ``<think><observation>{the true state, as the env describes
+it}</observation>``: exactly the text an ``<observation>`` is judged against. Loss on those answer
+tokens only. The user turn is, by ``prompt``: "image", the image alone; "observation", the env's
+first observation (its text and image, no system prompt); "agent", the actors' full first turn
+(system prompt included). A model trained on the short prompts alone does not carry the skill into
+the actors' long prompt, so ``worldloop up`` uses "observation" and every ``agent_every``-th step
+a smaller batch in the "agent" form. The levels are new every step (``seed_start``,
+``seed_start + 1``, ...; the config checks the range is disjoint from the RL, demonstration and
+held-out seeds), so it cannot memorise them.
 
 Nothing of the policy is taught: no action, no reasoning, no prediction. The warm start (SFT) and
 RL still have everything to learn about acting; this stage only makes the image readable.
@@ -173,8 +180,10 @@ def grounding_pretrain(
 ) -> dict:
     """Train the model in ``model_dir`` in place for ``steps`` AdamW steps (``batch_size`` fresh
     levels each, 50 warm-up steps, gradient norm clipped at 1); return
-    ``{"steps", "seconds", "before", "after", "loss"}`` with :func:`grounding_accuracy` on
-    ``eval_boards`` levels played after the training ones (``seed_start + steps * batch_size`` on)."""
+    ``{"steps", "batch_size", "lr", "seconds", "loss", "before", "after", "before_agent",
+    "after_agent"}``: :func:`grounding_accuracy` on ``eval_boards`` levels played after the training
+    ones (``seed_start + steps * batch_size`` on), in the ``prompt`` form and in the "agent" form.
+    ``progress`` gets ``{"step", "steps", "loss"}`` after every step."""
     if steps < 1 or batch_size < 1 or lr <= 0:
         raise ValueError(f"need steps >= 1, batch_size >= 1, lr > 0 (got {steps}, {batch_size}, {lr})")
     model_dir = Path(model_dir)
@@ -211,9 +220,7 @@ def grounding_pretrain(
             sched.step()
             loss_value = float(loss.detach())
             if progress is not None:
-                progress({"step": step + 1, "steps": steps, "loss": loss_value,
-                          "evaluate": lambda: (grounding_accuracy(model, held_out, codec),
-                                               grounding_accuracy(model, held_agent, codec, batch_size=16))})
+                progress({"step": step + 1, "steps": steps, "loss": loss_value})
     finally:
         for env in envs.values():
             env.close()
