@@ -28,7 +28,7 @@ each cell is the mean over run seeds with its 95% t-interval and, beside it, the
 mean. Every row names the judge's scoring mode (``judge.rule_mode``) and the estimator.
 
 Resume: every finished run leaves ``done.json`` in its folder and is not run again; progress goes
-to stdout. Nothing here is a pass/fail check: it reports what happened, whichever way it goes.
+to stdout, and ``ablation.md`` is rewritten after every run with the runs finished so far. Nothing here is a pass/fail check: it reports what happened, whichever way it goes.
 """
 
 from __future__ import annotations
@@ -175,18 +175,27 @@ def main() -> int:
         row = run_one(cfg, run_dir, cache)
         results[suite].setdefault((name, env), []).append(row)
         print(f"    held-out success {row['start']:.3f} -> {row['final']:.3f} (n={row['n']}, {row['wall_s']:.0f}s)", flush=True)
+        write_report(out, chosen, suites, results, envs, args.seeds, partial=i < len(plan))
+    print(write_report(out, chosen, suites, results, envs, args.seeds, partial=False))
+    return 0
+
+
+def write_report(out: Path, chosen: list[str], suites: dict, results: dict, envs: list[str], seeds: int,
+                 partial: bool) -> str:
+    """``ablation.md`` / ``ablation.json`` from the runs finished so far (after every run, so an
+    interrupted bench leaves the table of what it has; ``partial`` says so in the heading)."""
     text = []
     for suite in chosen:
         title = "Method (Grounding-WorldModeling)" if suite == "methods" else "Reasoning strategy (VAGEN-Base)"
-        text.append(f"### {suite}: held-out success, mean over {args.seeds} run seeds [95% t-interval]\n\n"
+        note = " (partial: not every run has finished)" if partial else ""
+        text.append(f"### {suite}: held-out success, mean over {seeds} run seeds [95% t-interval]{note}\n\n"
                     + table(title, suites[suite], results[suite], envs))
     report = "\n\n".join(text)
-    print(report)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ablation.md").write_text(report + "\n")
     (out / "ablation.json").write_text(json.dumps({s: {f"{k[0]}|{k[1]}": v for k, v in r.items()} for s, r in results.items()},
                                                   indent=1))
-    return 0
+    return report
 
 
 if __name__ == "__main__":
