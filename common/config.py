@@ -449,25 +449,32 @@ def _cross_checks(cfg: Config) -> None:
 SFT_PROBE_SEEDS = 8  # format probes played after the demonstrations (worldloop/sft.py warm_start)
 
 
+def _rl_and_eval_seeds(cfg: Config) -> list[tuple[str, int, int]]:
+    return [("the RL seeds [actor.seed_start, actor.seed_end)", cfg.actor.seed_start, cfg.actor.seed_end),
+            ("the held-out eval seeds [eval.seed_start, eval.seed_start + eval.episodes)", cfg.eval.seed_start,
+             cfg.eval.seed_start + cfg.eval.episodes)]
+
+
+def _check_disjoint(key: str, label: str, lo: int, hi: int, others: list[tuple[str, int, int]]) -> None:
+    """ConfigError on ``key`` when the seed range [lo, hi) overlaps any of ``others`` (name, lo, hi)."""
+    for what, lo2, hi2 in others:
+        if lo < hi2 and lo2 < hi:
+            raise ConfigError(key, f"{label} [{lo}, {hi}) overlap {what} = [{lo2}, {hi2})")
+
+
+def _demonstration_seeds(cfg: Config) -> tuple[int, int]:
+    """[lo, hi) of the SFT demonstrations and the format probes played after them."""
+    return cfg.sft.seed_start, cfg.sft.seed_start + cfg.sft.episodes + SFT_PROBE_SEEDS
+
+
 def _check_demonstration_seeds(cfg: Config) -> None:
     """SFT demonstrations must be played on seeds that RL and the held-out evaluation never see."""
     if not cfg.sft.enabled:
         return
-    lo, hi = cfg.sft.seed_start, cfg.sft.seed_start + cfg.sft.episodes + SFT_PROBE_SEEDS
-    if lo < cfg.actor.seed_end and cfg.actor.seed_start < hi:
-        raise ConfigError("sft.seed_start", f"demonstration seeds [{lo}, {hi}) overlap the RL seeds "
-                                            f"[actor.seed_start, actor.seed_end) = [{cfg.actor.seed_start}, {cfg.actor.seed_end})")
-    elo, ehi = cfg.eval.seed_start, cfg.eval.seed_start + cfg.eval.episodes
-    if lo < ehi and elo < hi:
-        raise ConfigError("sft.seed_start", f"demonstration seeds [{lo}, {hi}) overlap the held-out eval seeds "
-                                            f"[eval.seed_start, eval.seed_start + eval.episodes) = [{elo}, {ehi})")
+    _check_disjoint("sft.seed_start", "demonstration seeds", *_demonstration_seeds(cfg), _rl_and_eval_seeds(cfg))
 
 
 GROUNDING_EVAL_BOARDS = 128  # held-out boards of grounding pre-training (worldloop/grounding.py)
-
-
-def _overlaps(lo: int, hi: int, lo2: int, hi2: int) -> bool:
-    return lo < hi2 and lo2 < hi
 
 
 def _check_grounding_seeds(cfg: Config) -> None:
@@ -477,15 +484,10 @@ def _check_grounding_seeds(cfg: Config) -> None:
         return
     lo = m.tiny_grounding_seed_start
     hi = lo + m.tiny_grounding_steps * m.tiny_grounding_batch_size + GROUNDING_EVAL_BOARDS
-    key = "model.tiny_grounding_seed_start"
-    others = [("the RL seeds [actor.seed_start, actor.seed_end)", cfg.actor.seed_start, cfg.actor.seed_end),
-              ("the held-out eval seeds", cfg.eval.seed_start, cfg.eval.seed_start + cfg.eval.episodes)]
+    others = _rl_and_eval_seeds(cfg)
     if cfg.sft.enabled:
-        others.append(("the SFT demonstration seeds", cfg.sft.seed_start,
-                       cfg.sft.seed_start + cfg.sft.episodes + SFT_PROBE_SEEDS))
-    for what, lo2, hi2 in others:
-        if _overlaps(lo, hi, lo2, hi2):
-            raise ConfigError(key, f"grounding pre-training seeds [{lo}, {hi}) overlap {what} = [{lo2}, {hi2})")
+        others.append(("the SFT demonstration seeds", *_demonstration_seeds(cfg)))
+    _check_disjoint("model.tiny_grounding_seed_start", "grounding pre-training seeds", lo, hi, others)
 
 
 # --------------------------------------------------------------------------- coercion

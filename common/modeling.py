@@ -324,7 +324,7 @@ def freeze_vision_tower(model: torch.nn.Module) -> int:
     features already tell every tile apart (README, "Why the tiny model could not see")."""
     frozen = 0
     for name, p in model.named_parameters():
-        if "visual." in f"{name}" and p.requires_grad:
+        if ".visual." in f".{name}" and p.requires_grad:
             p.requires_grad_(False)
             frozen += 1
     return frozen

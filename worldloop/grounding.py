@@ -95,25 +95,24 @@ def grounding_examples(env_specs: Sequence[Any], n: int, seed_start: int, codec:
     cache = _envs if _envs is not None else {}
     out = []
     for k in range(n):
-        env_id, kwargs = specs[k % len(specs)]
-        key = (k % len(specs))
+        key = k % len(specs)
+        env_id, kwargs = specs[key]
         env = cache.get(key)
         if env is None:
             env = cache[key] = gymnasium.make(env_id, **kwargs)
         obs, info = env.reset(seed=seed_start + k)
-        _, images = observation_parts(obs)
+        text, images = observation_parts(obs)
         if not images:
             raise ValueError(f"{env_id} gives no image: grounding pre-training needs render_mode vision")
         if prompt in ("agent", "observation"):
-            text, _ = observation_parts(obs)
             system = str(env.unwrapped.system_prompt()) if prompt == "agent" else None
             seg = codec.encode_obs(text, images, system=system, first=True)
         else:
             seg = codec.encode_obs(PROMPT, images[:1], system=None, first=True)
         state = info["state"]
-        text = str(env.unwrapped.describe_state(state))
+        truth = str(env.unwrapped.describe_state(state))
         rel = list(state.get("relations") or [])
-        answer = codec.encode_response(f"<think><observation>{text}</observation>", eos=False)
+        answer = codec.encode_response(f"<think><observation>{truth}</observation>", eos=False)
         first = codec.encode_response(f"<think><observation>{rel[0]}" if rel else "", eos=False)
         first_len = len(first) if rel and answer[: len(first)] == first else len(answer)
         out.append(GroundingExample(seg.ids, seg.images, answer, first_len))
@@ -121,6 +120,14 @@ def grounding_examples(env_specs: Sequence[Any], n: int, seed_start: int, codec:
         for env in cache.values():
             env.close()
     return out
+
+
+def _forward(model: torch.nn.Module, examples: Sequence[GroundingExample], codec: ChatCodec) -> tuple[dict, torch.Tensor]:
+    """The collated batch of ``examples`` and the backbone's last hidden states (no LM head: callers
+    apply it where they need logits)."""
+    batch = collate([e.layout() for e in examples], codec)
+    p = next(model.parameters())
+    return batch, model.model(**model_inputs(batch, p.device, p.dtype), use_cache=False).last_hidden_state
 
 
 @torch.no_grad()
@@ -132,10 +139,7 @@ def grounding_accuracy(model: torch.nn.Module, examples: Sequence[GroundingExamp
     first = exact = right = total = 0
     for s in range(0, len(examples), batch_size):
         chunk = list(examples[s : s + batch_size])
-        batch = collate([e.layout() for e in chunk], codec)
-        inner = getattr(model, "model")
-        p = next(model.parameters())
-        hidden = inner(**model_inputs(batch, p.device, p.dtype), use_cache=False).last_hidden_state
+        batch, hidden = _forward(model, chunk, codec)
         pred = model.get_output_embeddings()(hidden[:, :-1]).argmax(-1).cpu()
         target = batch["input_ids"][:, 1:]
         for i, e in enumerate(chunk):
@@ -153,9 +157,7 @@ def grounding_accuracy(model: torch.nn.Module, examples: Sequence[GroundingExamp
 def answer_loss(model: torch.nn.Module, examples: Sequence[GroundingExample], codec: ChatCodec) -> torch.Tensor:
     """Mean cross-entropy of the answer tokens; the LM head runs on the answer positions only (the
     prompt, most of each sequence, needs no logits)."""
-    batch = collate([e.layout() for e in examples], codec)
-    p = next(model.parameters())
-    hidden = model.model(**model_inputs(batch, p.device, p.dtype), use_cache=False).last_hidden_state
+    batch, hidden = _forward(model, examples, codec)
     mask = batch["response_mask"][:, 1:].to(hidden.device) > 0  # position i predicts token i + 1
     logits = model.get_output_embeddings()(hidden[:, :-1][mask]).float()
     return torch.nn.functional.cross_entropy(logits, batch["input_ids"][:, 1:].to(hidden.device)[mask])
