@@ -223,6 +223,10 @@ class TrainerConfig:
     # norm_adv_by_std_in_grpo=False, "Dr. GRPO"): then groups that differ only by shaping terms stay small
     grpo_norm_by_std: bool = True
     whiten_advantages: bool = True
+    # how the policy loss averages over a PPO mini-batch (verl's loss_agg_mode): token-mean (every
+    # generated token weighs the same: VAGEN Alg. 1), seq-mean-token-mean (every trajectory weighs the
+    # same whatever its length), seq-mean-token-sum (Dr. GRPO: per-trajectory token sums, averaged)
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     max_staleness: int = 4  # drop trajectories whose oldest turn is further behind than this
     importance_weight_cap: float = 2.0  # truncation of pi_prox / pi_behaviour
     wmact_rescale: bool = False  # WMAct Eq. 4: R * N_eff / N

@@ -4,8 +4,10 @@ Public API::
 
     masked_sum(x, mask, dim=None) / masked_mean(x, mask, dim=None)
     masked_var(x, mask, unbiased=True, return_mean=False)
+    weighted_sum(x, weights, mask) -> sum of x * weights over the mask
+    aggregation_weights(mask, mode) / aggregation_normaliser(mask, mode)   # trainer.loss_agg_mode
     policy_loss(logprobs, proximal_logprobs, behaviour_logprobs, advantages, mask, *,
-                clip_ratio=0.2, iw_cap=2.0) -> (loss, stats)
+                clip_ratio=0.2, iw_cap=2.0, token_weights=None) -> (loss, stats)
     value_loss(values, old_values, returns, mask, *, value_clip=0.2) -> (loss, stats)
     kl_penalty(logprobs, ref_logprobs, kind="low_var_kl") -> per-token tensor
 
@@ -13,7 +15,10 @@ Aggregation: every loss is a token mean over the mask of the tensors it is given
 mini-batch or micro-batch): sum over masked tokens / number of masked tokens, so long responses
 weigh per token, not per sequence (VAGEN Alg. 1 line 27-28). With gradient accumulation over
 micro-batches the caller scales each micro-batch loss by its share of the mini-batch's tokens if it
-wants the exact mini-batch token mean. A mask with no token gives loss 0 (still attached to the
+wants the exact mini-batch token mean. The policy loss also takes per-token weights instead
+(``token_weights``): the other aggregation modes of ``trainer.loss_agg_mode``
+(:func:`aggregation_weights`), where the caller divides the weighted sums of a mini-batch by
+:func:`aggregation_normaliser`. A mask with no token gives loss 0 (still attached to the
 graph) and stats 0. Nothing is read outside the mask: NaN/inf there changes neither the loss nor
 its gradient. Stats are Python floats (one host sync per call).
 """
@@ -58,6 +63,45 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, retur
     return (mean, var) if return_mean else var
 
 
+def weighted_sum(x: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """sum(x * weights) over the masked elements (NaN/inf outside the mask never leak in)."""
+    _same_shape("weights", weights, x)
+    m = _bool(mask, x)
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    return torch.where(m, x * weights.to(x.device, x.dtype), zero).sum()
+
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+def aggregation_weights(mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """Per-token weights [B, L] of a loss aggregation mode (verl's ``loss_agg_mode`` names), before
+    the division by the batch's normaliser (:func:`aggregation_normaliser`):
+
+    * ``token-mean``: 1 on every masked token; normaliser = masked tokens of the batch. Every token
+      weighs the same, so a long trajectory weighs more (VAGEN Alg. 1; verl's default);
+    * ``seq-mean-token-mean``: 1 / (masked tokens of the row); normaliser = rows with a masked token.
+      Every trajectory weighs the same whatever its length: under GRPO a failed 3-turn episode no
+      longer outweighs a solved 1-turn one on the tokens they share;
+    * ``seq-mean-token-sum``: 1 on every masked token; normaliser = rows (Dr. GRPO's sum over a
+      sequence's tokens, averaged over sequences).
+    """
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"mode: unknown loss aggregation {mode!r}, expected one of {', '.join(LOSS_AGG_MODES)}")
+    m = (mask != 0).float()
+    if mode == "seq-mean-token-mean":
+        return m / m.sum(-1, keepdim=True).clamp(min=1.0)
+    return m
+
+
+def aggregation_normaliser(mask: torch.Tensor, mode: str) -> float:
+    """What the weighted sum of a batch (or mini-batch) is divided by under ``mode``."""
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"mode: unknown loss aggregation {mode!r}, expected one of {', '.join(LOSS_AGG_MODES)}")
+    m = mask != 0
+    return float(m.sum()) if mode == "token-mean" else float(m.any(-1).sum())
+
+
 def _stats(named: dict[str, torch.Tensor]) -> dict[str, float]:
     values = torch.stack([v.detach().float().reshape(()) for v in named.values()]).tolist()
     return dict(zip(named, values))
@@ -80,6 +124,7 @@ def policy_loss(
     *,
     clip_ratio: float = 0.2,
     iw_cap: float | None = 2.0,
+    token_weights: torch.Tensor | None = None,
 ):
     """Decoupled PPO clip loss (the negated objective, to minimise).
 
@@ -88,7 +133,9 @@ def policy_loss(
     iw_cap) (importance weight of the proximal policy against the actor's behaviour policy,
     truncated; no gradient through w; ``iw_cap=None`` = untruncated) and
     loss_i = -w * min(r * A, clip(r, 1 - clip_ratio, 1 + clip_ratio) * A); the loss is the token
-    mean over ``mask``. Gradients flow only into ``logprobs``.
+    mean over ``mask``, or, with ``token_weights`` (same shape, 0 outside the mask), the weighted
+    sum ``sum_i token_weights_i * loss_i`` (the caller's normalisation: see :func:`aggregation_weights`).
+    Gradients flow only into ``logprobs``. ``stats["loss"]`` is the token mean either way.
 
     stats: clip_fraction (tokens whose clipped term is the active one), approx_kl
     (mean of (r - 1) - log r, the k3 estimate of KL(proximal || new)), approx_kl_k1 (mean of
@@ -115,6 +162,7 @@ def policy_loss(
     clipped = -adv * ratio.clamp(1.0 - clip_ratio, 1.0 + clip_ratio)
     per_token = w * torch.maximum(unclipped, clipped)
     loss = masked_mean(per_token, m)
+    weighted = loss if token_weights is None else weighted_sum(per_token, token_weights, m)
     with torch.no_grad():
         stats = _stats(
             {
@@ -132,7 +180,7 @@ def policy_loss(
                 "tokens": m.sum(),
             }
         )
-    return loss, stats
+    return weighted, stats
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, *, value_clip: float | None = 0.2):

@@ -25,8 +25,12 @@ An iteration, for this rank's contiguous slice of the global batch:
    policy loss (ratio against the proximal log-probs, importance weight proximal/behaviour
    truncated at ``importance_weight_cap``), minus ``entropy_coef`` x entropy, plus
    ``kl_coef`` x KL(pi || ref) when the KL is not in the reward; clipped value loss for the critic.
-   Each micro-batch loss is weighted by its share of the global mini-batch's loss tokens, so the
-   gradient is the exact token mean over the mini-batch whatever the padding or rank split.
+   The policy terms are aggregated over the global mini-batch as ``trainer.loss_agg_mode`` says
+   (``token-mean``: every loss token weighs the same; ``seq-mean-token-mean``: every trajectory
+   weighs the same; ``seq-mean-token-sum``: a trajectory weighs its token count, averaged over
+   trajectories; ``worldloop.learner.losses.aggregation_weights``): each micro-batch contributes its
+   weighted sum divided by the mini-batch's normaliser, so the gradient is exactly the mini-batch's
+   aggregate whatever the padding or rank split. The critic's loss is always the token mean.
 
 Micro-batches (step 2 and 4): ``trainer.micro_batch_tokens`` = 0 takes ``micro_batch_size``
 trajectories at a time in mini-batch order (each micro-batch padded to its longest); > 0 forms
@@ -63,7 +67,8 @@ from worldloop.common.schemas import Trajectory
 from worldloop.learner import advantages as adv_mod
 from worldloop.learner.data import micro_slices
 from worldloop.learner.engine import Models, all_reduce_max, all_reduce_sum
-from worldloop.learner.losses import kl_penalty, masked_mean, policy_loss, value_loss
+from worldloop.learner.losses import (aggregation_normaliser, aggregation_weights, kl_penalty, masked_mean, policy_loss,
+                                      value_loss, weighted_sum)
 from worldloop.learner.rewards import place_turn_rewards, turn_rewards
 
 log = logging.getLogger(__name__)
@@ -294,14 +299,16 @@ class PPOTrainer:
         length = batch["input_ids"].shape[1]
         lengths = [int(n) for n in batch["attention_mask"].sum(1).tolist()]
 
+        resp = batch["response_mask"]
+        mask = adv_mod.loss_mask_for(t.estimator, resp, batch["attention_mask"]).float()
+        batch["logprob_mask"] = mask  # log-probs are read on loss tokens only: the LM head skips the rest
+
         self._sync()
         t0 = time.perf_counter()
         pre = self._precompute(batch, image_counts, lengths, timing)
         self._sync()
         timing["forward"] += time.perf_counter() - t0
 
-        resp = batch["response_mask"]
-        mask = adv_mod.loss_mask_for(t.estimator, resp, batch["attention_mask"]).float()
         rewards = place_turn_rewards(batch["turn_end_mask"], [turn_rewards(x, wmact_rescale=t.wmact_rescale) for x in local])
         kl_tok = torch.where(mask > 0, self._kl(pre["old_logprobs"], pre["ref_logprobs"]), 0.0) if models.reference is not None else torch.zeros_like(mask)
         token_rewards = -t.kl_coef * kl_tok if (t.kl_in_reward and models.reference is not None) else torch.zeros_like(mask)
@@ -324,7 +331,8 @@ class PPOTrainer:
             advantages = self._whiten(advantages, mask)
 
         batch.update(pre)
-        batch.update(advantages=advantages, returns=returns, loss_mask=mask)
+        batch.update(advantages=advantages, returns=returns, loss_mask=mask,
+                     loss_weight=aggregation_weights(mask, t.loss_agg_mode))
         acc = _Acc()
         grad_norms: dict[str, list[float]] = defaultdict(list)
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 101 + models.dist.rank)
@@ -333,11 +341,12 @@ class PPOTrainer:
             order = torch.randperm(len(local), generator=gen).tolist()
             minis = self._chunks(order, self.local_mini)
             for mini, micros in zip(minis, self._plan(minis, lengths)):
-                n_global = all_reduce_sum([float(mask[mini].sum())], models.dist)[0]
+                n_global, n_tokens = all_reduce_sum([aggregation_normaliser(mask[mini], t.loss_agg_mode),
+                                                     float(mask[mini].sum())], models.dist)
                 for i, micro in enumerate(micros):
                     mb = micro_slices(batch, micro, image_counts)
                     self._count_slots(mb, timing)
-                    self._train_micro(mb, n_global, acc, timing, last=i == len(micros) - 1)
+                    self._train_micro(mb, n_global, n_tokens, acc, timing, last=i == len(micros) - 1)
                 n_micro_batches += len(micros)
                 self._boundary(grad_norms)
 
@@ -350,25 +359,30 @@ class PPOTrainer:
                      padding_fraction=1.0 - real / slots if slots > 0 else 0.0)
         return stats
 
-    def _train_micro(self, mb: dict, n_global: float, acc: _Acc, timing: dict, last: bool) -> None:
+    def _train_micro(self, mb: dict, n_global: float, n_tokens: float, acc: _Acc, timing: dict, last: bool) -> None:
+        """One micro-batch. The policy terms are weighted sums over ``loss_weight`` divided by the
+        mini-batch's normaliser ``n_global`` (``trainer.loss_agg_mode``); the critic's is its token
+        mean weighted by the micro-batch's share of the mini-batch's ``n_tokens``."""
         t, models = self.t, self.models
         dev = self.device
         m = mb["loss_mask"].to(dev)
+        w = mb["loss_weight"].to(dev)
         n_micro = float(mb["loss_mask"].sum())
-        share = micro_loss_scale(n_micro, n_global, models.dist.world_size, models.policy.gradient_accumulation_steps())
+        ranks_acc = models.dist.world_size * models.policy.gradient_accumulation_steps()
         self._sync()
         t0 = time.perf_counter()
         self._set_boundary(models.policy, last)
         lp, ent = models.policy(mb, temperature=self.temperature, return_entropy=True)
         pl, pst = policy_loss(lp, mb["old_logprobs"].to(dev), mb["behaviour_logprobs"].to(dev), mb["advantages"].to(dev), m,
-                              clip_ratio=t.clip_ratio, iw_cap=t.importance_weight_cap)
+                              clip_ratio=t.clip_ratio, iw_cap=t.importance_weight_cap, token_weights=w)
         entropy = masked_mean(ent, m)
-        loss = pl - t.entropy_coef * entropy if t.entropy_coef else pl
+        loss = pl - t.entropy_coef * weighted_sum(ent, w, m) if t.entropy_coef else pl
         kl_loss = None
         if not t.kl_in_reward and models.reference is not None and t.kl_coef > 0:
-            kl_loss = masked_mean(self._kl(lp, mb["ref_logprobs"].to(dev)), m)
-            loss = loss + t.kl_coef * kl_loss
-        self._optimise("policy", models.policy, loss * share, t0, timing)
+            kl = self._kl(lp, mb["ref_logprobs"].to(dev))
+            kl_loss = masked_mean(kl, m)
+            loss = loss + t.kl_coef * weighted_sum(kl, w, m)
+        self._optimise("policy", models.policy, loss * (ranks_acc / max(n_global, 1.0)), t0, timing)
         pst["entropy"] = float(entropy.detach())
         if kl_loss is not None:
             pst["kl_loss"] = float(kl_loss.detach())
@@ -379,6 +393,7 @@ class PPOTrainer:
         self._set_boundary(models.critic, last)
         values = models.critic(mb)
         vl, vst = value_loss(values, mb["old_values"].to(dev), mb["returns"].to(dev), m, value_clip=t.value_clip)
+        share = micro_loss_scale(n_micro, n_tokens, models.dist.world_size, models.critic.gradient_accumulation_steps())
         self._optimise("critic", models.critic, vl * share, t0, timing)
         acc.add("value_", vst, n_micro)
 

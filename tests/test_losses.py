@@ -128,3 +128,32 @@ def test_masked_reductions_ignore_nan_padding() -> None:
     assert masked_var(x, m).item() == pytest.approx(1.0)  # ((-1)^2 + 0 + 1^2) / (3 - 1)
     assert masked_var(x, m, unbiased=False).item() == pytest.approx(2 / 3)
     assert masked_mean(x, torch.zeros_like(m)).item() == 0.0
+
+
+def test_aggregation_weights_and_normalisers_by_hand():
+    from worldloop.learner.losses import aggregation_normaliser, aggregation_weights
+
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    assert aggregation_weights(mask, "token-mean").tolist() == mask.float().tolist()
+    assert aggregation_normaliser(mask, "token-mean") == 6.0
+    assert aggregation_weights(mask, "seq-mean-token-mean").tolist() == [[0.5, 0.5, 0, 0], [0.25] * 4, [0.0] * 4]
+    assert aggregation_normaliser(mask, "seq-mean-token-mean") == 2.0  # rows with a loss token
+    assert aggregation_weights(mask, "seq-mean-token-sum").tolist() == mask.float().tolist()
+    assert aggregation_normaliser(mask, "seq-mean-token-sum") == 2.0
+    with pytest.raises(ValueError, match="loss aggregation"):
+        aggregation_weights(mask, "sum")
+
+
+def test_policy_loss_with_token_weights_is_the_weighted_sum_by_hand():
+    # ratio 1 everywhere (new = proximal = behaviour): loss_i = -A_i
+    lp = torch.zeros(2, 3, requires_grad=True)
+    adv = torch.tensor([[2.0, 4.0, 9.0], [1.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    weights = torch.tensor([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]]) / 2  # seq-mean-token-mean of 2 rows
+    loss, stats = policy_loss(lp, lp.detach(), lp.detach(), adv, mask, token_weights=weights)
+    # rows' token means: -(2 + 4) / 2 = -3 and -1; their mean -2. The token mean would be -7/3.
+    assert float(loss) == pytest.approx(-2.0)
+    assert stats["loss"] == pytest.approx(-7.0 / 3.0)
+    loss.backward()
+    # d loss / d lp_i = -w_i * A_i (ratio = exp(lp - prox), derivative 1 at 0)
+    assert torch.allclose(lp.grad, torch.tensor([[-0.5, -1.0, 0.0], [-0.5, 0.0, 0.0]]))

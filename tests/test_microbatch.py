@@ -105,7 +105,8 @@ def _recording_engine(optimizers: dict):
 
 
 def run_update(model_dir: Path, *, micro_batch_tokens: int, zero_stage: int, train_batch_size: int = 8,
-               mini: int = 4, micro: int = 2, redis_url: str = "redis://127.0.0.1:1") -> tuple[dict, dict, dict]:
+               mini: int = 4, micro: int = 2, redis_url: str = "redis://127.0.0.1:1",
+               loss_agg_mode: str = "token-mean") -> tuple[dict, dict, dict]:
     """One PPOTrainer.update on fresh models from ``model_dir``: (stats, {engine: [grads per step]},
     {engine: [final parameters]})."""
     from worldloop.common.modeling import ChatCodec, load_policy
@@ -115,7 +116,7 @@ def run_update(model_dir: Path, *, micro_batch_tokens: int, zero_stage: int, tra
 
     cfg = tiny_learner_config(model_dir, redis_url, model_dir.parent / "run", train_batch_size=train_batch_size,
                               ppo_mini_batch_size=mini, micro_batch_size=micro, micro_batch_tokens=micro_batch_tokens,
-                              zero_stage=zero_stage, kl_coef=0.01, estimator="bilevel_gae")
+                              zero_stage=zero_stage, kl_coef=0.01, estimator="bilevel_gae", loss_agg_mode=loss_agg_mode)
     dist = init_distributed(cfg)
     codec = ChatCodec(model_dir, max_image_side=112)
     optimizers: dict = {}
@@ -166,6 +167,28 @@ def test_token_budget_gives_the_fixed_count_loss_and_gradient(model_dir, stage):
     assert budget[0]["padding_fraction"] < fixed[0]["padding_fraction"]
     assert budget[0]["tokens"] == fixed[0]["tokens"]
     assert_same_update(fixed, budget)
+
+
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum"])
+def test_per_trajectory_aggregation_is_exact_whatever_the_split(model_dir, mode):
+    """trainer.loss_agg_mode: the per-trajectory modes give one update whatever the micro-batch
+    split, and it is not the token mean's (the batch's trajectories differ up to 10x in length)."""
+    fixed = run_update(model_dir, micro_batch_tokens=0, zero_stage=0, loss_agg_mode=mode)
+    budget = run_update(model_dir, micro_batch_tokens=BUDGET, zero_stage=0, loss_agg_mode=mode)
+    assert budget[0]["micro_batches"] != fixed[0]["micro_batches"]
+    assert_same_update(fixed, budget)
+    token_mean = run_update(model_dir, micro_batch_tokens=0, zero_stage=0)
+    g_mode, g_tok = fixed[1]["policy"][0], token_mean[1]["policy"][0]
+    cos = float(g_mode @ g_tok / (g_mode.norm() * g_tok.norm()))
+    if mode == "seq-mean-token-mean":
+        assert cos < 0.999, cos  # long trajectories no longer dominate: another direction
+    else:
+        # every token weighs 1 as in the token mean, divided by the rows instead of the tokens: the
+        # same direction, larger by the mean loss tokens per trajectory (then clipped at
+        # trainer.max_grad_norm 1, so only the direction and "larger" are checked)
+        assert cos > 0.99999 and g_mode.norm() > 1.2 * g_tok.norm(), (cos, float(g_mode.norm()), float(g_tok.norm()))
+    # the critic's loss is the token mean in every mode
+    assert torch.allclose(fixed[1]["critic"][0], token_mean[1]["critic"][0], rtol=1e-4, atol=1e-7)
 
 
 # --------------------------------------------------------------------------- two ranks
