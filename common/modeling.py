@@ -15,7 +15,7 @@ Public API::
     freeze_vision_tower(model) -> int                          # requires_grad False on the vision tower
     build_sequence(traj: dict) -> SequenceLayout
     collate(layouts, codec, pad_to_multiple=8) -> dict[str, Tensor]
-    token_logprobs(model, batch, temperature=1.0, chunk_size=512, return_entropy=False)
+    token_logprobs(model, batch, temperature=1.0, chunk_size=512, return_entropy=False, only=None)
         -> (logprobs [B, L], entropy [B, L] | None)
 
 Layout of a multi-turn episode
@@ -493,6 +493,7 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 512,
     return_entropy: bool = False,
+    only: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-position log p(token_i | tokens < i) under ``logits / temperature`` (position 0 -> 0).
 
@@ -500,7 +501,11 @@ def token_logprobs(
     time, under activation checkpointing when gradients are on, so the full-vocabulary fp32
     log-softmax is never held for the whole batch. ``entropy[b, i]`` is the entropy of the
     distribution that produced token i (0 at position 0); None unless ``return_entropy``.
-    Values at padded positions are meaningless; mask them with the batch's masks.
+    ``only`` ([B, L], nonzero where wanted, e.g. the loss mask): the LM head runs on those
+    positions alone and every other position comes out 0. The learner wants the generated tokens
+    only, a tenth of a multi-turn episode's tokens, and the head and log-softmax over the
+    vocabulary are the larger part of a small model's forward. Values at padded positions are
+    meaningless; mask them with the batch's masks.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -508,9 +513,27 @@ def token_logprobs(
     head = getattr(model, "module", model).get_output_embeddings()
     ids = batch["input_ids"].to(hidden.device)
     bsz, length = ids.shape
+    checkpointed = torch.is_grad_enabled() and hidden.requires_grad
+    if only is not None:
+        if only.shape != ids.shape:
+            raise ValueError(f"only: expected shape {tuple(ids.shape)}, got {tuple(only.shape)}")
+        # position i is predicted by the hidden state at i - 1
+        rows, cols = (only.to(hidden.device)[:, 1:] != 0).nonzero(as_tuple=True)
+        flat_h, flat_t = hidden[rows, cols], ids[rows, cols + 1]
+        lps, ents = [], []
+        for s in range(0, int(flat_t.shape[0]), chunk_size):
+            args = (head, flat_h[s : s + chunk_size], flat_t[s : s + chunk_size], float(temperature), return_entropy)
+            lp, ent = (torch.utils.checkpoint.checkpoint(_chunk_stats, *args, use_reentrant=False) if checkpointed
+                       else _chunk_stats(*args))
+            lps.append(lp)
+            ents.append(ent)
+        zeros = hidden.new_zeros(bsz, length, dtype=torch.float32)
+        where = (rows, cols + 1)
+        lp_all = zeros.index_put(where, torch.cat(lps)) if lps else zeros + 0.0 * hidden.sum()
+        ent_all = (zeros.index_put(where, torch.cat(ents)) if ents else zeros.clone()) if return_entropy else None
+        return lp_all, ent_all
     lps = [torch.zeros(bsz, 1, device=hidden.device)]
     ents = [torch.zeros(bsz, 1, device=hidden.device)]
-    checkpointed = torch.is_grad_enabled() and hidden.requires_grad
     for s in range(0, length - 1, chunk_size):
         e = min(s + chunk_size, length - 1)
         args = (head, hidden[:, s:e], ids[:, s + 1 : e + 1], float(temperature), return_entropy)

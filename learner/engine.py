@@ -173,14 +173,16 @@ def check_batch_geometry(cfg: Config, world_size: int) -> None:
 
 
 class PolicyModule(torch.nn.Module):
-    """The HF policy; ``forward`` returns per-position log-probs (and entropies)."""
+    """The HF policy; ``forward`` returns per-position log-probs (and entropies): at every position,
+    or, when the batch holds a ``logprob_mask``, at its nonzero positions only (0 elsewhere)."""
 
     def __init__(self, hf: torch.nn.Module):
         super().__init__()
         self.hf = hf
 
     def forward(self, batch: dict[str, torch.Tensor], temperature: float = 1.0, return_entropy: bool = False):
-        return token_logprobs(self.hf, batch, temperature=temperature, return_entropy=return_entropy)
+        return token_logprobs(self.hf, batch, temperature=temperature, return_entropy=return_entropy,
+                              only=batch.get("logprob_mask"))
 
 
 class CriticModule(torch.nn.Module):

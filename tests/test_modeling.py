@@ -216,6 +216,33 @@ def test_token_logprobs_gradient_equals_unchunked(vl_dir: Path, codec: ChatCodec
     assert torch.allclose(grads[0], grads[1], atol=1e-5)
 
 
+def test_token_logprobs_on_chosen_positions_only_equal_the_full_pass_there(vl_dir: Path, codec: ChatCodec) -> None:
+    """``only``: the LM head runs on the chosen positions; they equal the full pass (value and
+    gradient), every other position is 0, and no chosen position gives zeros with a graph."""
+    batch = collate(list(_two_layouts(codec)), codec)
+    only = batch["response_mask"].clone()
+    only[0, 0] = 1  # position 0 has no prediction: still 0
+    out = []
+    for sel in (None, only):
+        m = load_policy(vl_dir).train()
+        lp, ent = token_logprobs(m, batch, temperature=0.7, chunk_size=4, return_entropy=True, only=sel)
+        (lp * batch["response_mask"]).sum().backward()
+        out.append((lp.detach(), ent.detach(), m.get_output_embeddings().weight.grad.clone()))
+    (full_lp, full_ent, full_g), (lp, ent, g) = out
+    chosen = only.bool()
+    chosen[:, 0] = False
+    assert int(chosen.sum()) > 0 and int((~chosen).sum()) > 0
+    assert torch.allclose(lp[chosen], full_lp[chosen], atol=1e-5)
+    assert torch.allclose(ent[chosen], full_ent[chosen], atol=1e-5)
+    assert (lp[~chosen] == 0).all() and (ent[~chosen] == 0).all()
+    assert g.abs().sum() > 0 and torch.allclose(g, full_g, atol=1e-5)
+    nothing = torch.zeros_like(only)
+    lp, ent = token_logprobs(load_policy(vl_dir).train(), batch, only=nothing, return_entropy=True)
+    assert (lp == 0).all() and (ent == 0).all() and lp.requires_grad
+    with pytest.raises(ValueError, match="only"):
+        token_logprobs(load_policy(vl_dir), batch, only=only[:, 1:])
+
+
 class _Lookup(torch.nn.Module):
     """Backbone whose hidden state is a fixed per-token vector (one row of a table)."""
 
