@@ -276,6 +276,10 @@ class SFTConfig:
     # prediction cut to their first `observation_relations` sentences and an empty reasoning
     answer_style: Literal["expert", "concise"] = "expert"
     observation_relations: int = 2
+    # how much of its plan the demonstrator commits per turn: prefix = the first
+    # max_actions_per_step actions (the env's expert); distinct = up to the first repeated move, then it
+    # looks again (one step per direction: the answer follows from the observed relations)
+    turn_plan: Literal["prefix", "distinct"] = "prefix"
 
 
 @dataclass

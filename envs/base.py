@@ -816,9 +816,16 @@ class VisualEnv(gymnasium.Env):
             self._restore(snap)
             self._state_cache = None
 
-    def expert_response(self) -> str:
-        """A well-formed response: true observation, true prediction, the expert's next actions."""
+    def expert_response(self, distinct_moves: bool = False) -> str:
+        """A well-formed response: true observation, true prediction, the expert's next actions.
+
+        The actions are the first ``max_actions_per_step`` of the expert's plan; with
+        ``distinct_moves`` the plan's actions up to the first one that repeats an action already
+        taken this turn (a closed-loop demonstrator: one step per direction, then it looks again,
+        so each turn's answer follows from the relations it observed; it may need more turns)."""
         actions = [str(a) for a in self._expert_actions()][: self.max_actions_per_step]
+        if distinct_moves:
+            actions = actions[: next((i for i, a in enumerate(actions) if a in actions[:i]), len(actions))]
         if not actions and self.ACTIONS:
             actions = [self.ACTIONS[0]]
         observation = prediction = None

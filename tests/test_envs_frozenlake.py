@@ -96,3 +96,27 @@ def test_bad_kwargs() -> None:
                      ({"size": 1}, "size"), ({"p": 0.0}, "p must"), ({"is_slippery": "yes"}, "is_slippery")):
         with pytest.raises(ValueError, match=name):
             FrozenLakeEnv(**kw)
+
+
+def test_the_distinct_moves_demonstrator_looks_again_after_each_direction() -> None:
+    """expert_response(distinct_moves=True): the plan's moves up to the first repeated one; the
+    observation is the true state and the prediction the true state after exactly those moves."""
+    from worldloop.envs.base import parse_response
+
+    env = gymnasium.make(ID, desc=DESC, render_mode="text", prompt_format="grounding_worldmodeling")
+    env.reset(seed=0)
+    e = env.unwrapped
+    assert parse_response(e.expert_response(), "grounding_worldmodeling").answer == "Down,Down,Right"
+    answers = []
+    for _ in range(6):
+        text = e.expert_response(distinct_moves=True)
+        p = parse_response(text, "grounding_worldmodeling")
+        answers.append(p.answer)
+        expected_after = e.describe_state(e.simulate(p.answer.split(",")))
+        assert p.observation == e.describe_state(e._current_state()) and p.prediction == expected_after
+        _, _, term, _, info = env.step(text)
+        assert e.describe_state(info["state"]) == expected_after
+        if term:
+            break
+    # (0,0) D -> (1,0) D,R -> (2,1) D,R -> (3,2) R: the goal in four turns (the plain expert: two)
+    assert answers == ["Down", "Down,Right", "Down,Right", "Right"] and info["success"]

@@ -205,3 +205,21 @@ def test_demonstration_seeds_must_not_overlap_rl_or_eval_seeds() -> None:
     assert e.value.key == "sft.seed_start" and "eval seeds" in e.value.reason
     load_config("configs/tiny-sokoban.yaml", [f"sft.seed_start={cfg.eval.seed_start - cfg.sft.episodes - 8}"])
     load_config("configs/tiny-sokoban.yaml", ["sft.seed_start=0", "sft.enabled=false"])  # no demonstrations: no check
+
+
+@pytest.mark.skipif(not _sokoban_registered(), reason="envs has not registered worldloop/FrozenLake-v0 yet")
+def test_distinct_moves_demonstrations_take_each_direction_once_per_turn(codec: ChatCodec) -> None:
+    from worldloop.common.config import load_config
+
+    spec = {"id": "worldloop/FrozenLake-v0", "kwargs": {"size": 4, "min_actions_to_succeed": 3, "image_size": 112,
+                                                        "prompt_format": "grounding_worldmodeling"}}
+    plain = make_demonstrations([spec], 8, 11, codec, max_turns=3)
+    step = make_demonstrations([spec], 8, 11, codec, max_turns=3, distinct_moves=True)
+    for p, d in zip(plain, step):
+        env = gymnasium.make(spec["id"], **spec["kwargs"])
+        env.reset(seed=d.seed)
+        assert d.turns[0].response_text == env.unwrapped.expert_response(distinct_moves=True)
+        assert all(len(set(t.actions)) == len(t.actions) >= 1 for t in d.turns)
+        assert sum(len(t.actions) for t in d.turns[:1]) <= sum(len(t.actions) for t in p.turns[:1])
+    assert any(len(d.turns) > len(p.turns) for p, d in zip(plain, step))  # looking again costs turns
+    assert load_config(None, ["sft.turn_plan=distinct"]).sft.turn_plan == "distinct"

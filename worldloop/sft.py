@@ -85,7 +85,7 @@ def concise_response(response: str, prompt_format: str, observation_relations: i
 
 
 def _play_episode(env_id: str, kwargs: dict, seed: int, codec: ChatCodec, max_turns: int,
-                  style: str = "expert", observation_relations: int = 2) -> Trajectory:
+                  style: str = "expert", observation_relations: int = 2, distinct_moves: bool = False) -> Trajectory:
     import gymnasium
 
     from worldloop import envs  # noqa: F401  (registers worldloop/* ids)
@@ -102,7 +102,8 @@ def _play_episode(env_id: str, kwargs: dict, seed: int, codec: ChatCodec, max_tu
         for t in range(max_turns):
             text, images = observation_parts(obs)
             seg = codec.encode_obs(text, images, system=system, first=t == 0, prev_response_ended=ended)
-            response = str(env.unwrapped.expert_response())
+            response = str(env.unwrapped.expert_response(distinct_moves=True) if distinct_moves
+                           else env.unwrapped.expert_response())
             if style == "concise":
                 response = concise_response(response, prompt_format, observation_relations)
             ids = codec.encode_response(response)
@@ -135,11 +136,13 @@ def _play_episode(env_id: str, kwargs: dict, seed: int, codec: ChatCodec, max_tu
 
 def make_demonstrations(
     env_specs: Sequence[Any], n_episodes: int, seed: int, codec: ChatCodec, max_turns: int,
-    *, style: str = "expert", observation_relations: int = 2,
+    *, style: str = "expert", observation_relations: int = 2, distinct_moves: bool = False,
 ) -> list[Trajectory]:
     """Play ``n_episodes`` expert episodes, cycling over ``env_specs``, seeds ``seed, seed+1, ...``.
 
-    ``style`` "expert": the env's ``expert_response()``; "concise": :func:`concise_response` of it."""
+    ``style`` "expert": the env's ``expert_response()``; "concise": :func:`concise_response` of it.
+    ``distinct_moves``: the env's ``expert_response(distinct_moves=True)``, one step per direction
+    per turn (such an episode can run out of turns: it is kept, an imperfect demonstrator)."""
     if not env_specs:
         raise ValueError("make_demonstrations needs at least one env spec")
     if max_turns < 1:
@@ -150,7 +153,8 @@ def make_demonstrations(
     demos = []
     for k in range(n_episodes):
         env_id, kwargs = specs[k % len(specs)]
-        demos.append(_play_episode(env_id, kwargs, seed + k, codec, max_turns, style, observation_relations))
+        demos.append(_play_episode(env_id, kwargs, seed + k, codec, max_turns, style, observation_relations,
+                                   distinct_moves))
     return demos
 
 
@@ -296,7 +300,8 @@ def warm_start(cfg: Any, model_dir: str | Path, *, probe_prompts: int = SFT_PROB
     specs = [{"id": e.id, "kwargs": dict(e.kwargs)} for e in a.envs]
     start = time.monotonic()
     style = dict(style=s.answer_style, observation_relations=s.observation_relations)
-    demos = make_demonstrations(specs, s.episodes, s.seed_start, codec, a.max_turns, **style)
+    demos = make_demonstrations(specs, s.episodes, s.seed_start, codec, a.max_turns,
+                                distinct_moves=s.turn_plan == "distinct", **style)
     probes = make_demonstrations(specs, probe_prompts, s.seed_start + s.episodes, codec, 1, **style)
     log.info("sft: %d demonstrations (%d turns) in %.1fs", len(demos), sum(len(d.turns) for d in demos),
              time.monotonic() - start)
