@@ -9,8 +9,9 @@ then trained by the preset's learner steps, or ``--steps``, with 2 actors and 1 
 ``worldloop eval`` twice on the same held-out seeds (``--seed-start``, default ``eval.seed_start``,
 onwards): the SFT model (``model.path``, which the learner never writes) is the baseline, the
 newest learner checkpoint the result. The held-out range is checked, before anything runs, to be
-disjoint from the RL seeds ``[actor.seed_start, actor.seed_end)`` and from the demonstration seeds
-``[sft.seed_start, sft.seed_start + sft.episodes + probes)``. Temperature, max tokens and max
+disjoint from every seed the run trains on (``worldloop.common.config.training_seed_ranges``: the RL
+seeds ``[actor.seed_start, actor.seed_end)``, the demonstration seeds and the grounding pre-training
+levels). Temperature, max tokens and max
 turns are the actor's; top-p is eval's default 1.0 (the actor samples with 0.95), the same for
 both models. Extra ``key.sub=value`` arguments go to ``worldloop up`` and ``worldloop eval`` alike
 (for tuning runs; report runs use the presets as shipped). Tune with a ``--seed-start`` other than
@@ -41,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from worldloop.eval.stats import wilson_interval  # noqa: E402
-from worldloop.common.config import SFT_PROBE_SEEDS, Config, load_config  # noqa: E402
+from worldloop.common.config import ConfigError, check_held_out_seeds, load_config  # noqa: E402
 
 
 def _cli(args: list[str], log: Path) -> float:
@@ -78,24 +79,15 @@ def _sign_test_p(wins: int, losses: int) -> float:
     return min(1.0, 2 * tail)
 
 
-def check_held_out(cfg: Config, seed_start: int, episodes: int) -> None:
-    """The evaluated seeds must be disjoint from the RL seeds and the demonstration seeds."""
-    lo, hi = seed_start, seed_start + episodes
-    ranges = {"actor.seed_start..actor.seed_end (RL)": (cfg.actor.seed_start, cfg.actor.seed_end)}
-    if cfg.sft.enabled:
-        ranges["sft.seed_start.. (demonstrations)"] = (cfg.sft.seed_start,
-                                                        cfg.sft.seed_start + cfg.sft.episodes + SFT_PROBE_SEEDS)
-    for what, (a, b) in ranges.items():
-        if lo < b and a < hi:
-            raise SystemExit(f"held-out seeds [{lo}, {hi}) overlap {what} = [{a}, {b})")
-
-
 def bench_env(env: str, steps: int | None, episodes: int, seed_start: int | None, out: Path,
               overrides: list[str]) -> dict:
     config = ROOT / "configs" / f"tiny-{env}.yaml"
     cfg = load_config(config, overrides)
     seed_start = cfg.eval.seed_start if seed_start is None else seed_start
-    check_held_out(cfg, seed_start, episodes)
+    try:  # the evaluated seeds must miss every seed the run trains on (RL, demonstrations, grounding)
+        check_held_out_seeds(cfg, seed_start, episodes, key="--seed-start")
+    except ConfigError as e:
+        raise SystemExit(str(e)) from None
     base = out / env
     if (base / "row.json").exists():
         print(f"== {env}: done before, reusing {base / 'row.json'}", flush=True)

@@ -485,17 +485,37 @@ def _check_demonstration_seeds(cfg: Config) -> None:
 GROUNDING_EVAL_BOARDS = 128  # held-out boards of grounding pre-training (worldloop/grounding.py)
 
 
+def _grounding_seeds(cfg: Config) -> tuple[int, int]:
+    """[lo, hi) of the grounding pre-training levels and the boards it is evaluated on."""
+    m = cfg.model
+    return m.tiny_grounding_seed_start, (m.tiny_grounding_seed_start + m.tiny_grounding_steps * m.tiny_grounding_batch_size
+                                         + GROUNDING_EVAL_BOARDS)
+
+
 def _check_grounding_seeds(cfg: Config) -> None:
     """The levels of grounding pre-training must be none of the RL, demonstration or held-out levels."""
-    m = cfg.model
-    if not m.tiny_grounding_steps:
+    if not cfg.model.tiny_grounding_steps:
         return
-    lo = m.tiny_grounding_seed_start
-    hi = lo + m.tiny_grounding_steps * m.tiny_grounding_batch_size + GROUNDING_EVAL_BOARDS
     others = _rl_and_eval_seeds(cfg)
     if cfg.sft.enabled:
         others.append(("the SFT demonstration seeds", *_demonstration_seeds(cfg)))
-    _check_disjoint("model.tiny_grounding_seed_start", "grounding pre-training seeds", lo, hi, others)
+    _check_disjoint("model.tiny_grounding_seed_start", "grounding pre-training seeds", *_grounding_seeds(cfg), others)
+
+
+def training_seed_ranges(cfg: Config) -> list[tuple[str, int, int]]:
+    """(what, lo, hi) of every seed range a run trains on: RL, and the SFT demonstrations and
+    grounding pre-training levels where they are on. Held-out seeds must miss all of them."""
+    out = [("the RL seeds [actor.seed_start, actor.seed_end)", cfg.actor.seed_start, cfg.actor.seed_end)]
+    if cfg.sft.enabled:
+        out.append(("the SFT demonstration seeds", *_demonstration_seeds(cfg)))
+    if cfg.model.tiny_grounding_steps:
+        out.append(("the grounding pre-training seeds", *_grounding_seeds(cfg)))
+    return out
+
+
+def check_held_out_seeds(cfg: Config, lo: int, n: int, key: str = "eval.seed_start") -> None:
+    """ConfigError on ``key`` when the held-out seeds [lo, lo + n) overlap a training range."""
+    _check_disjoint(key, "held-out seeds", lo, lo + n, training_seed_ranges(cfg))
 
 
 # --------------------------------------------------------------------------- coercion

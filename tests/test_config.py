@@ -108,6 +108,24 @@ def test_cross_checks() -> None:
     assert load_config(None, ["trainer.kl_in_reward=false", "trainer.kl_coef=0"]).trainer.kl_estimator == "kl"
 
 
+def test_held_out_seeds_must_miss_every_training_range() -> None:
+    from worldloop.common.config import check_held_out_seeds, training_seed_ranges
+
+    cfg = load_config("configs/tiny-frozenlake.yaml")
+    ranges = {what.split(" [")[0]: (lo, hi) for what, lo, hi in training_seed_ranges(cfg)}
+    assert ranges == {"the RL seeds": (0, 1_000_000),
+                      "the SFT demonstration seeds": (5_000_000, 5_000_000 + cfg.sft.episodes + 8),
+                      "the grounding pre-training seeds": (30_000_000, 30_000_000 + 1000 * 32 + 128)}
+    check_held_out_seeds(cfg, 10_000_000, 512)  # the bench's held-out seeds
+    for lo, what in ((999_999, "RL"), (4_999_999, "demonstration"), (30_032_127, "grounding")):
+        with pytest.raises(ConfigError, match=what) as e:
+            check_held_out_seeds(cfg, lo, 2, key="--seed-start")
+        assert e.value.key == "--seed-start"
+    off = load_config("configs/tiny-frozenlake.yaml", ["sft.enabled=false", "model.tiny_grounding_steps=0"])
+    assert [w for w, *_ in training_seed_ranges(off)] == ["the RL seeds [actor.seed_start, actor.seed_end)"]
+    check_held_out_seeds(off, 5_000_000, 10)
+
+
 def test_file_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
