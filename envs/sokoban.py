@@ -3,7 +3,9 @@
 Knobs: ``dim_room`` [rows, cols] incl. the outer wall (default [6, 6]), ``num_boxes`` (1),
 ``max_steps`` (100 executed actions), ``min_actions_to_succeed`` (5: the optimal solution of every
 generated level is at least this long), ``max_actions_per_step`` (3), ``image_size`` (default
-32 px per cell), ``relation_prompt`` ("default"; "vagen": describe target and boxes relative to the
+32 px per cell), ``crop_outer_wall`` (False; True: the image leaves out the outer ring of wall,
+which every generated room has, so a 6x6 room is drawn as its 4x4 inside; the text state, the
+relations and the dynamics are those of the whole room), ``relation_prompt`` ("default"; "vagen": describe target and boxes relative to the
 player only, see :mod:`worldloop.envs.grid_env`), plus the common kwargs of
 :class:`worldloop.envs.base.VisualEnv`.
 
@@ -150,6 +152,7 @@ class SokobanEnv(GridEnv):
         min_actions_to_succeed: int = 5,
         max_actions_per_step: int = 3,
         image_size: int | None = None,
+        crop_outer_wall: bool = False,
         **common: Any,
     ) -> None:
         if isinstance(dim_room, (int, np.integer)) and not isinstance(dim_room, bool):
@@ -160,9 +163,11 @@ class SokobanEnv(GridEnv):
         nb = check_int("num_boxes", num_boxes, 1, 8)
         if nb + 1 > (h - 2) * (w - 2) // 2:
             raise ValueError(f"num_boxes={nb} does not fit in dim_room={[h, w]}")
+        self.crop_outer_wall = bool(crop_outer_wall)
+        shown = max(h, w) - 2 * self.crop_outer_wall
         super().__init__(max_steps=max_steps, min_actions_to_succeed=min_actions_to_succeed,
                          max_actions_per_step=max_actions_per_step,
-                         image_size=self.CELL_PX * max(h, w) if image_size is None else image_size, **common)
+                         image_size=self.CELL_PX * shown if image_size is None else image_size, **common)
         self.dim_room = (h, w)
         self.num_boxes = nb
         self.task = f"{h}x{w}-{nb}box"
@@ -246,16 +251,22 @@ class SokobanEnv(GridEnv):
     # ----------------------------------------------------------- rendering and prompts
 
     def _image_shape(self) -> tuple[int, int, int]:
-        return grid_image_shape(*self.dim_room, self.image_size)
+        h, w = self.dim_room
+        k = 2 * self.crop_outer_wall
+        return grid_image_shape(h - k, w - k, self.image_size)
 
     def _render_image(self) -> np.ndarray:
-        h, w = self.walls.shape
         codes = np.where(self.walls, 0, 1).astype(np.intp)
         for t in self.targets:
             codes[t] = 2
         for b in self.boxes:
             codes[b] = 4 if codes[b] == 2 else 3
         codes[self.player] = 6 if codes[self.player] == 2 else 5
+        if self.crop_outer_wall:  # the outer ring is wall in every generated room: the image shows the inside
+            if not (self.walls[0].all() and self.walls[-1].all() and self.walls[:, 0].all() and self.walls[:, -1].all()):
+                raise ValueError("crop_outer_wall: this board's outer ring is not all wall; it cannot be cropped")
+            codes = codes[1:-1, 1:-1]
+        h, w = codes.shape
         cell = cell_size(max(h, w), self.image_size)
         return compose(codes, tile_stack(_TILE_NAMES, cell), side=self.image_size)
 

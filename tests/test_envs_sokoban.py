@@ -159,3 +159,24 @@ def test_bad_kwargs_name_the_kwarg() -> None:
     env = SokobanEnv(dim_room=[5, 5], min_actions_to_succeed=60)
     with pytest.raises(RuntimeError, match="min_actions_to_succeed"):
         env.reset(seed=0)
+
+
+def test_crop_outer_wall_draws_the_inside_of_the_room() -> None:
+    """crop_outer_wall: a 6x6 room at 28 px a cell is the 4x4 inside of the full drawing, 112 px; the
+    text state is the whole room's; a board whose outer ring has a gap refuses to be cropped."""
+    kw = dict(dim_room=[6, 6], min_actions_to_succeed=2, render_mode="vision", prompt_format="grounding_worldmodeling")
+    full = gymnasium.make(ID, image_size=168, **kw)
+    crop = gymnasium.make(ID, image_size=112, crop_outer_wall=True, **kw)
+    for seed in range(3):
+        obs_f, info_f = full.reset(seed=seed)
+        obs_c, info_c = crop.reset(seed=seed)
+        img_f, img_c = np.asarray(obs_f["image"]), np.asarray(obs_c["image"])
+        assert img_f.shape == (168, 168, 3) and img_c.shape == (112, 112, 3)
+        assert np.array_equal(img_c, img_f[28:140, 28:140])
+        assert info_c["state"] == info_f["state"] and info_c["state"]["symbolic"].count("\n") == 5
+    assert gymnasium.make(ID, crop_outer_wall=True, **kw).unwrapped.image_size == 4 * SokobanEnv.CELL_PX
+    open_ring = gymnasium.make(ID, image_size=112, crop_outer_wall=True, **kw)
+    open_ring.reset(seed=0)
+    with pytest.raises(ValueError, match="outer ring"):
+        open_ring.unwrapped.load_board("######\n#P_XO_\n#____#\n######")
+        open_ring.unwrapped._render_image()
