@@ -81,10 +81,12 @@ def test_accuracy_counts_boards_read_right_token_for_token(tiny: Path) -> None:
     assert acc["first"] == 0.0 and acc["exact"] == 0.0 and acc["boards"] == 4 and acc["token"] < 0.2
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
-    for _ in range(200):
+    # clipped like grounding_pretrain; unclipped 3e-3 oscillates around the last tokens on some CPUs
+    for _ in range(400):
         loss = answer_loss(model, ex, codec)
         opt.zero_grad()
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
     acc = grounding_accuracy(model, ex, codec)
     assert acc == {"first": 1.0, "exact": 1.0, "token": 1.0, "boards": 4}, acc

@@ -125,12 +125,15 @@ def test_two_separately_started_actors_join_a_running_learner(tmp_path: Path) ->
         srv.close()
     for name in ("remote-a", "remote-b"):
         assert procs[name].returncode == 0, procs[name].describe()
-        assert scraped[name]["worldloop_actor_episodes_total"] >= 1
+        assert name in scraped, f"{name} never served its metrics while registered"
         # the learner published v1..v4 after its updates (the first after 4 of the 16 trajectories it
         # trains on); each actor applied at least one of them between generations. Read from the
         # log: an actor may apply its last version and exit between two scrapes of its metrics.
         applied = (tmp_path / f"{name}.log").read_text().count("applied weights v")
         assert applied >= 1, procs[name].describe()
+    # a fast actor may feed all 16 trajectories before a slow one (2 CI cores) finishes its first
+    # episode, so the episodes are counted over both; the labelled counter appears on the first one
+    assert sum(scraped[n].get("worldloop_actor_episodes_total", 0.0) for n in ("remote-a", "remote-b")) >= 1
     steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
     logs = "".join(p.read_text() for p in tmp_path.glob("*.log"))
