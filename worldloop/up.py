@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -145,20 +146,29 @@ def _prepare_model(cfg: Config, run_dir: Path) -> None:
         raise FileNotFoundError(f"model.path {str(path)!r} has no config.json and model.make_tiny_if_missing is false")
     from worldloop.tiny_model import make_tiny_model
 
+    # made, grounded and warm-started beside model.path, moved there only when whole: a run stopped
+    # half-way (Ctrl-C in grounding) leaves no model.path that a later run would take as finished
+    # and train without its grounding or warm start
+    work = path.with_name(path.name + ".partial")
+    if work.exists():
+        log.info("model: removing %s, left by a run stopped while it prepared the model", work)
+        shutil.rmtree(work)
     log.info("model: making the embedded tiny model in %s", path)
-    make_tiny_model(path, seed=cfg.run.seed, copy_pretrain_steps=cfg.model.tiny_copy_pretrain_steps)
+    make_tiny_model(work, seed=cfg.run.seed, copy_pretrain_steps=cfg.model.tiny_copy_pretrain_steps)
     if cfg.model.tiny_grounding_steps:
         from worldloop.grounding import ground_for_run
 
-        report = ground_for_run(cfg, path)
+        report = ground_for_run(cfg, work)
         (run_dir / "grounding.json").write_text(json.dumps(report, indent=2))
     if cfg.sft.enabled:
         from worldloop.sft import warm_start
 
         log.info("model: SFT warm start on %d solver demonstrations", cfg.sft.episodes)
-        report = warm_start(cfg, path)
+        report = warm_start(cfg, work)
         (run_dir / "sft.json").write_text(json.dumps(report, indent=2))
         log.info("model: SFT done: %s", report)
+    work.rename(path)
+    log.info("model: ready at %s", path)
 
 
 def _children(cfg: Config, config_path: Path, run_dir: Path) -> list[Child]:
@@ -367,10 +377,14 @@ def run(cfg: Config, args) -> int:
     if cfg.weights.fetch_port == 0:
         cfg.weights.fetch_port = free_port()
     children: list[Child] = []
-    stop = {"flag": False}
+    stop = {"flag": False, "preparing": True}
 
     def on_signal(signum, _frame):
         stop["flag"] = True
+        if stop["preparing"]:
+            stop["preparing"] = False  # a second signal during the clean-up below only sets the flag
+            # grounding and SFT run here, in this process, for minutes, and look at no flag: stop now
+            raise KeyboardInterrupt(f"signal {signum} while preparing the model")
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     r = connect(cfg.redis.url, cfg.redis.socket_timeout_s)
@@ -379,6 +393,7 @@ def run(cfg: Config, args) -> int:
     rc = 0
     try:
         _prepare_model(cfg, run_dir)
+        stop["preparing"] = False
         config_path = run_dir / "config.yaml"
         config_path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         write_control(r, keys, run_state="running")
