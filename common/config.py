@@ -457,8 +457,12 @@ def _cross_checks(cfg: Config) -> None:
 SFT_PROBE_SEEDS = 8  # format probes played after the demonstrations (worldloop/sft.py warm_start)
 
 
+def _rl_seeds(cfg: Config) -> tuple[str, int, int]:
+    return ("the RL seeds [actor.seed_start, actor.seed_end)", cfg.actor.seed_start, cfg.actor.seed_end)
+
+
 def _rl_and_eval_seeds(cfg: Config) -> list[tuple[str, int, int]]:
-    return [("the RL seeds [actor.seed_start, actor.seed_end)", cfg.actor.seed_start, cfg.actor.seed_end),
+    return [_rl_seeds(cfg),
             ("the held-out eval seeds [eval.seed_start, eval.seed_start + eval.episodes)", cfg.eval.seed_start,
              cfg.eval.seed_start + cfg.eval.episodes)]
 
@@ -505,7 +509,7 @@ def _check_grounding_seeds(cfg: Config) -> None:
 def training_seed_ranges(cfg: Config) -> list[tuple[str, int, int]]:
     """(what, lo, hi) of every seed range a run trains on: RL, and the SFT demonstrations and
     grounding pre-training levels where they are on. Held-out seeds must miss all of them."""
-    out = [("the RL seeds [actor.seed_start, actor.seed_end)", cfg.actor.seed_start, cfg.actor.seed_end)]
+    out = [_rl_seeds(cfg)]
     if cfg.sft.enabled:
         out.append(("the SFT demonstration seeds", *_demonstration_seeds(cfg)))
     if cfg.model.tiny_grounding_steps:
