@@ -12,7 +12,7 @@ newest learner checkpoint the result. The held-out range is checked, before anyt
 disjoint from every seed the run trains on (``worldloop.common.config.training_seed_ranges``: the RL
 seeds ``[actor.seed_start, actor.seed_end)``, the demonstration seeds and the grounding pre-training
 levels). Temperature, max tokens and max
-turns are the actor's; top-p is eval's default 1.0 (the actor samples with 0.95), the same for
+turns are the actor's; top-p is eval's default 1.0 (as the presets' actors sample), the same for
 both models. Extra ``key.sub=value`` arguments go to ``worldloop up`` and ``worldloop eval`` alike
 (for tuning runs; report runs use the presets as shipped). Tune with a ``--seed-start`` other than
 the default and report on the default held-out seeds once.

@@ -102,6 +102,7 @@ def _play_episode(env_id: str, kwargs: dict, seed: int, codec: ChatCodec, max_tu
         for t in range(max_turns):
             text, images = observation_parts(obs)
             seg = codec.encode_obs(text, images, system=system, first=t == 0, prev_response_ended=ended)
+            # envs of their own may define expert_response() without the keyword: ask only when on
             response = str(env.unwrapped.expert_response(distinct_moves=True) if distinct_moves
                            else env.unwrapped.expert_response())
             if style == "concise":
