@@ -2,7 +2,8 @@
 
 Knobs: ``dim_room`` [rows, cols] incl. the outer wall (default [6, 6]), ``num_boxes`` (1),
 ``max_steps`` (100 executed actions), ``min_actions_to_succeed`` (5: the optimal solution of every
-generated level is at least this long), ``max_actions_per_step`` (3), ``image_size`` (default
+generated level is at least this long), ``max_actions_to_succeed`` (None; a number: and at most this
+long), ``max_actions_per_step`` (3), ``image_size`` (default
 32 px per cell), ``crop_outer_wall`` (False; True: the image leaves out the outer ring of wall,
 which every generated room has, so a 6x6 room is drawn as its 4x4 inside; the text state, the
 relations and the dynamics are those of the whole room), ``relation_prompt`` ("default"; "vagen": describe target and boxes relative to the
@@ -20,8 +21,9 @@ Levels: a random room (gym-sokoban's random-walk topology) with targets on rando
 then reverse play from the solved room (boxes on the targets, the player anywhere): an exhaustive
 breadth-first reverse play by moves and pulls (:meth:`worldloop.envs.solvers.SokobanSolver.reverse_search`),
 so every state it reaches is solvable and its depth is its exact minimum number of actions. The
-start is a random state at a distance drawn uniformly from [``min_actions_to_succeed``, deepest];
-a room whose deepest state is closer than that is redrawn. The optimal plan comes with it (the
+start is a random state at a distance drawn uniformly from [``min_actions_to_succeed``, deepest],
+where deepest is the room's deepest state or ``max_actions_to_succeed`` (None: no cap) if that is
+closer; a room whose deepest state is closer than ``min_actions_to_succeed`` is redrawn. The optimal plan comes with it (the
 expert's first plan); later plans come from the forward BFS solver.
 
 Entities (relations, App. D.1 style): ``the player``, ``box0``, ``box1``, ... (numbered by their
@@ -150,6 +152,7 @@ class SokobanEnv(GridEnv):
         num_boxes: int = 1,
         max_steps: int = 100,
         min_actions_to_succeed: int = 5,
+        max_actions_to_succeed: int | None = None,
         max_actions_per_step: int = 3,
         image_size: int | None = None,
         crop_outer_wall: bool = False,
@@ -164,6 +167,10 @@ class SokobanEnv(GridEnv):
         if nb + 1 > (h - 2) * (w - 2) // 2:
             raise ValueError(f"num_boxes={nb} does not fit in dim_room={[h, w]}")
         self.crop_outer_wall = bool(crop_outer_wall)
+        if max_actions_to_succeed is not None:
+            max_actions_to_succeed = check_int("max_actions_to_succeed", max_actions_to_succeed,
+                                               max(1, int(min_actions_to_succeed)))
+        self.max_actions_to_succeed = max_actions_to_succeed
         shown = max(h, w) - 2 * self.crop_outer_wall
         super().__init__(max_steps=max_steps, min_actions_to_succeed=min_actions_to_succeed,
                          max_actions_per_step=max_actions_per_step,
@@ -191,7 +198,9 @@ class SokobanEnv(GridEnv):
         need = max(1, self.min_actions_to_succeed)
         if search.max_depth < need:
             return None
-        candidates = search.states_at(int(rng.integers(need, search.max_depth + 1)))
+        deepest = search.max_depth if self.max_actions_to_succeed is None else min(search.max_depth,
+                                                                                  self.max_actions_to_succeed)
+        candidates = search.states_at(int(rng.integers(need, deepest + 1)))
         start = candidates[int(rng.integers(len(candidates)))]
         player = divmod(start[0], w)
         boxes = sorted(divmod(b, w) for b in start[1])

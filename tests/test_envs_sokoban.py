@@ -133,6 +133,23 @@ def test_reverse_play_depths_are_exact_minimums() -> None:
         assert env.unwrapped.optimal_actions >= 7
 
 
+def test_max_actions_to_succeed_caps_the_start_distance() -> None:
+    """Levels of 2..4 optimal actions with the cap, every distance in that range drawn; without it
+    some level of 40 needs more than 4."""
+    capped = gymnasium.make(ID, render_mode="text", min_actions_to_succeed=2, max_actions_to_succeed=4)
+    free = gymnasium.make(ID, render_mode="text", min_actions_to_succeed=2)
+    seen, longest_free = set(), 0
+    for seed in range(40):
+        capped.reset(seed=seed)
+        seen.add(capped.unwrapped.optimal_actions)
+        free.reset(seed=seed)
+        longest_free = max(longest_free, free.unwrapped.optimal_actions)
+    assert seen == {2, 3, 4}
+    assert longest_free > 4
+    with pytest.raises(ValueError, match="max_actions_to_succeed"):
+        SokobanEnv(min_actions_to_succeed=5, max_actions_to_succeed=4)
+
+
 @pytest.mark.parametrize("kw", [{}, {"dim_room": [7, 7], "num_boxes": 2, "min_actions_to_succeed": 8}])
 def test_expert_replay_reaches_success_with_plus_ten(kw) -> None:
     env = gymnasium.make(ID, render_mode="text", **kw)
