@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import signal
 import time
@@ -107,6 +108,20 @@ def test_up_completes_three_steps_despite_a_killed_actor(tmp_path, redis_url):
     assert roles == {"learner", "actor", "judge", "evaluator"}, scrapes
     assert sum(1 for k in scrapes if k.startswith("actor:")) >= 2
     assert (run_dir / "config.yaml").exists() and (run_dir / "logs" / "learner.log").exists()
+    versions = json.loads((run_dir / "versions.json").read_text())
+    import torch
+    assert versions["torch"] == torch.__version__ and versions["python"] == platform.python_version()
+    assert versions["worldloop"] and versions["transformers"]
+
+
+def test_package_versions_reads_metadata_and_marks_missing_packages(monkeypatch) -> None:
+    from importlib import metadata
+
+    from worldloop import up
+
+    monkeypatch.setattr(up, "VERSIONED_PACKAGES", ("numpy", "no-such-package-xyz"))
+    v = up.package_versions()
+    assert v == {"python": platform.python_version(), "numpy": metadata.version("numpy"), "no-such-package-xyz": None}
 
 
 @pytest.mark.parametrize("run_state, restarted", [("stopped", False), ("running", True)])
