@@ -140,6 +140,11 @@ def bench_env(env: str, steps: int | None, episodes: int, seed_start: int | None
     return row
 
 
+def _p_text(p: float) -> str:
+    """A p-value for the table: 3 decimals, or 1 significant digit below 0.001 (not "0.000")."""
+    return f"{p:.3f}" if p >= 0.001 else f"{p:.0e}"
+
+
 def render(rows: list[dict]) -> str:
     head = ("| env | RL steps | held-out episodes | SFT success (95% CI) | SFT+RL success (95% CI) | difference | "
             "seeds only RL / only SFT solved | sign test p | train-batch success first -> last step | up wall s |")
@@ -149,7 +154,7 @@ def render(rows: list[dict]) -> str:
         lines.append(
             f"| {r['env']} | {r['steps']} | {r['episodes']} | {s['rate']:.3f} [{s['lo']:.3f}, {s['hi']:.3f}] | "
             f"{q['rate']:.3f} [{q['lo']:.3f}, {q['hi']:.3f}] | {q['rate'] - s['rate']:+.3f} | "
-            f"{r['rl_wins']} / {r['rl_losses']} | {r['sign_test_p']:.3f} | "
+            f"{r['rl_wins']} / {r['rl_losses']} | {_p_text(r['sign_test_p'])} | "
             f"{r['train_success_first']:.3f} -> {r['train_success_last']:.3f} | {r['up_seconds']:.0f} |")
     return "\n".join(lines)
 
