@@ -23,8 +23,8 @@ breadth-first reverse play by moves and pulls (:meth:`worldloop.envs.solvers.Sok
 so every state it reaches is solvable and its depth is its exact minimum number of actions. The
 start is a random state at a distance drawn uniformly from [``min_actions_to_succeed``, deepest],
 where deepest is the room's deepest state or ``max_actions_to_succeed`` (None: no cap) if that is
-closer; a room whose deepest state is closer than ``min_actions_to_succeed`` is redrawn. The optimal plan comes with it (the
-expert's first plan); later plans come from the forward BFS solver.
+closer; a room whose deepest state is closer than ``min_actions_to_succeed`` is redrawn. The
+optimal plan comes with it (the expert's first plan); later plans come from the forward BFS solver.
 
 Entities (relations, App. D.1 style): ``the player``, ``box0``, ``box1``, ... (numbered by their
 starting position in reading order; a box keeps its number when pushed), ``target0``, ... (reading
@@ -198,8 +198,9 @@ class SokobanEnv(GridEnv):
         need = max(1, self.min_actions_to_succeed)
         if search.max_depth < need:
             return None
-        deepest = search.max_depth if self.max_actions_to_succeed is None else min(search.max_depth,
-                                                                                  self.max_actions_to_succeed)
+        deepest = search.max_depth
+        if self.max_actions_to_succeed is not None:
+            deepest = min(deepest, self.max_actions_to_succeed)
         candidates = search.states_at(int(rng.integers(need, deepest + 1)))
         start = candidates[int(rng.integers(len(candidates)))]
         player = divmod(start[0], w)
