@@ -78,16 +78,22 @@ BACKPRESSURE_LOG_S = 60.0  # a producer blocked on a full stream says so again t
 
 
 def check_env_specs(specs: list[Any]) -> None:
-    """Make (and close) every configured env once so that a bad id or kwarg fails at start-up."""
+    """Make (and close) every configured env once, and once more with its train_kwargs laid over its
+    kwargs, so that a bad id or kwarg fails at start-up."""
     import gymnasium
 
     from worldloop import envs  # noqa: F401  (registers worldloop/* ids)
 
     for i, spec in enumerate(specs):
-        try:
-            gymnasium.make(spec.id, **dict(spec.kwargs or {})).close()
-        except Exception as e:  # gymnasium and env constructors raise many types for bad input
-            raise ConfigError(f"actor.envs[{i}]", f"cannot make {spec.id} with kwargs {spec.kwargs}: {type(e).__name__}: {e}") from None
+        train = dict(getattr(spec, "train_kwargs", None) or {})
+        for where, kwargs in (("", dict(spec.kwargs or {})), (".train_kwargs", {**(spec.kwargs or {}), **train})):
+            if where and not train:
+                continue
+            try:
+                gymnasium.make(spec.id, **kwargs).close()
+            except Exception as e:  # gymnasium and env constructors raise many types for bad input
+                raise ConfigError(f"actor.envs[{i}]{where}",
+                                  f"cannot make {spec.id} with kwargs {kwargs}: {type(e).__name__}: {e}") from None
 
 
 class ProducedLog:

@@ -400,7 +400,8 @@ class SeedSchedule:
 
     The random stream is seeded from ``sha256(run_seed, actor_id)``: deterministic per actor, and
     two actors of one run draw different seeds. Each draw yields ``n_samples_per_seed`` specs with
-    the same env, kwargs and seed and one shared ``group_id`` (for GRPO); ``max_turns`` is the
+    the same env, kwargs (the spec's ``kwargs`` with its ``train_kwargs`` over them) and seed and one
+    shared ``group_id`` (for GRPO); ``max_turns`` is the
     value passed to :meth:`next` when the spec is handed out (the control record's, for new
     episodes).
     """
@@ -411,7 +412,8 @@ class SeedSchedule:
             raise ValueError("SeedSchedule needs at least one env spec")
         if seed_end <= seed_start:
             raise ValueError(f"seed_end ({seed_end}) must be greater than seed_start ({seed_start})")
-        self.envs = [(e.id, dict(e.kwargs or {}), e.name or env_name(e.id), float(e.weight)) for e in envs]
+        self.envs = [(e.id, {**(e.kwargs or {}), **(getattr(e, "train_kwargs", None) or {})}, e.name or env_name(e.id),
+                      float(e.weight)) for e in envs]
         if any(w < 0 for *_, w in self.envs) or sum(w for *_, w in self.envs) <= 0:
             raise ValueError("env weights must be >= 0 with a positive sum")
         self.n = int(n_samples_per_seed)

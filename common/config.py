@@ -127,6 +127,10 @@ class ModelConfig:
 class EnvSpec:
     id: str = "worldloop/Sokoban-v0"  # a registered gymnasium id
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # kwargs the actors' training episodes alone lay over `kwargs` (a training curriculum, e.g.
+    # Sokoban's max_actions_to_succeed); the run's evaluator, `worldloop eval`, SFT demonstrations and
+    # grounding pre-training play `kwargs` as they are
+    train_kwargs: dict[str, Any] = field(default_factory=dict)
     weight: float = 1.0  # sampling weight among envs of an actor
     name: str | None = None  # label in metrics; default: id without prefix/version
 

@@ -132,6 +132,28 @@ def test_seed_schedule_groups_and_per_actor_streams() -> None:
         SeedSchedule(env_specs, 1, 5, 5, run_seed=0, actor_id="x")
 
 
+def test_seed_schedule_lays_train_kwargs_over_kwargs_and_start_up_checks_both() -> None:
+    from worldloop.actor.process import check_env_specs
+    from worldloop.common.config import ConfigError
+
+    spec = EnvSpec(id="worldloop/Sokoban-v0", kwargs={"dim_room": [6, 6], "min_actions_to_succeed": 2},
+                   train_kwargs={"max_actions_to_succeed": 4})
+    drawn = [SeedSchedule([spec], 1, 0, 10**6, run_seed=s, actor_id="a").next(3) for s in range(12)]
+    assert all(d.env_kwargs == {"dim_room": [6, 6], "min_actions_to_succeed": 2, "max_actions_to_succeed": 4} for d in drawn)
+    # the capped training levels: every one the actors play is 2..4 optimal actions from solved
+    lengths = []
+    for d in drawn:
+        env = gymnasium.make(d.env_id, **d.env_kwargs)
+        _, info = env.reset(seed=d.seed)
+        lengths.append(info["metrics"]["optimal_actions"])
+        env.close()
+    assert all(2 <= n <= 4 for n in lengths), lengths
+    check_env_specs([spec])  # both spellings make an env
+    bad = EnvSpec(id="worldloop/Sokoban-v0", kwargs={"min_actions_to_succeed": 3}, train_kwargs={"max_actions_to_succeed": 0})
+    with pytest.raises(ConfigError, match=r"actor\.envs\[0\]\.train_kwargs"):
+        check_env_specs([bad])
+
+
 def test_engine_needs_a_codec() -> None:
     class NoCodec:
         version = 0
