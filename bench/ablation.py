@@ -21,9 +21,12 @@ order and all sampling):
 
 Each (arm, env, seed) is one ``worldloop up`` of the env's preset (``tiny-<env>``) with the arm's
 overrides and the evaluator on (``trainer.eval_every = --steps``): held-out success of the warm
-start (v0) and of the final policy on the same ``--eval-episodes`` held-out seeds. Warm-started
-models are made once per (env, seed, prompt format) and copied, so the arms of a suite start from
-the same model. The table follows the paper's layout (rows = arms, columns = envs and overall);
+start (v0) and of the final policy on the same ``--eval-episodes`` held-out seeds. The models are
+prepared by the bench, as ``worldloop up`` would prepare them, in two cached stages: the tiny model
+is made and grounding pre-trained once per (env, seed), in the Grounding-WorldModeling first turn
+(the suite's one "pre-trained base", as the paper trains every strategy from one base model), then
+warm-started by SFT once per (env, seed, prompt format) in that format. So the arms of a suite
+start from the same model, and the strategies from the same grounded base. The table follows the paper's layout (rows = arms, columns = envs and overall);
 each cell is the mean over run seeds with its 95% t-interval and, beside it, the warm start's
 mean. Every row names the judge's scoring mode (``judge.rule_mode``) and the estimator.
 
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -87,16 +91,56 @@ def arm_config(env: str, arm: tuple[str, bool, str], seed: int, steps: int, eval
     return cfg
 
 
-def run_one(cfg: dict, run_dir: Path, model_cache: Path) -> dict:
+def _stage(target: Path, build) -> None:
+    """Build ``target`` in ``<target>.partial`` and move it there only when whole (a bench stopped
+    half-way leaves no half-made model that a resumed bench would take as finished)."""
+    if target.exists():
+        return
+    work = target.with_name(target.name + ".partial")
+    shutil.rmtree(work, ignore_errors=True)
+    build(work)
+    work.rename(target)
+
+
+def prepare_model(cfg: dict, grounded: Path, warm: Path) -> None:
+    """The arm's warm start in ``warm``: the tiny model made and grounding pre-trained once per (env,
+    seed) in ``grounded`` (in the Grounding-WorldModeling first turn), then SFT in the arm's format."""
+    from worldloop.common.config import config_from_dict
+    from worldloop.grounding import ground_for_run
+    from worldloop.sft import warm_start
+    from worldloop.tiny_model import make_tiny_model
+
+    arm = config_from_dict(cfg)
+    base = config_from_dict(cfg)
+    for e in base.actor.envs:
+        e.kwargs["prompt_format"] = GWM
+
+    def ground(work: Path) -> None:
+        make_tiny_model(work, seed=base.run.seed, copy_pretrain_steps=base.model.tiny_copy_pretrain_steps)
+        report = ground_for_run(base, work) if base.model.tiny_grounding_steps else {}
+        (work / "grounding.json").write_text(json.dumps(report, indent=2))
+
+    def sft(work: Path) -> None:
+        shutil.copytree(grounded, work)
+        report = warm_start(arm, work) if arm.sft.enabled else {}
+        (work / "sft.json").write_text(json.dumps(report, indent=2))
+
+    _stage(grounded, ground)
+    _stage(warm, sft)
+
+
+def run_one(cfg: dict, run_dir: Path, grounded: Path, warm: Path) -> dict:
     done = run_dir / "done.json"
     if done.exists():
         return json.loads(done.read_text())
+    prepare_model(cfg, grounded, warm)
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     model = Path(cfg["model"]["path"])
-    if model_cache.exists():
-        shutil.copytree(model_cache, model)
+    shutil.copytree(warm, model)
+    for report in ("grounding.json", "sft.json"):
+        shutil.copy(model / report, run_dir / report)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     t0 = time.monotonic()
     with open(run_dir / "up.log", "wb") as f:
@@ -104,8 +148,6 @@ def run_one(cfg: dict, run_dir: Path, model_cache: Path) -> dict:
                             env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=f, stderr=subprocess.STDOUT).returncode
     if rc != 0:
         raise RuntimeError(f"worldloop up exited {rc}; see {run_dir / 'up.log'}")
-    if not model_cache.exists():
-        shutil.copytree(model, model_cache)
     evals = [json.loads(line)["eval"] for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     start = next(e for e in evals if e["policy_version"] == 0)
     final = evals[-1]
@@ -154,6 +196,8 @@ def main() -> int:
     ap.add_argument("--out", default="runs/bench-ablation")
     ap.add_argument("overrides", nargs="*", help="key.sub=value for every run")
     args = ap.parse_args()
+    # grounding and SFT run in this process: their progress lines (every tenth of the steps) to stdout
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
     envs = [e.strip() for e in args.envs.split(",") if e.strip()]
     out = Path(args.out).resolve()
     suites = {"methods": METHODS, "strategies": STRATEGIES}
@@ -167,12 +211,13 @@ def main() -> int:
         steps = args.steps or load_config(f"tiny-{env}", args.overrides).trainer.total_steps
         slug = f"{suite}/{env}/{name.lower().replace(' ', '-').replace('/', '')}/seed{seed}"
         run_dir = out / slug
-        cache = out / "models" / f"{env}-seed{seed}-{arm[2]}"
+        grounded = out / "models" / f"{env}-seed{seed}-grounded"
+        warm = out / "models" / f"{env}-seed{seed}-{arm[2]}"
         cfg = arm_config(env, arm, seed, steps, args.eval_episodes, run_dir, run_dir / "model", args.overrides)
         status = "cached" if (run_dir / "done.json").exists() else "running"
         print(f"[ablation {i}/{len(plan)}, {time.monotonic() - t_start:.0f}s] {suite}: {name} on {env}, seed {seed} ({status})",
               flush=True)
-        row = run_one(cfg, run_dir, cache)
+        row = run_one(cfg, run_dir, grounded, warm)
         results[suite].setdefault((name, env), []).append(row)
         print(f"    held-out success {row['start']:.3f} -> {row['final']:.3f} (n={row['n']}, {row['wall_s']:.0f}s)", flush=True)
         write_report(out, chosen, suites, results, envs, args.seeds, partial=i < len(plan))
