@@ -61,6 +61,7 @@ from worldloop.common.keys import Keys
 from worldloop.common.metrics import metric
 from worldloop.common.process import HEARTBEAT_S, ProcessScaffold
 from worldloop.common.streams import connect
+from worldloop.common.versions import write_versions
 from worldloop.learner import checkpoint
 from worldloop.learner.data import DedupWindow, ScoredSource, check_pending_fits, decode_batch, encode_batch
 from worldloop.learner.engine import DistInfo, all_reduce_sum, broadcast_bytes, build_models, gather_policy_weights, init_distributed
@@ -153,6 +154,7 @@ class Learner:
         cfg = self.cfg
         self.keys = Keys(cfg.redis.namespace)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_versions(self.run_dir)  # the versions this learner trains with (supervisor runs have no `up`)
         self.source = ScoredSource(
             cfg, self.keys, vocab_size=self.models.vocab_size, codec=self.models.codec,
             version_fn=lambda: self.version, checkpoint_version_fn=lambda: self.ckpt_version, dedup=self.dedup,

@@ -129,6 +129,7 @@ def test_step_trains_publishes_and_an_actor_loads_the_weights(learner, model_dir
 
     lines = [json.loads(x) for x in (learner.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2] and lines[-1]["pending_entries"] == 0
+    assert json.loads((learner.run_dir / "versions.json").read_text())["torch"] == torch.__version__
     ledger = [json.loads(x) for x in (learner.run_dir / "learner_ledger.jsonl").read_text().splitlines()]
     assert [sorted(x["trained"]) for x in ledger] == [[f"s{i}" for i in range(4)], [f"s{i}" for i in range(4, 8)]]
 

