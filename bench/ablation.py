@@ -26,9 +26,9 @@ prepared by the bench, as ``worldloop up`` would prepare them, in two cached sta
 is made and grounding pre-trained once per (env, seed), in the Grounding-WorldModeling first turn
 (the suite's one "pre-trained base", as the paper trains every strategy from one base model), then
 warm-started by SFT once per (env, seed, prompt format) in that format. So the arms of a suite
-start from the same model, and the strategies from the same grounded base. The table follows the paper's layout (rows = arms, columns = envs and overall);
-each cell is the mean over run seeds with its 95% t-interval and, beside it, the warm start's
-mean. Every row names the judge's scoring mode (``judge.rule_mode``) and the estimator.
+start from the same model, and the strategies from the same grounded base. The table follows the
+paper's layout (rows = arms, columns = envs and overall); each cell is the mean over run seeds
+with its 95% t-interval and, beside it, the warm start's mean. Every row names the judge's scoring mode (``judge.rule_mode``) and the estimator.
 
 Resume: every finished run leaves ``done.json`` in its folder and is not run again; progress goes
 to stdout, and ``ablation.md`` is rewritten after every run with the runs finished so far. Nothing here is a pass/fail check: it reports what happened, whichever way it goes.
