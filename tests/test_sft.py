@@ -90,6 +90,12 @@ def test_answer_format_check() -> None:
     assert not answer_format_ok("<think>x</think><answer> </answer>")
     assert not answer_format_ok("<answer>Up</answer>")
     assert not answer_format_ok("<think>x</think><answer>Up</answer> trailing")
+    # in a strategy's own format: No-Think answers alone; Grounding-WorldModeling needs its three fields
+    assert answer_format_ok("<answer>Up</answer>", "no_think")
+    assert not answer_format_ok("<think>x</think><answer>Up</answer>", "no_think")
+    assert not answer_format_ok("<think>x</think><answer>Up</answer>", "grounding_worldmodeling")
+    assert answer_format_ok("<think><observation>a</observation><reasoning>b</reasoning><prediction>c</prediction></think>"
+                            "<answer>Up</answer>", "grounding_worldmodeling")
 
 
 def test_demonstrations_follow_the_actor_layout(codec: ChatCodec) -> None:

@@ -6,7 +6,7 @@ Public API::
     run_sft(model_dir, demos, epochs, lr, batch_size, out_dir=None, *, seed=0, codec=None,
             progress=None, loss_sample=64) -> dict
     sequence_loss(model, demos, codec, batch_size=8) -> float
-    answer_format_ok(text) -> bool
+    answer_format_ok(text, prompt_format=None) -> bool
     format_ok_rate(model_dir, demos, *, temperature=0.7, top_p=1.0, max_new_tokens=96, seed=0) -> float
     warm_start(cfg, model_dir) -> dict    # worldloop up: SFT of a fresh model on the run's envs
 
@@ -40,7 +40,7 @@ import torch
 from worldloop.common.config import SFT_PROBE_SEEDS
 from worldloop.common.modeling import ChatCodec, build_sequence, collate, freeze_vision_tower, load_policy, token_logprobs
 from worldloop.common.schemas import TRAJECTORY_SCHEMA, Trajectory, Turn, state_from_info
-from worldloop.envs.base import observation_parts
+from worldloop.envs.base import observation_parts, parse_response
 
 log = logging.getLogger(__name__)
 
@@ -253,8 +253,12 @@ def run_sft(
 # --------------------------------------------------------------------------- evaluation
 
 
-def answer_format_ok(text: str) -> bool:
-    """``<think>...</think><answer>...</answer>`` with a non-empty answer (VAGEN's format check)."""
+def answer_format_ok(text: str, prompt_format: str | None = None) -> bool:
+    """Without ``prompt_format``: ``<think>...</think><answer>...</answer>`` with a non-empty answer
+    (VAGEN's format check). With it: the env's own parse of that strategy's format (what earns the
+    format reward), so a No-Think answer (``<answer>`` alone) counts as well-formed."""
+    if prompt_format is not None:
+        return parse_response(text, prompt_format).format_ok
     m = _FORMAT.fullmatch(text)
     return bool(m and m.group(2).strip())
 
@@ -268,7 +272,8 @@ def format_ok_rate(
     max_new_tokens: int = 96,
     seed: int = 0,
 ) -> float:
-    """Fraction of well-formed answers sampled for the first-turn prompts of ``demos``."""
+    """Fraction of well-formed answers (in each demonstration's own prompt format) sampled for the
+    first-turn prompts of ``demos``."""
     from worldloop.actor.generation import GenRequest
     from worldloop.actor.hf_backend import HFBackend
 
@@ -278,7 +283,7 @@ def format_ok_rate(
         results = backend.generate(reqs, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
     finally:
         backend.close()
-    return float(np.mean([answer_format_ok(r.text) for r in results])) if results else 0.0
+    return float(np.mean([answer_format_ok(r.text, d.prompt_format) for r, d in zip(results, demos)])) if results else 0.0
 
 
 # --------------------------------------------------------------------------- worldloop up
