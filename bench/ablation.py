@@ -31,7 +31,8 @@ paper's layout (rows = arms, columns = envs and overall); each cell is the mean 
 with its 95% t-interval and, beside it, the warm start's mean. Every row names the judge's scoring mode (``judge.rule_mode``) and the estimator.
 
 Resume: every finished run leaves ``done.json`` in its folder and is not run again; progress goes
-to stdout, and ``ablation.md`` is rewritten after every run with the runs finished so far. Nothing here is a pass/fail check: it reports what happened, whichever way it goes.
+to stdout, and ``ablation-<suite>.md`` (and ``.json``) is rewritten after every run with the runs
+finished so far. Nothing here is a pass/fail check: it reports what happened, whichever way it goes.
 """
 
 from __future__ import annotations
@@ -227,20 +228,22 @@ def main() -> int:
 
 def write_report(out: Path, chosen: list[str], suites: dict, results: dict, envs: list[str], seeds: int,
                  partial: bool) -> str:
-    """``ablation.md`` / ``ablation.json`` from the runs finished so far (after every run, so an
-    interrupted bench leaves the table of what it has; ``partial`` says so in the heading)."""
+    """``ablation-<suite>.md`` / ``ablation-<suite>.json`` per suite from the runs finished so far
+    (after every run, so an interrupted bench leaves the table of what it has; ``partial`` says so in
+    the heading). One file per suite: a later bench of the other suite into the same ``--out``, which
+    reuses its warm starts, leaves this suite's report alone."""
     text = []
+    out.mkdir(parents=True, exist_ok=True)
     for suite in chosen:
         title = "Method (Grounding-WorldModeling)" if suite == "methods" else "Reasoning strategy (VAGEN-Base)"
         note = " (partial: not every run has finished)" if partial else ""
-        text.append(f"### {suite}: held-out success, mean over {seeds} run seeds [95% t-interval]{note}\n\n"
-                    + table(title, suites[suite], results[suite], envs))
-    report = "\n\n".join(text)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "ablation.md").write_text(report + "\n")
-    (out / "ablation.json").write_text(json.dumps({s: {f"{k[0]}|{k[1]}": v for k, v in r.items()} for s, r in results.items()},
-                                                  indent=1))
-    return report
+        part = (f"### {suite}: held-out success, mean over {seeds} run seeds [95% t-interval]{note}\n\n"
+                + table(title, suites[suite], results[suite], envs))
+        (out / f"ablation-{suite}.md").write_text(part + "\n")
+        (out / f"ablation-{suite}.json").write_text(
+            json.dumps({f"{k[0]}|{k[1]}": v for k, v in results[suite].items()}, indent=1))
+        text.append(part)
+    return "\n\n".join(text)
 
 
 if __name__ == "__main__":
