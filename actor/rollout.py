@@ -401,9 +401,8 @@ class SeedSchedule:
     The random stream is seeded from ``sha256(run_seed, actor_id)``: deterministic per actor, and
     two actors of one run draw different seeds. Each draw yields ``n_samples_per_seed`` specs with
     the same env, kwargs (the spec's ``kwargs`` with its ``train_kwargs`` over them) and seed and one
-    shared ``group_id`` (for GRPO); ``max_turns`` is the
-    value passed to :meth:`next` when the spec is handed out (the control record's, for new
-    episodes).
+    shared ``group_id`` (for GRPO); ``max_turns`` is the value passed to :meth:`next` when the spec
+    is handed out (the control record's, for new episodes).
     """
 
     def __init__(self, envs: Sequence[Any], n_samples_per_seed: int, seed_start: int, seed_end: int,
