@@ -61,7 +61,7 @@ from worldloop.actor.backends import make_backend
 from worldloop.actor.generation import GenerationBackend, WeightUpdateError
 from worldloop.actor.rollout import EpisodeSpec, RolloutEngine, Sampling, SeedSchedule, StepReport
 from worldloop.common.admission import Admission
-from worldloop.common.config import Config, ConfigError
+from worldloop.common.config import Config, ConfigError, EnvSpec
 from worldloop.common.control import default_proc_id
 from worldloop.common.keys import Keys
 from worldloop.common.metrics import metric
@@ -77,7 +77,7 @@ PUSH_SLICE_S = 1.0
 BACKPRESSURE_LOG_S = 60.0  # a producer blocked on a full stream says so again this often
 
 
-def check_env_specs(specs: list[Any]) -> None:
+def check_env_specs(specs: list[EnvSpec]) -> None:
     """Make (and close) every configured env once, and once more with its train_kwargs laid over its
     kwargs, so that a bad id or kwarg fails at start-up."""
     import gymnasium
@@ -85,10 +85,8 @@ def check_env_specs(specs: list[Any]) -> None:
     from worldloop import envs  # noqa: F401  (registers worldloop/* ids)
 
     for i, spec in enumerate(specs):
-        train = dict(getattr(spec, "train_kwargs", None) or {})
-        for where, kwargs in (("", dict(spec.kwargs or {})), (".train_kwargs", {**(spec.kwargs or {}), **train})):
-            if where and not train:
-                continue
+        variants = [("", dict(spec.kwargs))] + ([(".train_kwargs", spec.training_kwargs())] if spec.train_kwargs else [])
+        for where, kwargs in variants:
             try:
                 gymnasium.make(spec.id, **kwargs).close()
             except Exception as e:  # gymnasium and env constructors raise many types for bad input

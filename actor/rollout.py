@@ -70,6 +70,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from worldloop.actor.generation import GenerationBackend, GenRequest
+from worldloop.common.config import EnvSpec
 from worldloop.common.modeling import ChatCodec
 from worldloop.common.schemas import TRAJECTORY_SCHEMA, State, Trajectory, Turn, empty_state, state_from_info
 from worldloop.envs.base import observation_parts
@@ -405,14 +406,13 @@ class SeedSchedule:
     is handed out (the control record's, for new episodes).
     """
 
-    def __init__(self, envs: Sequence[Any], n_samples_per_seed: int, seed_start: int, seed_end: int,
+    def __init__(self, envs: Sequence[EnvSpec], n_samples_per_seed: int, seed_start: int, seed_end: int,
                  run_seed: int, actor_id: str):
         if not envs:
             raise ValueError("SeedSchedule needs at least one env spec")
         if seed_end <= seed_start:
             raise ValueError(f"seed_end ({seed_end}) must be greater than seed_start ({seed_start})")
-        self.envs = [(e.id, {**(e.kwargs or {}), **(getattr(e, "train_kwargs", None) or {})}, e.name or env_name(e.id),
-                      float(e.weight)) for e in envs]
+        self.envs = [(e.id, e.training_kwargs(), e.name or env_name(e.id), float(e.weight)) for e in envs]
         if any(w < 0 for *_, w in self.envs) or sum(w for *_, w in self.envs) <= 0:
             raise ValueError("env weights must be >= 0 with a positive sum")
         self.n = int(n_samples_per_seed)

@@ -28,7 +28,8 @@ is made and grounding pre-trained once per (env, seed), in the Grounding-WorldMo
 warm-started by SFT once per (env, seed, prompt format) in that format. So the arms of a suite
 start from the same model, and the strategies from the same grounded base. The table follows the
 paper's layout (rows = arms, columns = envs and overall); each cell is the mean over run seeds
-with its 95% t-interval and, beside it, the warm start's mean. Every row names the judge's scoring mode (``judge.rule_mode``) and the estimator.
+with its 95% t-interval and, beside it, the warm start's mean. Every row names the judge's scoring
+mode (``judge.rule_mode``) and the estimator.
 
 Resume: every finished run leaves ``done.json`` in its folder and is not run again; progress goes
 to stdout, and ``ablation-<suite>.md`` (and ``.json``) is rewritten after every run with the runs

@@ -134,6 +134,10 @@ class EnvSpec:
     weight: float = 1.0  # sampling weight among envs of an actor
     name: str | None = None  # label in metrics; default: id without prefix/version
 
+    def training_kwargs(self) -> dict[str, Any]:
+        """What the actors' training episodes are made with: ``kwargs`` with ``train_kwargs`` over them."""
+        return {**self.kwargs, **self.train_kwargs}
+
 
 @dataclass
 class ActorConfig:
