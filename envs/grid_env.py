@@ -12,6 +12,16 @@ keeps the env's own natural-language hint; ``"vagen"`` asks for what VAGEN's jud
 the player only, with both a vertical and a horizontal relation each, and the prompt example and
 the expert's descriptions (SFT demonstrations) then state only the player-relative sentences. The
 config passes it when ``judge.rule_mode`` is ``vagen``.
+
+``progress_reward`` (kwarg of every grid env, default 0: the paper's reward table unchanged): a
+potential-based shaping term (Ng, Harada & Russell 1999, with gamma 1) added to a turn's
+``env_reward``: ``progress_reward * (d_before - d_after)``, where ``d`` is the number of actions
+the solver's shortest plan still needs (0 once solved; ``max_steps`` from a state the solver
+cannot finish, e.g. a box in a corner or a hole). An episode's shaping terms sum to
+``progress_reward * (d_start - d_end)``: how much closer to the goal it ended, so episodes that all
+fail still differ in reward. The optimal policy is unchanged by a potential difference. The turn's
+``info["progress_reward"]`` reports the term (0.0 when off or nothing ran). Meant for training
+episodes (``actor.envs[i].train_kwargs``): held-out evaluation keeps the paper's rewards.
 """
 
 from __future__ import annotations
@@ -75,15 +85,20 @@ class GridEnv(VisualEnv):
     # the natural-language hint of relation_prompt="vagen" ("" = the env does not offer it)
     VAGEN_NL_HINT = ""
 
-    def __init__(self, *, min_actions_to_succeed: int = 0, relation_prompt: str = "default", **common: Any) -> None:
+    def __init__(self, *, min_actions_to_succeed: int = 0, relation_prompt: str = "default",
+                 progress_reward: float = 0.0, **common: Any) -> None:
         offered = RELATION_PROMPTS if self.VAGEN_NL_HINT else RELATION_PROMPTS[:1]
         if relation_prompt not in offered:
             raise ValueError(f"relation_prompt must be one of {list(offered)} for {type(self).__name__}, "
                              f"got {relation_prompt!r}")
         self.relation_prompt = relation_prompt
+        if isinstance(progress_reward, bool) or not isinstance(progress_reward, (int, float, np.integer, np.floating)) \
+                or not 0.0 <= float(progress_reward) < float("inf"):
+            raise ValueError(f"progress_reward must be a finite number >= 0, got {progress_reward!r}")
+        self.progress_reward = float(progress_reward)
         super().__init__(**common)
         self.min_actions_to_succeed = check_int("min_actions_to_succeed", min_actions_to_succeed, 0, 10_000)
-        self._plan_cache: dict[Hashable, list[str]] = {}
+        self._plan_cache: dict[Hashable, list[str] | None] = {}  # None: no plan
         self.optimal_actions: int | None = None  # length of the optimal plan at reset
 
     # ----------------------------------------------------------- solver hooks (subclass)
@@ -102,19 +117,38 @@ class GridEnv(VisualEnv):
         for i, key in enumerate(plan.states[:-1]):
             self._plan_cache.setdefault(key, list(plan.actions[i:]))
 
-    def _expert_actions(self) -> list[str]:
+    def _remaining_plan(self) -> list[str] | None:
+        """The shortest plan from the current state ([] once terminal), None if the solver finds none."""
         if self._is_terminal():
-            return []
+            return [] if self._is_success() else None
         key = self._solver_key()
-        plan = self._plan_cache.get(key)
-        if plan is None:
+        if key not in self._plan_cache:
             found = self._solve()
             if found is None:
-                self._plan_cache[key] = plan = []
+                self._plan_cache[key] = None
             else:
                 self._remember(found)
-                plan = self._plan_cache.get(key, [])
-        return list(plan[: self.max_actions_per_step])
+        return self._plan_cache.get(key)
+
+    def _expert_actions(self) -> list[str]:
+        return list((self._remaining_plan() or [])[: self.max_actions_per_step])
+
+    def _distance_to_goal(self) -> int:
+        """The ``progress_reward`` potential: actions the shortest plan needs, ``max_steps`` if none."""
+        plan = self._remaining_plan()
+        return self.max_steps if plan is None else len(plan)
+
+    def step(self, response: Any) -> tuple[dict, float, bool, bool, dict]:
+        shaping = self.progress_reward > 0 and self._was_reset and not self._done
+        before = self._distance_to_goal() if shaping else 0
+        obs, reward, terminated, truncated, info = super().step(response)
+        bonus = 0.0
+        if shaping and info["actions_executed"]:
+            bonus = round(self.progress_reward * (before - self._distance_to_goal()), 10)
+            info["env_reward"] = round(info["env_reward"] + bonus, 10)
+            reward += bonus
+        info["progress_reward"] = bonus
+        return obs, reward, terminated, truncated, info
 
     def _start_episode(self, plan: Plan) -> None:
         """Called by ``_generate`` with the optimal plan of the new level."""
@@ -133,7 +167,7 @@ class GridEnv(VisualEnv):
         self.steps = 0
 
     def _expert_reasoning(self, actions: Sequence[str]) -> str:
-        rest = len(self._plan_cache.get(self._solver_key(), []))
+        rest = len(self._plan_cache.get(self._solver_key()) or [])
         moves = ", ".join(actions)
         return f"The shortest solution takes {rest} more action(s); I will do {moves} now." if rest else f"I will do {moves}."
 

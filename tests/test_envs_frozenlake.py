@@ -120,3 +120,13 @@ def test_the_distinct_moves_demonstrator_looks_again_after_each_direction() -> N
             break
     # (0,0) D -> (1,0) D,R -> (2,1) D,R -> (3,2) R: the goal in four turns (the plain expert: two)
     assert answers == ["Down", "Down,Right", "Down,Right", "Right"] and info["success"]
+
+
+def test_progress_reward_counts_a_hole_as_max_steps_away() -> None:
+    env, _ = make(progress_reward=0.1, max_steps=20)
+    assert env.unwrapped._distance_to_goal() == 6
+    _, reward, term, _, info = env.step(ans("Down, Right"))
+    # Down: (1,0), 5 from the goal; Right: into hole0, no plan -> max_steps = 20: 0.1 * (6 - 20) = -1.4
+    # env = -0.2 - 1.4 = -1.6; +0.5 format
+    assert term and info["progress_reward"] == pytest.approx(-1.4)
+    assert info["env_reward"] == pytest.approx(-1.6) and reward == pytest.approx(-1.1)

@@ -197,3 +197,40 @@ def test_crop_outer_wall_draws_the_inside_of_the_room() -> None:
     with pytest.raises(ValueError, match="outer ring"):
         open_ring.unwrapped.load_board("######\n#P_XO_\n#____#\n######")
         open_ring.unwrapped._render_image()
+
+
+def test_progress_reward_is_the_solver_distance_difference() -> None:
+    # player (1,1), box (1,3), target (1,4): the shortest plan is Right, Right (d = 2)
+    env = make("######\n#P_XO#\n#____#\n######", progress_reward=0.5)
+    _, reward, _, _, info = env.step(ans("Right"))
+    # d 2 -> 1: +0.5 * 1; env = -0.1 + 0.5 = 0.4; +0.5 format
+    assert info["progress_reward"] == pytest.approx(0.5) and info["env_reward"] == pytest.approx(0.4)
+    assert reward == pytest.approx(0.9)
+    _, reward, term, _, info = env.step(ans("Right"))
+    # d 1 -> 0: +0.5; env = 10 (success) + 1 (box on target) + 0.5 = 11.5
+    assert term and info["env_reward"] == pytest.approx(11.5) and reward == pytest.approx(12.0)
+    _, reward, _, _, info = env.step(ans("Right"))
+    assert reward == 0.0 and info["progress_reward"] == 0.0  # the episode has ended
+
+
+def test_progress_reward_charges_detours_and_dead_ends() -> None:
+    # player (1,1), box (2,2), target (2,4): Down, Right, Right (d = 3)
+    env = make("######\n#P___#\n#_X_O#\n#____#\n######", progress_reward=0.5, max_steps=10)
+    assert env.unwrapped._distance_to_goal() == 3
+    _, _, _, _, info = env.step(ans("Right"))
+    # from (1,2) the plan is Left, Down, Right, Right: d 3 -> 4, -0.5; env = -0.1 - 0.5
+    assert info["progress_reward"] == pytest.approx(-0.5) and info["env_reward"] == pytest.approx(-0.6)
+    _, _, term, _, info = env.step(ans("Down"))
+    # the box goes to the bottom row, off the target's row for good: d -> max_steps = 10, -0.5 * 6
+    assert not term and info["progress_reward"] == pytest.approx(-3.0) and info["env_reward"] == pytest.approx(-3.1)
+    _, _, _, _, info = env.step(ans("Jump"))  # a rejected turn runs nothing and earns no shaping
+    assert info["progress_reward"] == 0.0 and info["env_reward"] == 0.0
+
+
+def test_progress_reward_off_by_default_and_checked() -> None:
+    env = make("######\n#P_XO#\n#____#\n######")
+    _, reward, _, _, info = env.step(ans("Right"))
+    assert info["progress_reward"] == 0.0 and info["env_reward"] == pytest.approx(-0.1)
+    for bad in (-0.1, float("nan"), "1", True):
+        with pytest.raises(ValueError, match="progress_reward"):
+            gymnasium.make(ID, progress_reward=bad)
