@@ -261,6 +261,11 @@ class TrainerConfig:
     # after the last step the learner waits up to this long for a live evaluator's evaluation of
     # the final version, so that TensorBoard/wandb get it too (no live evaluator: no wait); 0 = never
     final_eval_wait_s: float = 300.0
+    # wall-clock budget of the learner's updates, in seconds from its first step (PyTorch Lightning's
+    # max_time): no update starts that would end past it (judged by the slowest of the last few
+    # updates), and the learner then finishes as after total_steps (final checkpoint, run stopped);
+    # null = none. A restarted learner counts from its restart. `worldloop up` sets it from up.time_limit_s
+    time_limit_s: float | None = None
     # every sample_every steps the trackers get a few episodes of the batch (images, text, rewards
     # per turn) and <run_dir>/samples.jsonl holds them (worldloop show); 0 = off
     sample_every: int = 0
@@ -294,6 +299,12 @@ class SFTConfig:
 class UpConfig:
     num_actors: int = 2
     num_judges: int = 1
+    # the whole `worldloop up` (model, grounding, SFT, RL, final evaluation) should end within this
+    # many seconds: after the model is ready, the learner gets trainer.time_limit_s = what is left
+    # minus up.final_reserve_s (the final held-out evaluation and shutdown), or less if the config
+    # asks for less; null = no budget (trainer.total_steps alone decides)
+    time_limit_s: float | None = None
+    final_reserve_s: float = 60.0
     progress_interval_s: float = 2.0
 
 
@@ -356,6 +367,9 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "trainer.eval_episodes": (lambda v: v >= 1, "must be >= 1"),
     "trainer.final_eval_wait_s": (lambda v: v >= 0, "must be >= 0 seconds (0 = do not wait)"),
     "trainer.sample_every": (lambda v: v >= 0, "must be >= 0 (0 = no sampled episodes)"),
+    "trainer.time_limit_s": (lambda v: v is None or v > 0, "must be > 0 seconds or null (no limit)"),
+    "up.time_limit_s": (lambda v: v is None or v > 0, "must be > 0 seconds or null (no limit)"),
+    "up.final_reserve_s": (lambda v: v >= 0, "must be >= 0 seconds"),
     "run.loggers": (lambda v: set(v) <= {"jsonl", "tensorboard", "wandb"} and len(set(v)) == len(v),
                     "must list distinct names out of jsonl, tensorboard, wandb"),
     "actor.admission_lease_s": (lambda v: v > 0, "must be > 0"),

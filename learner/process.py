@@ -2,7 +2,7 @@
 
 Public API::
 
-    run(cfg, args) -> int          # the CLI entry point (exit 0 after trainer.total_steps updates)
+    run(cfg, args) -> int          # the CLI entry point (exit 0 after trainer.total_steps updates or at trainer.time_limit_s)
     Learner(cfg, dist)             # the loop as an object (tests drive it step by step)
         .step() -> dict | None     # one update: collect a batch, train, publish, maybe checkpoint
         .run_loop() -> int, .close()
@@ -68,6 +68,8 @@ from worldloop.learner.engine import DistInfo, all_reduce_sum, broadcast_bytes, 
 from worldloop.learner.rewards import anneal_max_turns
 from worldloop.learner.trainer import PPOTrainer, batch_reward_stats
 from worldloop.learner.trackers import open_trackers
+
+STEP_TIME_WINDOW = 5  # trainer.time_limit_s judges the next update by the slowest of the last this many
 
 log = logging.getLogger("worldloop.learner")
 
@@ -401,12 +403,34 @@ class Learner:
 
     # ------------------------------------------------------------------ loop
 
+    def _out_of_time(self, started: float, recent: list[float]) -> bool:
+        """``trainer.time_limit_s``: would the next update end past it? (the same answer on every rank)"""
+        limit = self.t.time_limit_s
+        late = 0.0
+        if limit is not None and recent:
+            late = float(time.monotonic() - started + max(recent[-STEP_TIME_WINDOW:]) > limit)
+        if self.dist.world_size > 1:
+            late = all_reduce_sum([late], self.dist)[0]
+        return late > 0
+
     def run_loop(self) -> int:
+        started = time.monotonic()
+        recent: list[float] = []  # wall seconds of the updates so far (waiting for data included)
+        timed_out = False
         while self.step_no < self.t.total_steps and not self.stop_requested:
+            if self._out_of_time(started, recent):
+                timed_out = True
+                break
+            t0 = time.monotonic()
             self.step()
+            recent.append(time.monotonic() - t0)
         if self.step_no > self.ckpt_step:
             self.save_checkpoint()
-        if self.step_no >= self.t.total_steps:
+        if timed_out:
+            log.info("trainer.time_limit_s=%.0f: stopping after %d of %d updates (%.0fs; the next would end "
+                     "past the limit)", self.t.time_limit_s, self.step_no, self.t.total_steps,
+                     time.monotonic() - started)
+        if self.step_no >= self.t.total_steps or timed_out:
             log.info("trained %d updates (policy version %d): done", self.step_no, self.version)
             if self.dist.is_main:  # the run is over: actors and judges stop instead of producing into it
                 write_control(self.r, self.keys, run_state="stopped")

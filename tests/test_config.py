@@ -48,6 +48,8 @@ def test_unknown_key_is_named() -> None:
     ("redis.max_backlog=0", "redis.max_backlog", "must be >= 1"),
     ("actor.top_p=1.5", "actor.top_p", "(0, 1]"),
     ("weights.max_bytes=-1", "weights.max_bytes", "must be >= 0"),
+    ("up.time_limit_s=0", "up.time_limit_s", "must be > 0 seconds or null"),
+    ("trainer.time_limit_s=-5", "trainer.time_limit_s", "must be > 0 seconds or null"),
 ])
 def test_bad_value_is_named(override: str, key: str, words: str) -> None:
     e = _error(overrides=(override,))

@@ -15,7 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-from worldloop.up import LEARNER_QUIET_S, Progress, child_threads
+import pytest
+
+from worldloop.up import LEARNER_QUIET_S, Progress, child_threads, learner_time_budget
 
 START = """
 import torch, deepspeed
@@ -87,3 +89,16 @@ def test_children_share_the_cores_instead_of_each_taking_all() -> None:
     assert child_threads(4, cores=16) == 4
     assert child_threads(1, cores=16) == 16
     assert child_threads(20, cores=16) == 1
+
+
+def test_up_time_budget_leaves_the_learner_what_is_left() -> None:
+    from worldloop.common.config import Config
+
+    cfg = Config()
+    assert learner_time_budget(cfg, 500.0) is None and cfg.trainer.time_limit_s is None  # no budget: no limit
+    cfg.up.time_limit_s, cfg.up.final_reserve_s = 900.0, 90.0
+    assert learner_time_budget(cfg, 500.0) == pytest.approx(310.0)  # 900 - 500 - 90
+    cfg.trainer.time_limit_s = 100.0  # the config's own, smaller limit wins
+    assert learner_time_budget(cfg, 500.0) == pytest.approx(100.0)
+    cfg.trainer.time_limit_s = None
+    assert learner_time_budget(cfg, 2000.0) == pytest.approx(1.0)  # spent already: one update at most

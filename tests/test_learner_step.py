@@ -282,3 +282,25 @@ def test_a_kill_between_checkpoint_and_ledger_loses_no_lineage_and_the_end_stops
         assert again.step_no == 2 and again.version == 2
     finally:
         again.close()
+
+
+@pytest.mark.slow
+def test_time_limit_stops_the_learner_like_total_steps(model_dir, redis_srv, tmp_path):
+    """trainer.time_limit_s: no update starts that would end past it; the learner then checkpoints
+    and stops the run as after total_steps (the data for more updates is there)."""
+    ns = "timelimit"
+    keys = Keys(ns)
+    cfg = tiny_learner_config(model_dir, redis_srv.url, tmp_path / "run", namespace=ns, total_steps=5, checkpoint_every=5)
+    cfg.trainer.time_limit_s = 1e-3  # any update ends past it, but the first always runs
+    prod = StreamProducer(redis_srv.url, keys.scored, 100)
+    for t in _trajectories(model_dir, 3 * cfg.trainer.train_batch_size, "T"):
+        prod.add(encode_trajectory(t))
+    lrn = Learner(cfg, init_distributed(cfg))
+    try:
+        assert lrn.run_loop() == 0
+    finally:
+        lrn.close()
+    assert lrn.step_no == 1 and lrn.version == 1
+    assert read_control(connect(redis_srv.url), keys)["run_state"] == "stopped"
+    assert [json.loads(x)["step"] for x in (lrn.run_dir / "learner_ledger.jsonl").read_text().splitlines()] == [1]
+    assert checkpoint.read_state(checkpoint.latest(lrn.ckpt_dir))["step"] == 1

@@ -9,14 +9,17 @@ Steps, each logged:
 3. model: when ``model.path`` does not exist and ``model.make_tiny_if_missing``, the embedded tiny
    Qwen2.5-VL model is made on the spot and, with ``sft.enabled``, warm-started by SFT on solver
    demonstrations (observation/prediction fields included);
-4. children: the learner, ``up.num_actors`` actors and ``up.num_judges`` judges (none when
+4. time budget: with ``up.time_limit_s``, what is left of it after the model is made, less
+   ``up.final_reserve_s``, becomes the learner's ``trainer.time_limit_s`` (it stops before an update
+   that would end past it), so the whole run ends within the budget on a slower machine too;
+5. children: the learner, ``up.num_actors`` actors and ``up.num_judges`` judges (none when
    ``judge.enabled`` is false), each ``python -m worldloop <role>`` with the resolved config written
    to ``<run_dir>/config.yaml``, output in ``<run_dir>/logs/<name>.log``; a crashed actor or judge is
    restarted (at most ``MAX_RESTARTS`` times each), a crashed learner too, with ``--resume``;
-5. a live progress line (step, episodes/s, success rate, reward, staleness) built from the learner's
+6. a live progress line (step, episodes/s, success rate, reward, staleness) built from the learner's
    ``metrics.jsonl`` and from scraping every child's ``/metrics`` (the URLs come from the process
    heartbeats in Redis);
-6. the end: after ``trainer.total_steps`` (the learner exits 0) or on Ctrl-C/SIGTERM the control
+7. the end: after ``trainer.total_steps`` or the time limit (the learner exits 0) or on Ctrl-C/SIGTERM the control
    record says ``stopped``, children get SIGTERM (then SIGKILL), ``training.png`` is drawn from
    ``metrics.jsonl``, ``scrapes.json`` records which processes were scraped and
    ``process_metrics.json`` the last scrape of each (its metric sums: idle seconds, episodes, ...).
@@ -361,6 +364,7 @@ def run(cfg: Config, args) -> int:
     from worldloop.common.redis_local import LocalRedis
     from worldloop.common.streams import connect
 
+    started = time.monotonic()
     run_dir = Path(cfg.run.run_dir) if cfg.run.run_dir else default_run_dir(cfg)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     cfg.run.run_dir = str(run_dir)
@@ -397,6 +401,7 @@ def run(cfg: Config, args) -> int:
     try:
         _prepare_model(cfg, run_dir)
         stop["preparing"] = False
+        learner_time_budget(cfg, time.monotonic() - started)
         config_path = run_dir / "config.yaml"
         config_path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         write_control(r, keys, run_state="running")
@@ -439,7 +444,12 @@ def _supervise(cfg, children, env, r, keys, run_dir, progress, stop) -> int:
         if code == 0:
             _refresh(progress, r, keys, run_dir)
             print(("\r" if tty else "") + progress.line(cfg.trainer.total_steps), flush=True)
-            print("worldloop up: learner finished trainer.total_steps", flush=True)
+            done = _final_version(run_dir)
+            if done is not None and progress.step < cfg.trainer.total_steps:
+                print(f"worldloop up: learner stopped at trainer.time_limit_s after {progress.step} of "
+                      f"{cfg.trainer.total_steps} updates", flush=True)
+            else:
+                print("worldloop up: learner finished trainer.total_steps", flush=True)
             evaluator = next((c for c in children if c.role == "evaluator"), None)
             if evaluator is not None:
                 _wait_final_eval(evaluator, run_dir, stop)
@@ -499,6 +509,21 @@ def _run_stopped(r, keys: Keys) -> bool:
         return read_control(r, keys).get("run_state") == "stopped"
     except Exception:  # Redis away: treat the exit as a crash (restarted, as before)
         return False
+
+
+def learner_time_budget(cfg: Config, elapsed_s: float) -> float | None:
+    """``up.time_limit_s``: set ``trainer.time_limit_s`` to what is left of it after ``elapsed_s``
+    (making the model) and ``up.final_reserve_s`` (the final evaluation), at least 1 s, or to the
+    config's own ``trainer.time_limit_s`` if that is smaller; returns the learner's limit."""
+    budget = cfg.up.time_limit_s
+    if budget is not None:
+        left = max(1.0, budget - elapsed_s - cfg.up.final_reserve_s)
+        own = cfg.trainer.time_limit_s
+        cfg.trainer.time_limit_s = left if own is None else min(own, left)
+        print(f"worldloop up: {elapsed_s:.0f}s of up.time_limit_s={budget:.0f} spent making the model; "
+              f"the learner stops within {cfg.trainer.time_limit_s:.0f}s (trainer.total_steps="
+              f"{cfg.trainer.total_steps} or fewer)", flush=True)
+    return cfg.trainer.time_limit_s
 
 
 def child_threads(n_children: int, cores: int | None = None) -> int:
