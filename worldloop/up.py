@@ -444,9 +444,9 @@ def _supervise(cfg, children, env, r, keys, run_dir, progress, stop) -> int:
         if code == 0:
             _refresh(progress, r, keys, run_dir)
             print(("\r" if tty else "") + progress.line(cfg.trainer.total_steps), flush=True)
-            done = _final_version(run_dir)
-            if done is not None and progress.step < cfg.trainer.total_steps:
-                print(f"worldloop up: learner stopped at trainer.time_limit_s after {progress.step} of "
+            final = _final_version(run_dir)
+            if final is not None and final < cfg.trainer.total_steps:
+                print(f"worldloop up: learner stopped at trainer.time_limit_s after {final} of "
                       f"{cfg.trainer.total_steps} updates", flush=True)
             else:
                 print("worldloop up: learner finished trainer.total_steps", flush=True)
