@@ -16,11 +16,14 @@ The result passes :func:`worldloop.common.schemas.check_trajectory` (and encodes
 
     behaviour_logprobs_from(model, codec, temperature) -> callable for ``logprobs=``
     tiny_learner_config(model_dir, redis_url, run_dir, namespace="wl", **trainer) -> Config
+    train_until_stopped(cfg, trajectories) -> (Learner, int)
 
 ``behaviour_logprobs_from`` scores each response with a Hugging Face model under the actors'
 log-prob convention (``worldloop.common.modeling.token_logprobs`` at ``temperature``), i.e. what an actor
 running that model would have recorded. ``tiny_learner_config`` is a CPU-sized learner config
 (small batches, metrics server off, ephemeral weight ports) for tests and the CPU bench smoke run.
+``train_until_stopped`` puts trajectories into that config's ``scored`` stream and runs a learner's
+loop until it stops by itself (total_steps, time_limit_s), then closes it.
 """
 
 from __future__ import annotations
@@ -161,3 +164,23 @@ def tiny_learner_config(model_dir, redis_url: str, run_dir, namespace: str = "wl
         "weights": {"pub_port": 0, "fetch_port": 0},
         "trainer": base,
     })
+
+
+def train_until_stopped(cfg: Config, trajectories) -> tuple:
+    """Add ``trajectories`` to ``cfg``'s ``scored`` stream, run ``Learner.run_loop`` and close the
+    learner; returns ``(learner, run_loop's exit code)`` (the learner closed, its state readable)."""
+    from worldloop.common.keys import Keys
+    from worldloop.common.schemas import encode_trajectory
+    from worldloop.common.streams import StreamProducer
+    from worldloop.learner.engine import init_distributed
+    from worldloop.learner.process import Learner
+
+    prod = StreamProducer(cfg.redis.url, Keys(cfg.redis.namespace).scored, 100)
+    for t in trajectories:
+        prod.add(encode_trajectory(t))
+    learner = Learner(cfg, init_distributed(cfg))
+    try:
+        rc = learner.run_loop()
+    finally:
+        learner.close()
+    return learner, rc

@@ -27,7 +27,7 @@ from worldloop.common.weights import WeightSubscriber
 from worldloop.learner import checkpoint
 from worldloop.learner.engine import init_distributed
 from worldloop.learner.process import Learner
-from worldloop.learner.synthetic import behaviour_logprobs_from, synthetic_trajectory, tiny_learner_config
+from worldloop.learner.synthetic import behaviour_logprobs_from, synthetic_trajectory, tiny_learner_config, train_until_stopped
 
 TEMPERATURE = 0.7  # the actor's sampling temperature (config default)
 
@@ -292,14 +292,8 @@ def test_time_limit_stops_the_learner_like_total_steps(model_dir, redis_srv, tmp
     keys = Keys(ns)
     cfg = tiny_learner_config(model_dir, redis_srv.url, tmp_path / "run", namespace=ns, total_steps=5, checkpoint_every=5)
     cfg.trainer.time_limit_s = 1e-3  # any update ends past it, but the first always runs
-    prod = StreamProducer(redis_srv.url, keys.scored, 100)
-    for t in _trajectories(model_dir, 3 * cfg.trainer.train_batch_size, "T"):
-        prod.add(encode_trajectory(t))
-    lrn = Learner(cfg, init_distributed(cfg))
-    try:
-        assert lrn.run_loop() == 0
-    finally:
-        lrn.close()
+    lrn, rc = train_until_stopped(cfg, _trajectories(model_dir, 3 * cfg.trainer.train_batch_size, "T"))
+    assert rc == 0
     assert lrn.step_no == 1 and lrn.version == 1
     assert read_control(connect(redis_srv.url), keys)["run_state"] == "stopped"
     assert [json.loads(x)["step"] for x in (lrn.run_dir / "learner_ledger.jsonl").read_text().splitlines()] == [1]

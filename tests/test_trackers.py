@@ -396,14 +396,9 @@ def test_resumed_learner_continues_the_wandb_run_and_skips_old_evals(tmp_path, o
 def test_a_real_learner_step_reaches_tensorboard_wandb_and_samples(tmp_path, offline_wandb):
     """Two PPO updates of the tiny model (real DeepSpeed, Redis, ZeroMQ): every number of each
     step's metrics.jsonl line is in TensorBoard and wandb at that step; samples of step 2."""
-    from worldloop.common.keys import Keys
     from worldloop.common.modeling import ChatCodec
     from worldloop.common.redis_local import LocalRedis
-    from worldloop.common.schemas import encode_trajectory
-    from worldloop.common.streams import StreamProducer
-    from worldloop.learner.engine import init_distributed
-    from worldloop.learner.process import Learner
-    from worldloop.learner.synthetic import synthetic_trajectory, tiny_learner_config
+    from worldloop.learner.synthetic import synthetic_trajectory, tiny_learner_config, train_until_stopped
     from worldloop.tiny_model import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "vl", max_image_side=112)
@@ -416,14 +411,8 @@ def test_a_real_learner_step_reaches_tensorboard_wandb_and_samples(tmp_path, off
         cfg = tiny_learner_config(model_dir, srv.url, tmp_path / "run", namespace="trk", total_steps=2,
                                   checkpoint_every=2, sample_every=2)
         cfg.run.loggers = ["jsonl", "tensorboard", "wandb"]
-        prod = StreamProducer(srv.url, Keys("trk").scored, 100)
-        for t in trajs:
-            prod.add(encode_trajectory(t))
-        learner = Learner(cfg, init_distributed(cfg))
-        try:
-            assert learner.run_loop() == 0
-        finally:
-            learner.close()
+        _, rc = train_until_stopped(cfg, trajs)
+        assert rc == 0
     finally:
         srv.close()
     run_dir = tmp_path / "run"
