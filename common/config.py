@@ -230,6 +230,11 @@ class TrainerConfig:
     # grpo: divide (R - group mean) by the group's std (Argos Eq. 10) or not (verl's
     # norm_adv_by_std_in_grpo=False, "Dr. GRPO"): then groups that differ only by shaping terms stay small
     grpo_norm_by_std: bool = True
+    # DAPO's dynamic sampling: the learner trains only on GRPO groups (actor.n_samples_per_seed
+    # episodes of one level) whose episodes differ in task success, and drops the all-solved and
+    # all-failed ones (reason "uninformative"), giving their admission budget back so the actors
+    # play more levels instead (learner/data.py)
+    filter_groups: bool = False
     whiten_advantages: bool = True
     # how the policy loss averages over a PPO mini-batch (verl's loss_agg_mode): token-mean (every
     # generated token weighs the same: VAGEN Alg. 1), seq-mean-token-mean (every trajectory weighs the
@@ -450,6 +455,12 @@ def _cross_checks(cfg: Config) -> None:
             "trainer.micro_batch_size",
             f"must divide trainer.ppo_mini_batch_size ({t.ppo_mini_batch_size}), got {t.micro_batch_size}",
         )
+    if t.filter_groups and cfg.actor.n_samples_per_seed < 2:
+        raise ConfigError("trainer.filter_groups", "needs groups: set actor.n_samples_per_seed >= 2 "
+                          f"(got {cfg.actor.n_samples_per_seed})")
+    if t.filter_groups and t.train_batch_size % cfg.actor.n_samples_per_seed:
+        raise ConfigError("trainer.filter_groups", f"trains whole groups: trainer.train_batch_size ({t.train_batch_size}) "
+                          f"must be a multiple of actor.n_samples_per_seed ({cfg.actor.n_samples_per_seed})")
     if not t.kl_in_reward and t.kl_coef > 0 and t.kl_estimator == "kl":
         # E_pi[log pi - log ref] is the KL, but its gradient on fixed samples is grad log pi(a):
         # minimising it lowers the probability of every sampled token (measured: a tiny run's KL

@@ -234,6 +234,13 @@ class ScoredSource:
         self._buffered_tids: set[str] = set()
         self._recovered: list[Message] = []
         self.dropped: dict[str, int] = {}
+        # trainer.filter_groups: members of each GRPO group are held here until the whole group is in
+        # (or its missing members are known to be lost), then the group goes to the buffer or is dropped
+        self.group_size = cfg.actor.n_samples_per_seed if cfg.trainer.filter_groups else 0
+        self._groups: dict[str, list[Item]] = {}
+        self._group_lost: dict[str, int] = {}
+        self.groups_decided = 0
+        self.groups_kept = 0
         self._m_dropped = metric("worldloop_learner_dropped_trajectories")
         self._m_held = metric("worldloop_learner_pending_entries")
 
@@ -257,6 +264,7 @@ class ScoredSource:
         """
         start = time.monotonic()
         while len(self._buffer) < n:
+            self._expire_groups()
             if should_stop():
                 return None
             if max_wait_s is not None and time.monotonic() - start >= max_wait_s:
@@ -272,8 +280,7 @@ class ScoredSource:
                 self._decide(m)
         out, self._buffer = self._buffer[:n], self._buffer[n:]
         for it in out:
-            self._buffered_ids.discard(it.entry_id)
-            self._buffered_tids.discard(it.trajectory_id)
+            self._unbuffer(it)
         return out
 
     def _decide(self, m: Message) -> None:
@@ -286,11 +293,13 @@ class ScoredSource:
         lag = version - oldest
         if lag > self.max_staleness:
             final = self.checkpoint_version_fn() - oldest > self.max_staleness
-            self._drop(m, "stale", f"lag {lag} > max_staleness {self.max_staleness}", final)
+            self._drop(m.id, tid, len(m.payload), "stale", f"lag {lag} > max_staleness {self.max_staleness}", final)
             self.admission.release([tid], refund=True)
+            self._lose(traj.group_id)
             return
         if tid in self.dedup or tid in self._buffered_tids:
-            self._drop(m, "duplicate", f"trajectory {tid} was already trained on", self.dedup.is_durable(tid))
+            self._drop(m.id, tid, len(m.payload), "duplicate", f"trajectory {tid} was already trained on",
+                       self.dedup.is_durable(tid))
             return
         try:
             layout = check_usable(traj, vocab_size=self.vocab_size, max_len=self.cfg.model.max_model_len, codec=self.codec)
@@ -298,23 +307,84 @@ class ScoredSource:
             self._m_dropped.labels(reason="unusable").inc()
             self.consumer.deadletter(m, f"learner: unusable trajectory {tid}: {e}", kind="unusable")
             self.admission.release([tid], refund=True)
+            self._lose(traj.group_id)
             return
-        self._buffer.append(Item(m.id, traj, layout, oldest, len(m.payload)))
+        item = Item(m.id, traj, layout, oldest, len(m.payload))
         self._buffered_ids.add(m.id)
         self._buffered_tids.add(tid)
+        if not self.group_size:
+            self._buffer.append(item)
+            return
+        self._groups.setdefault(traj.group_id, []).append(item)
+        self._settle_group(traj.group_id)
 
-    def _drop(self, m: Message, reason: str, why: str, final: bool) -> None:
+    # ------------------------------------------------------------------ filter_groups
+
+    def _lose(self, group_id: str) -> None:
+        """A member of ``group_id`` will never be trained (stale, unusable): stop waiting for it."""
+        if self.group_size:
+            self._group_lost[group_id] = self._group_lost.get(group_id, 0) + 1
+            self._settle_group(group_id)
+
+    def _settle_group(self, group_id: str) -> None:
+        """Once every member of the group is in or lost: train it if its episodes differ in task
+        success, else drop it as ``uninformative`` (acked at once: the decision cannot change) and
+        give its admission budget back, so that the actors play other levels in its place."""
+        members = self._groups.get(group_id, [])
+        if len(members) + self._group_lost.get(group_id, 0) < self.group_size:
+            return
+        self._groups.pop(group_id, None)
+        self._group_lost.pop(group_id, None)
+        if not members:
+            return
+        self.groups_decided += 1
+        if len({bool(it.traj.success) for it in members}) > 1:
+            self.groups_kept += 1
+            self._buffer.extend(members)
+            return
+        outcome = "solved" if members[0].traj.success else "failed"
+        log.info("dropping uninformative group %s: all %d episodes %s (%d of %d groups kept so far)",
+                 group_id, len(members), outcome, self.groups_kept, self.groups_decided)
+        for it in members:
+            self._unbuffer(it)
+            self._drop(it.entry_id, it.trajectory_id, it.nbytes, "uninformative",
+                       f"all {len(members)} episodes of group {group_id} {outcome}", True)
+        self.admission.release([it.trajectory_id for it in members], refund=True)
+
+    def _expire_groups(self) -> None:
+        """Drop as stale the incomplete groups whose oldest member passed the staleness bound (a
+        member that never comes, e.g. lost with a killed actor, must not hold the rest forever)."""
+        if not self._groups:
+            return
+        version = self.version_fn()
+        for gid in [g for g, ms in self._groups.items() if version - min(it.oldest for it in ms) > self.max_staleness]:
+            members = self._groups.pop(gid)
+            self._group_lost.pop(gid, None)
+            for it in members:
+                self._unbuffer(it)
+                final = self.checkpoint_version_fn() - it.oldest > self.max_staleness
+                self._drop(it.entry_id, it.trajectory_id, it.nbytes, "stale",
+                           f"group {gid} incomplete ({len(members)} of {self.group_size}) past max_staleness", final)
+            self.admission.release([it.trajectory_id for it in members], refund=True)
+
+    def _unbuffer(self, it: Item) -> None:
+        self._buffered_ids.discard(it.entry_id)
+        self._buffered_tids.discard(it.trajectory_id)
+
+    def _drop(self, entry_id: str, tid: str, nbytes: int, reason: str, why: str, final: bool) -> None:
         """Drop an entry; its run-wide counter ``learner_dropped_<reason>`` is added in the same
         MULTI as its ack (now when ``final``, else at the next checkpoint's ack), so it counts once
         even when a restarted learner decides the same entry again."""
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
         self._m_dropped.labels(reason=reason).inc()
-        log.info("dropping %s trajectory %s (entry %s): %s", reason, m.value.trajectory_id, m.id, why)
+        # an uninformative group is logged once, by _settle_group's caller below; the rest per entry
+        log.log(logging.DEBUG if reason == "uninformative" else logging.INFO,
+                "dropping %s trajectory %s (entry %s): %s", reason, tid, entry_id, why)
         if final:
-            self.consumer.ack([m.id], counts={f"learner_dropped_{reason}": 1})
+            self.consumer.ack([entry_id], counts={f"learner_dropped_{reason}": 1})
         else:
-            self._held[m.id] = len(m.payload)
-            self._held_drops[m.id] = reason
+            self._held[entry_id] = nbytes
+            self._held_drops[entry_id] = reason
             self._m_held.set(len(self._held))
 
     # ------------------------------------------------------------------ fate and acks

@@ -311,6 +311,10 @@ class Learner:
             # exact and cumulative over the whole run, restarts included (ScoredSource.fates)
             **self.source.fates(),
             "pending_entries": self.source.held_count,
+            # trainer.filter_groups: GRPO groups decided / trained so far by this process (the rest were
+            # all-solved or all-failed); the batch's success_rate is then that of the kept groups only
+            "groups": ({"decided": self.source.groups_decided, "kept": self.source.groups_kept}
+                       if self.source.group_size else None),
             "tokens": stats["tokens"],
             "padding_fraction": stats.get("padding_fraction"),  # padded slots / computed slots (micro-batching)
             "response_tokens": stats["response_tokens"],

@@ -44,17 +44,18 @@ def codec(model_dir) -> ChatCodec:
 VOCAB = 2048
 
 
-def _cfg(url: str, **trainer):
+def _cfg(url: str, actor: dict | None = None, **trainer):
     return config_from_dict({"redis": {"url": url, "namespace": NS, "claim_idle_ms": 60_000},
+                             "actor": actor or {},
                              "trainer": {"train_batch_size": 4, "ppo_mini_batch_size": 2, "micro_batch_size": 1,
                                          "max_staleness": 2, **trainer},
                              "model": {"max_model_len": 4096}})
 
 
 class _Versions:
-    def __init__(self):
-        self.current = 0
-        self.checkpointed = 0
+    def __init__(self, current: int = 0, checkpointed: int = 0):
+        self.current = current
+        self.checkpointed = checkpointed
 
 
 def _source(cfg, codec, versions: _Versions, dedup: DedupWindow | None = None) -> ScoredSource:
@@ -156,9 +157,7 @@ def test_staleness_dedup_and_dead_letter(redis_url, codec):
     cfg = _cfg(redis_url)
     keys = Keys(NS)
     prod = StreamProducer(redis_url, keys.scored, 100)
-    v = _Versions()
-    v.current = 5
-    v.checkpointed = 3
+    v = _Versions(current=5, checkpointed=3)
     src = _source(cfg, codec, v)
     src.dedup.add("trained-before", 4)
     # lag 5 - 2 = 3 > 2, but 3 - 2 = 1 relative to the checkpoint: held (a restart at v3 would train it)
@@ -268,3 +267,54 @@ def test_learner_cli_without_redis_url_fails_fast_naming_the_key(capsys):
 
     assert main(["learner", "redis.url=null", "trainer.device=cpu"]) == 2
     assert "redis.url" in capsys.readouterr().err
+
+
+def test_filter_groups_trains_mixed_groups_and_refunds_the_rest(redis_url, codec):
+    """trainer.filter_groups (DAPO's dynamic sampling): whole groups of actor.n_samples_per_seed
+    reach the batch only when their episodes differ in task success; all-solved, all-failed and
+    groups left with one member are dropped as uninformative (acked at once, budget refunded); an
+    incomplete group expires as stale once its oldest member passes the bound."""
+    cfg = _cfg(redis_url, {"n_samples_per_seed": 2}, filter_groups=True, estimator="grpo", use_critic=False)
+    prod = StreamProducer(redis_url, Keys(NS).scored, 100)
+    v = _Versions(current=3, checkpointed=3)
+    src = _source(cfg, codec, v)
+    src.admission.reset()
+    # (group, member, success, policy version); lost-2 is stale (lag 3 > 2): it will never be
+    # trained, so lost-1 decides alone; alone-2 never comes
+    plan = [("mixed-a", 1, True, 3), ("fail", 1, False, 3), ("mixed-a", 2, False, 3), ("fail", 2, False, 3),
+            ("solved", 1, True, 3), ("solved", 2, True, 3), ("lost", 1, True, 3), ("lost", 2, False, 0),
+            ("alone", 1, True, 2), ("mixed-b", 1, False, 3), ("mixed-b", 2, True, 3)]
+    for g in dict.fromkeys(g for g, *_ in plan):
+        assert src.admission.admit([f"{g}-1", f"{g}-2"], actor_version=3).admitted
+    for g, i, ok, version in plan:
+        prod.add(encode_trajectory(_traj(codec, f"{g}-{i}", group_id=g, success=ok, policy_version=version)))
+
+    items = src.collect(4, lambda: False)
+    # groups enter the batch whole, in the order they completed
+    assert [it.trajectory_id for it in items] == ["mixed-a-1", "mixed-a-2", "mixed-b-1", "mixed-b-2"]
+    assert (src.groups_decided, src.groups_kept) == (5, 2)  # mixed-a, fail, solved, lost, mixed-b
+    assert src.dropped == {"uninformative": 5, "stale": 1}
+    # uninformative drops are final: acked at once and counted run-wide; lost-2 is final-stale too
+    assert src.fates()["dropped"] == {"uninformative": 5, "stale": 1}
+    # refunded: 2 + 2 (fail, solved), lost-1 and lost-2
+    assert src.admission.state()["refunded"] == 6
+    # pending: the 4 items to train and the incomplete group "alone" (held, waiting for its partner)
+    assert _pending(redis_url) == 5
+
+    v.current = 5  # alone-1 (version 2) now lags 3 > 2: the incomplete group expires as stale
+    assert src.collect(2, lambda: False, max_wait_s=0.3) == []
+    assert src.dropped == {"uninformative": 5, "stale": 2}
+    assert src.admission.state()["refunded"] == 7
+    src.mark_trained(items)
+    src.ack_held()
+    assert _pending(redis_url) == 0
+    src.close()
+
+
+def test_filter_groups_needs_whole_groups_in_a_batch():
+    with pytest.raises(ConfigError, match="trainer.filter_groups.*n_samples_per_seed >= 2"):
+        config_from_dict({"trainer": {"filter_groups": True}})
+    with pytest.raises(ConfigError, match=r"trainer.filter_groups.*train_batch_size \(12\).*multiple.*\(8\)"):
+        config_from_dict({"actor": {"n_samples_per_seed": 8},
+                          "trainer": {"filter_groups": True, "train_batch_size": 12, "ppo_mini_batch_size": 4,
+                                      "micro_batch_size": 1}})
