@@ -342,13 +342,14 @@ class ScoredSource:
             self.groups_kept += 1
             self._buffer.extend(members)
             return
-        outcome = "solved" if members[0].traj.success else "failed"
-        log.info("dropping uninformative group %s: all %d episodes %s (%d of %d groups kept so far)",
-                 group_id, len(members), outcome, self.groups_kept, self.groups_decided)
+        log.info("dropping uninformative group %s: all %d episodes %s (%d of %d groups kept so far)", group_id,
+                 len(members), "solved" if members[0].traj.success else "failed", self.groups_kept, self.groups_decided)
         for it in members:
             self._unbuffer(it)
-            self._drop(it.entry_id, it.trajectory_id, it.nbytes, "uninformative",
-                       f"all {len(members)} episodes of group {group_id} {outcome}", True)
+        n = len(members)
+        self.dropped["uninformative"] = self.dropped.get("uninformative", 0) + n
+        self._m_dropped.labels(reason="uninformative").inc(n)
+        self.consumer.ack([it.entry_id for it in members], counts={"learner_dropped_uninformative": n})
         self.admission.release([it.trajectory_id for it in members], refund=True)
 
     def _expire_groups(self) -> None:
@@ -377,9 +378,7 @@ class ScoredSource:
         even when a restarted learner decides the same entry again."""
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
         self._m_dropped.labels(reason=reason).inc()
-        # an uninformative group is logged once, by _settle_group's caller below; the rest per entry
-        log.log(logging.DEBUG if reason == "uninformative" else logging.INFO,
-                "dropping %s trajectory %s (entry %s): %s", reason, tid, entry_id, why)
+        log.info("dropping %s trajectory %s (entry %s): %s", reason, tid, entry_id, why)
         if final:
             self.consumer.ack([entry_id], counts={f"learner_dropped_{reason}": 1})
         else:
