@@ -289,27 +289,27 @@ class ScoredSource:
         traj = m.value
         tid = traj.trajectory_id
         oldest = oldest_version(traj)
+        item = Item(m.id, traj, None, oldest, len(m.payload))
         version = self.version_fn()
         lag = version - oldest
         if lag > self.max_staleness:
             final = self.checkpoint_version_fn() - oldest > self.max_staleness
-            self._drop(m.id, tid, len(m.payload), "stale", f"lag {lag} > max_staleness {self.max_staleness}", final)
+            self._drop([item], "stale", f"lag {lag} > max_staleness {self.max_staleness}", final)
             self.admission.release([tid], refund=True)
             self._lose(traj.group_id)
             return
         if tid in self.dedup or tid in self._buffered_tids:
-            self._drop(m.id, tid, len(m.payload), "duplicate", f"trajectory {tid} was already trained on",
-                       self.dedup.is_durable(tid))
+            self._drop([item], "duplicate", f"trajectory {tid} was already trained on", self.dedup.is_durable(tid))
             return
         try:
-            layout = check_usable(traj, vocab_size=self.vocab_size, max_len=self.cfg.model.max_model_len, codec=self.codec)
+            item.layout = check_usable(traj, vocab_size=self.vocab_size, max_len=self.cfg.model.max_model_len,
+                                       codec=self.codec)
         except Unusable as e:
             self._m_dropped.labels(reason="unusable").inc()
             self.consumer.deadletter(m, f"learner: unusable trajectory {tid}: {e}", kind="unusable")
             self.admission.release([tid], refund=True)
             self._lose(traj.group_id)
             return
-        item = Item(m.id, traj, layout, oldest, len(m.payload))
         self._buffered_ids.add(m.id)
         self._buffered_tids.add(tid)
         if not self.group_size:
@@ -342,14 +342,11 @@ class ScoredSource:
             self.groups_kept += 1
             self._buffer.extend(members)
             return
-        log.info("dropping uninformative group %s: all %d episodes %s (%d of %d groups kept so far)", group_id,
-                 len(members), "solved" if members[0].traj.success else "failed", self.groups_kept, self.groups_decided)
         for it in members:
             self._unbuffer(it)
-        n = len(members)
-        self.dropped["uninformative"] = self.dropped.get("uninformative", 0) + n
-        self._m_dropped.labels(reason="uninformative").inc(n)
-        self.consumer.ack([it.entry_id for it in members], counts={"learner_dropped_uninformative": n})
+        outcome = "solved" if members[0].traj.success else "failed"
+        self._drop(members, "uninformative", f"all {len(members)} episodes of group {group_id} {outcome} "
+                   f"({self.groups_kept} of {self.groups_decided} groups kept so far)", True)
         self.admission.release([it.trajectory_id for it in members], refund=True)
 
     def _expire_groups(self) -> None:
@@ -364,26 +361,29 @@ class ScoredSource:
             for it in members:
                 self._unbuffer(it)
                 final = self.checkpoint_version_fn() - it.oldest > self.max_staleness
-                self._drop(it.entry_id, it.trajectory_id, it.nbytes, "stale",
-                           f"group {gid} incomplete ({len(members)} of {self.group_size}) past max_staleness", final)
+                self._drop([it], "stale", f"group {gid} incomplete ({len(members)} of {self.group_size}) "
+                           "past max_staleness", final)
             self.admission.release([it.trajectory_id for it in members], refund=True)
 
     def _unbuffer(self, it: Item) -> None:
         self._buffered_ids.discard(it.entry_id)
         self._buffered_tids.discard(it.trajectory_id)
 
-    def _drop(self, entry_id: str, tid: str, nbytes: int, reason: str, why: str, final: bool) -> None:
-        """Drop an entry; its run-wide counter ``learner_dropped_<reason>`` is added in the same
-        MULTI as its ack (now when ``final``, else at the next checkpoint's ack), so it counts once
-        even when a restarted learner decides the same entry again."""
-        self.dropped[reason] = self.dropped.get(reason, 0) + 1
-        self._m_dropped.labels(reason=reason).inc()
-        log.info("dropping %s trajectory %s (entry %s): %s", reason, tid, entry_id, why)
+    def _drop(self, items: list[Item], reason: str, why: str, final: bool) -> None:
+        """Drop entries for one reason; their run-wide counter ``learner_dropped_<reason>`` is added in
+        the same MULTI as their ack (now when ``final``, else at the next checkpoint's ack), so each
+        counts once even when a restarted learner decides the same entry again."""
+        n = len(items)
+        self.dropped[reason] = self.dropped.get(reason, 0) + n
+        self._m_dropped.labels(reason=reason).inc(n)
+        for it in items:  # one line per entry: bench/chaos.py accounts for every drop from these lines
+            log.info("dropping %s trajectory %s (entry %s): %s", reason, it.trajectory_id, it.entry_id, why)
         if final:
-            self.consumer.ack([entry_id], counts={f"learner_dropped_{reason}": 1})
+            self.consumer.ack([it.entry_id for it in items], counts={f"learner_dropped_{reason}": n})
         else:
-            self._held[entry_id] = nbytes
-            self._held_drops[entry_id] = reason
+            for it in items:
+                self._held[it.entry_id] = it.nbytes
+                self._held_drops[it.entry_id] = reason
             self._m_held.set(len(self._held))
 
     # ------------------------------------------------------------------ fate and acks

@@ -4,6 +4,7 @@ slicing that keeps images with their sequence. No DeepSpeed here (fast)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -269,7 +270,7 @@ def test_learner_cli_without_redis_url_fails_fast_naming_the_key(capsys):
     assert "redis.url" in capsys.readouterr().err
 
 
-def test_filter_groups_trains_mixed_groups_and_refunds_the_rest(redis_url, codec):
+def test_filter_groups_trains_mixed_groups_and_refunds_the_rest(redis_url, codec, caplog):
     """trainer.filter_groups (DAPO's dynamic sampling): whole groups of actor.n_samples_per_seed
     reach the batch only when their episodes differ in task success; all-solved, all-failed and
     groups left with one member are dropped as uninformative (acked at once, budget refunded); an
@@ -289,7 +290,11 @@ def test_filter_groups_trains_mixed_groups_and_refunds_the_rest(redis_url, codec
     for g, i, ok, version in plan:
         prod.add(encode_trajectory(_traj(codec, f"{g}-{i}", group_id=g, success=ok, policy_version=version)))
 
-    items = src.collect(4, lambda: False)
+    with caplog.at_level("INFO", logger="worldloop.learner.data"):
+        items = src.collect(4, lambda: False)
+    # every drop has its own log line, in the form bench/chaos.py accounts for drops by
+    logged = re.findall(r"dropping uninformative trajectory (\S+) \(entry", caplog.text)
+    assert sorted(logged) == ["fail-1", "fail-2", "lost-1", "solved-1", "solved-2"]
     # groups enter the batch whole, in the order they completed
     assert [it.trajectory_id for it in items] == ["mixed-a-1", "mixed-a-2", "mixed-b-1", "mixed-b-2"]
     assert (src.groups_decided, src.groups_kept) == (5, 2)  # mixed-a, fail, solved, lost, mixed-b
