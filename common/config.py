@@ -235,6 +235,12 @@ class TrainerConfig:
     # all-failed ones (reason "uninformative"), giving their admission budget back so the actors
     # play more levels instead (learner/data.py)
     filter_groups: bool = False
+    # GRPO's baseline is the mean of a whole group. Actors push each episode when it ends (a solved
+    # one turns earlier than a failed one), so a batch cut from the stream in arrival order splits
+    # groups, and a fragment of only successes or only failures gets advantage 0. With whole_groups
+    # the learner holds each group's members until all are in (or known lost) and batches hold whole
+    # groups; only with estimator grpo and actor.n_samples_per_seed >= 2 (learner/data.py)
+    whole_groups: bool = True
     whiten_advantages: bool = True
     # how the policy loss averages over a PPO mini-batch (verl's loss_agg_mode): token-mean (every
     # generated token weighs the same: VAGEN Alg. 1), seq-mean-token-mean (every trajectory weighs the
@@ -458,6 +464,10 @@ def _cross_checks(cfg: Config) -> None:
     if t.filter_groups and cfg.actor.n_samples_per_seed < 2:
         raise ConfigError("trainer.filter_groups", "needs groups: set actor.n_samples_per_seed >= 2 "
                           f"(got {cfg.actor.n_samples_per_seed})")
+    if t.whole_groups and t.estimator == "grpo" and t.train_batch_size % cfg.actor.n_samples_per_seed:
+        raise ConfigError("trainer.whole_groups", f"trains whole groups: trainer.train_batch_size ({t.train_batch_size}) "
+                          f"must be a multiple of actor.n_samples_per_seed ({cfg.actor.n_samples_per_seed}); "
+                          "or set trainer.whole_groups: false")
     if t.filter_groups and t.train_batch_size % cfg.actor.n_samples_per_seed:
         raise ConfigError("trainer.filter_groups", f"trains whole groups: trainer.train_batch_size ({t.train_batch_size}) "
                           f"must be a multiple of actor.n_samples_per_seed ({cfg.actor.n_samples_per_seed})")

@@ -127,6 +127,7 @@ CATALOG: dict[str, Spec] = {
     "worldloop_learner_max_turns": Spec("gauge", "max_turns published to actors"),
     "worldloop_learner_grad_norm": Spec("gauge", "Gradient norm of the last step", ("model",)),
     "worldloop_learner_pending_entries": Spec("gauge", "Stream entries held unacked until the next checkpoint"),
+    "worldloop_learner_whole_group_fraction": Spec("gauge", "Share of the last batch's trajectories whose whole GRPO group was in the batch"),
     "worldloop_learner_checkpoints": Spec("counter", "Complete checkpoints written"),
 }
 

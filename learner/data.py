@@ -5,6 +5,7 @@ Public API::
     Unusable(ValueError)                                   # a schema-valid but untrainable trajectory
     check_usable(traj, *, vocab_size, max_len, codec) -> SequenceLayout
     oldest_version(traj) -> int
+    whole_group_fraction(group_ids, size) -> float     # share of a batch's rows whose whole group is in it
     DedupWindow(max_staleness)                             # trajectory ids already trained on
     Item(entry_id, traj, layout, oldest, nbytes)
     ScoredSource(cfg, keys, *, vocab_size, codec, version_fn, dedup, consumer_name=LEARNER_CONSUMER)
@@ -59,6 +60,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
@@ -86,6 +88,15 @@ class Unusable(ValueError):
 
 def oldest_version(traj: Trajectory) -> int:
     return min(t.policy_version for t in traj.turns)
+
+
+def whole_group_fraction(group_ids: list[str], size: int) -> float:
+    """The share of a batch's rows whose group has all ``size`` members in the batch (1.0 for an
+    empty batch): what is left of GRPO's group baselines after the batch was cut."""
+    if not group_ids:
+        return 1.0
+    members = Counter(group_ids)
+    return sum(n for n in members.values() if n >= size) / len(group_ids)
 
 
 def check_usable(traj: Trajectory, *, vocab_size: int, max_len: int, codec: ChatCodec) -> SequenceLayout:
@@ -234,9 +245,13 @@ class ScoredSource:
         self._buffered_tids: set[str] = set()
         self._recovered: list[Message] = []
         self.dropped: dict[str, int] = {}
-        # trainer.filter_groups: members of each GRPO group are held here until the whole group is in
-        # (or its missing members are known to be lost), then the group goes to the buffer or is dropped
-        self.group_size = cfg.actor.n_samples_per_seed if cfg.trainer.filter_groups else 0
+        # trainer.whole_groups (grpo) and trainer.filter_groups: members of each GRPO group are held
+        # here until the whole group is in (or its missing members are known to be lost), then the
+        # group goes to the buffer (whole_groups: always; filter_groups: when informative) or is dropped
+        t = cfg.trainer
+        grouped = t.filter_groups or (t.whole_groups and t.estimator == "grpo")
+        self.group_size = cfg.actor.n_samples_per_seed if grouped and cfg.actor.n_samples_per_seed >= 2 else 0
+        self.filter_groups = bool(t.filter_groups)
         self._groups: dict[str, list[Item]] = {}
         self._group_lost: dict[str, int] = {}
         self.groups_decided = 0
@@ -318,7 +333,7 @@ class ScoredSource:
         self._groups.setdefault(traj.group_id, []).append(item)
         self._settle_group(traj.group_id)
 
-    # ------------------------------------------------------------------ filter_groups
+    # ------------------------------------------------------------------ whole_groups, filter_groups
 
     def _lose(self, group_id: str) -> None:
         """A member of ``group_id`` will never be trained (stale, unusable): stop waiting for it."""
@@ -327,9 +342,10 @@ class ScoredSource:
             self._settle_group(group_id)
 
     def _settle_group(self, group_id: str) -> None:
-        """Once every member of the group is in or lost: train it if its episodes differ in task
-        success, else drop it as ``uninformative`` (acked at once: the decision cannot change) and
-        give its admission budget back, so that the actors play other levels in its place."""
+        """Once every member of the group is in or lost: train it (whole_groups), or with
+        filter_groups only if its episodes differ in task success, else drop it as
+        ``uninformative`` (acked at once: the decision cannot change) and give its admission budget
+        back, so that the actors play other levels in its place."""
         members = self._groups.get(group_id, [])
         if len(members) + self._group_lost.get(group_id, 0) < self.group_size:
             return
@@ -338,7 +354,7 @@ class ScoredSource:
         if not members:
             return
         self.groups_decided += 1
-        if len({bool(it.traj.success) for it in members}) > 1:
+        if not self.filter_groups or len({bool(it.traj.success) for it in members}) > 1:
             self.groups_kept += 1
             self._buffer.extend(members)
             return

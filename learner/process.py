@@ -63,7 +63,8 @@ from worldloop.common.process import HEARTBEAT_S, ProcessScaffold
 from worldloop.common.streams import connect
 from worldloop.common.versions import write_versions
 from worldloop.learner import checkpoint
-from worldloop.learner.data import DedupWindow, ScoredSource, check_pending_fits, decode_batch, encode_batch
+from worldloop.learner.data import (DedupWindow, ScoredSource, check_pending_fits, decode_batch, encode_batch,
+                                    whole_group_fraction)
 from worldloop.learner.engine import DistInfo, all_reduce_sum, broadcast_bytes, build_models, gather_policy_weights, init_distributed
 from worldloop.learner.rewards import anneal_max_turns
 from worldloop.learner.trainer import PPOTrainer, batch_reward_stats
@@ -311,10 +312,12 @@ class Learner:
             # exact and cumulative over the whole run, restarts included (ScoredSource.fates)
             **self.source.fates(),
             "pending_entries": self.source.held_count,
-            # trainer.filter_groups: GRPO groups decided / trained so far by this process (the rest were
-            # all-solved or all-failed); the batch's success_rate is then that of the kept groups only
-            "groups": ({"decided": self.source.groups_decided, "kept": self.source.groups_kept}
-                       if self.source.group_size else None),
+            # GRPO groups (actor.n_samples_per_seed >= 2): whole = the fraction of this batch's
+            # trajectories whose whole group is in the batch (a split group's baseline is the mean of
+            # a fragment); decided / kept so far by this process when the reader holds groups
+            # (trainer.whole_groups, filter_groups: the rest were all-solved or all-failed, and the
+            # batch's success_rate is then that of the kept groups only)
+            "groups": self._group_record(trajs),
             "tokens": stats["tokens"],
             "padding_fraction": stats.get("padding_fraction"),  # padded slots / computed slots (micro-batching)
             "response_tokens": stats["response_tokens"],
@@ -325,6 +328,15 @@ class Learner:
         }
         self._export_metrics(record, lags)
         return record
+
+    def _group_record(self, trajs: list) -> dict | None:
+        size = self.cfg.actor.n_samples_per_seed
+        if size < 2:
+            return None
+        rec = {"whole": whole_group_fraction([tr.group_id for tr in trajs], size)}
+        if self.source.group_size:
+            rec.update(decided=self.source.groups_decided, kept=self.source.groups_kept)
+        return rec
 
     def _export_metrics(self, rec: dict, lags: list[int]) -> None:
         metric("worldloop_learner_steps").inc()
@@ -357,6 +369,8 @@ class Learner:
         for model, v in rec["grad_norm"].items():
             metric("worldloop_learner_grad_norm").labels(model=model).set(v)
         metric("worldloop_learner_max_turns").set(rec["max_turns"])
+        if rec["groups"] is not None:
+            metric("worldloop_learner_whole_group_fraction").set(rec["groups"]["whole"])
 
     @staticmethod
     def _ledger_line(rec: dict, items) -> dict:

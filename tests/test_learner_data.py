@@ -26,6 +26,7 @@ from worldloop.learner.data import (
     decode_batch,
     encode_batch,
     micro_slices,
+    whole_group_fraction,
 )
 from worldloop.learner.synthetic import synthetic_trajectory
 
@@ -323,3 +324,57 @@ def test_filter_groups_needs_whole_groups_in_a_batch():
         config_from_dict({"actor": {"n_samples_per_seed": 8},
                           "trainer": {"filter_groups": True, "train_batch_size": 12, "ppo_mini_batch_size": 4,
                                       "micro_batch_size": 1}})
+
+
+def test_whole_group_fraction_counts_rows_of_complete_groups():
+    # groups of 3: a whole (3 rows), b split (2 of 3), c one of 3 -> 3 of 6 rows
+    assert whole_group_fraction(["a", "b", "a", "c", "b", "a"], 3) == pytest.approx(3 / 6)
+    assert whole_group_fraction(["a", "a", "b", "b"], 2) == 1.0
+    assert whole_group_fraction(["a", "b", "c", "d"], 2) == 0.0
+    assert whole_group_fraction([], 8) == 1.0
+
+
+def test_whole_groups_batches_hold_whole_grpo_groups_in_completion_order(redis_url, codec):
+    """trainer.whole_groups (grpo, on by default): members that arrive interleaved, as actors push
+    each episode when it ends, are held until their group is complete; a batch then holds whole
+    groups in the order they completed, and nothing is dropped for being uninformative. A group
+    whose missing member went stale is released with the members it has."""
+    cfg = _cfg(redis_url, {"n_samples_per_seed": 2}, estimator="grpo", use_critic=False)
+    assert cfg.trainer.whole_groups and not cfg.trainer.filter_groups
+    prod = StreamProducer(redis_url, Keys(NS).scored, 100)
+    v = _Versions(current=3, checkpointed=3)
+    src = _source(cfg, codec, v)
+    src.admission.reset()
+    # all-solved and all-failed groups are kept too (no filter); lost-2 is stale (lag 3 > 2)
+    plan = [("a", 1, True, 3), ("b", 1, False, 3), ("c", 1, True, 3), ("a", 2, True, 3), ("lost", 1, True, 3),
+            ("c", 2, False, 3), ("lost", 2, False, 0), ("b", 2, False, 3), ("open", 1, True, 3)]
+    for g in dict.fromkeys(g for g, *_ in plan):
+        assert src.admission.admit([f"{g}-1", f"{g}-2"], actor_version=3).admitted
+    for g, i, ok, version in plan:
+        prod.add(encode_trajectory(_traj(codec, f"{g}-{i}", group_id=g, success=ok, policy_version=version)))
+
+    items = src.collect(4, lambda: False)
+    assert [it.trajectory_id for it in items] == ["a-1", "a-2", "c-1", "c-2"]
+    rest = src.collect(3, lambda: False)
+    assert [it.trajectory_id for it in rest] == ["lost-1", "b-1", "b-2"]
+    assert (src.groups_decided, src.groups_kept) == (4, 4)
+    assert src.dropped == {"stale": 1}
+    # "open" waits for its partner: nothing more to collect
+    assert src.collect(1, lambda: False, max_wait_s=0.3) == []
+    src.mark_trained(items + rest)
+    src.ack_held()
+    assert _pending(redis_url) == 1  # open-1, held
+    src.close()
+
+
+def test_whole_groups_needs_batches_of_whole_groups_only_for_grpo():
+    with pytest.raises(ConfigError, match=r"trainer.whole_groups.*train_batch_size \(12\).*multiple.*\(8\)"):
+        config_from_dict({"actor": {"n_samples_per_seed": 8},
+                          "trainer": {"estimator": "grpo", "train_batch_size": 12, "ppo_mini_batch_size": 4,
+                                      "micro_batch_size": 1}})
+    # off, or another estimator (no group baselines): any batch size
+    for trainer in ({"estimator": "grpo", "whole_groups": False}, {"estimator": "bilevel_gae"}):
+        cfg = config_from_dict({"actor": {"n_samples_per_seed": 8},
+                                "trainer": {**trainer, "train_batch_size": 12, "ppo_mini_batch_size": 4,
+                                            "micro_batch_size": 1}})
+        assert cfg.trainer.train_batch_size == 12
