@@ -464,13 +464,12 @@ def _cross_checks(cfg: Config) -> None:
     if t.filter_groups and cfg.actor.n_samples_per_seed < 2:
         raise ConfigError("trainer.filter_groups", "needs groups: set actor.n_samples_per_seed >= 2 "
                           f"(got {cfg.actor.n_samples_per_seed})")
-    if t.whole_groups and t.estimator == "grpo" and t.train_batch_size % cfg.actor.n_samples_per_seed:
-        raise ConfigError("trainer.whole_groups", f"trains whole groups: trainer.train_batch_size ({t.train_batch_size}) "
-                          f"must be a multiple of actor.n_samples_per_seed ({cfg.actor.n_samples_per_seed}); "
-                          "or set trainer.whole_groups: false")
-    if t.filter_groups and t.train_batch_size % cfg.actor.n_samples_per_seed:
-        raise ConfigError("trainer.filter_groups", f"trains whole groups: trainer.train_batch_size ({t.train_batch_size}) "
-                          f"must be a multiple of actor.n_samples_per_seed ({cfg.actor.n_samples_per_seed})")
+    size = held_group_size(cfg)
+    if size and t.train_batch_size % size:
+        key = "trainer.filter_groups" if t.filter_groups else "trainer.whole_groups"
+        raise ConfigError(key, f"trains whole groups: trainer.train_batch_size ({t.train_batch_size}) must be a "
+                          f"multiple of actor.n_samples_per_seed ({size})"
+                          + ("" if t.filter_groups else "; or set trainer.whole_groups: false"))
     if not t.kl_in_reward and t.kl_coef > 0 and t.kl_estimator == "kl":
         # E_pi[log pi - log ref] is the KL, but its gradient on fixed samples is grad log pi(a):
         # minimising it lowers the probability of every sampled token (measured: a tiny run's KL
@@ -547,6 +546,15 @@ def _check_grounding_seeds(cfg: Config) -> None:
     if cfg.sft.enabled:
         others.append(("the SFT demonstration seeds", *_demonstration_seeds(cfg)))
     _check_disjoint("model.tiny_grounding_seed_start", "grounding pre-training seeds", *_grounding_seeds(cfg), others)
+
+
+def held_group_size(cfg: Config) -> int:
+    """The GRPO group size the learner's reader holds members for until a group is whole
+    (``trainer.filter_groups``, or ``trainer.whole_groups`` with estimator grpo), or 0 when it
+    batches in arrival order (no groups, or neither knob applies)."""
+    t, n = cfg.trainer, cfg.actor.n_samples_per_seed
+    grouped = t.filter_groups or (t.whole_groups and t.estimator == "grpo")
+    return n if grouped and n >= 2 else 0
 
 
 def training_seed_ranges(cfg: Config) -> list[tuple[str, int, int]]:

@@ -67,7 +67,7 @@ from typing import Callable
 import msgspec
 import torch
 
-from worldloop.common.config import Config, ConfigError
+from worldloop.common.config import Config, ConfigError, held_group_size
 from worldloop.common.control import read_stats
 from worldloop.common.keys import Keys, SCORED_GROUP
 from worldloop.common.admission import Admission
@@ -248,10 +248,8 @@ class ScoredSource:
         # trainer.whole_groups (grpo) and trainer.filter_groups: members of each GRPO group are held
         # here until the whole group is in (or its missing members are known to be lost), then the
         # group goes to the buffer (whole_groups: always; filter_groups: when informative) or is dropped
-        t = cfg.trainer
-        grouped = t.filter_groups or (t.whole_groups and t.estimator == "grpo")
-        self.group_size = cfg.actor.n_samples_per_seed if grouped and cfg.actor.n_samples_per_seed >= 2 else 0
-        self.filter_groups = bool(t.filter_groups)
+        self.group_size = held_group_size(cfg)
+        self.filter_groups = bool(cfg.trainer.filter_groups)
         self._groups: dict[str, list[Item]] = {}
         self._group_lost: dict[str, int] = {}
         self.groups_decided = 0
