@@ -74,7 +74,7 @@ from worldloop.common.admission import Admission
 from worldloop.common.metrics import metric
 from worldloop.common.modeling import ChatCodec, SequenceLayout, build_sequence
 from worldloop.common.schemas import Trajectory, decode_trajectory, packb
-from worldloop.common.streams import Message, StreamConsumer, connect
+from worldloop.common.streams import Message, RedisLink, StreamConsumer
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +225,9 @@ class ScoredSource:
         self.checkpoint_version_fn = checkpoint_version_fn
         self.dedup = dedup
         self.max_staleness = cfg.trainer.max_staleness
-        self.r = connect(cfg.redis.url, cfg.redis.socket_timeout_s)
+        # the run-wide counters (fates) are read through a Redis outage, as the stream is
+        self.stats_link = RedisLink(cfg.redis.url, keys.stats, cfg.redis.reconnect_max_s, cfg.redis.socket_timeout_s,
+                                    startup_timeout_s=cfg.redis.startup_timeout_s)
         self.consumer = StreamConsumer(
             cfg.redis.url, keys.scored, SCORED_GROUP, consumer_name, decode=decode_trajectory,
             deadletter_stream=keys.deadletter, block_ms=min(cfg.redis.block_ms, 1000),
@@ -439,7 +441,7 @@ class ScoredSource:
         """Run-wide, exact and cumulative (across learner restarts) counts of what never trained:
         ``dropped`` (stale, duplicate; counted once acked) and ``dead_lettered`` (by kind, for the
         scored stream), read back from ``<ns>:stats``."""
-        stats = read_stats(self.r, self.keys)
+        stats = self.stats_link.call(lambda r: read_stats(r, self.keys))
         dead_prefix = self.consumer.deadletter_counter("")
         return {
             "dropped": {k[len("learner_dropped_"):]: v for k, v in stats.items() if k.startswith("learner_dropped_")},
@@ -449,10 +451,7 @@ class ScoredSource:
     def close(self) -> None:
         self.consumer.close()
         self.admission.close()
-        try:
-            self.r.close()
-        except Exception:  # closing a dead connection may fail; nothing to recover
-            pass
+        self.stats_link.close()
 
 
 # --------------------------------------------------------------------------- batches

@@ -60,7 +60,7 @@ from worldloop.common.files import append_lines
 from worldloop.common.keys import Keys
 from worldloop.common.metrics import metric
 from worldloop.common.process import HEARTBEAT_S, ProcessScaffold
-from worldloop.common.streams import connect
+from worldloop.common.streams import RedisLink
 from worldloop.common.versions import write_versions
 from worldloop.learner import checkpoint
 from worldloop.learner.data import (DedupWindow, ScoredSource, check_pending_fits, decode_batch, encode_batch,
@@ -103,7 +103,7 @@ class Learner:
             self.proc.start()
         self.proc_id = self.proc.proc_id
         self._lineage: list[dict] = []  # ledger + metrics lines since the last checkpoint (rank 0)
-        self.r = self.source = self.publisher = None
+        self.link = self.source = self.publisher = None
         self.proc.set_phase("building models (DeepSpeed engines)")
 
         torch.manual_seed(cfg.run.seed)
@@ -162,14 +162,17 @@ class Learner:
             cfg, self.keys, vocab_size=self.models.vocab_size, codec=self.models.codec,
             version_fn=lambda: self.version, checkpoint_version_fn=lambda: self.ckpt_version, dedup=self.dedup,
         )
-        self.r = connect(cfg.redis.url, cfg.redis.socket_timeout_s)
-        check_pending_fits(cfg, self.r)
+        # control-plane calls (the control record, the start-up checks) retry through a Redis outage
+        # like the stream calls do: a Redis restart must not end the learner (bench/chaos.py)
+        self.link = RedisLink(cfg.redis.url, self.keys.control, cfg.redis.reconnect_max_s, cfg.redis.socket_timeout_s,
+                              should_stop=lambda: self.stop_requested, startup_timeout_s=cfg.redis.startup_timeout_s)
+        self.link.call(lambda r: check_pending_fits(cfg, r))
         if not self.t.resume:  # a fresh run: admissions counted by an earlier run in this namespace are void
             self.source.admission.reset()
-        if not self.t.resume or read_control(self.r, self.keys)["run_state"] == "stopped":
+        if not self.t.resume or self.link.call(lambda r: read_control(r, self.keys))["run_state"] == "stopped":
             # a new run, or one resumed after it had finished: actors may produce again (a pause
             # an operator set survives a resume)
-            write_control(self.r, self.keys, run_state="running")
+            self.link.call(lambda r: write_control(r, self.keys, run_state="running"))
         self.proc.set_phase("recovering its own pending entries")
         self.source.recover()
         self.publisher = publisher_from_config(cfg)
@@ -180,8 +183,9 @@ class Learner:
 
     def _write_control(self) -> None:
         # the admission bound's inputs travel with the version (common/admission.py)
-        write_control(self.r, self.keys, policy_version=self.version, max_turns=self.max_turns,
+        fields = dict(policy_version=self.version, max_turns=self.max_turns,
                       train_batch_size=self.t.train_batch_size, max_staleness=self.t.max_staleness)
+        self.link.call(lambda r: write_control(r, self.keys, **fields))
 
     # ------------------------------------------------------------------ steps
 
@@ -451,7 +455,7 @@ class Learner:
         if self.step_no >= self.t.total_steps or timed_out:
             log.info("trained %d updates (policy version %d): done", self.step_no, self.version)
             if self.dist.is_main:  # the run is over: actors and judges stop instead of producing into it
-                write_control(self.r, self.keys, run_state="stopped")
+                self.link.call(lambda r: write_control(r, self.keys, run_state="stopped"))
                 self._await_final_eval()
         return 0
 
@@ -464,7 +468,7 @@ class Learner:
 
         def evaluator_alive() -> bool:
             try:
-                procs = list_processes(self.r, self.keys)
+                procs = list_processes(self.link.r, self.keys)
             except Exception:  # Redis away: nobody to wait for that we could see
                 return False
             return any(p.get("role") == "evaluator" and time.time() - float(p.get("seen_at") or 0) < 3 * HEARTBEAT_S
@@ -487,11 +491,8 @@ class Learner:
             self.source.close()
         if self.publisher is not None:
             self.publisher.close()
-        if self.r is not None:
-            try:
-                self.r.close()
-            except Exception:  # closing a dead connection may fail; nothing to recover
-                pass
+        if self.link is not None:
+            self.link.close()
 
 
 def run(cfg: Config, args: argparse.Namespace) -> int:

@@ -126,3 +126,54 @@ def test_judges_leave_the_group_and_dead_names_are_pruned(redis_url: str) -> Non
     dead.ack([m.id])
     assert dead.leave()
     assert names() == ["live-judge"]
+
+
+@pytest.mark.slow
+def test_a_learner_step_rides_out_a_redis_restart_at_its_control_write(tmp_path: Path) -> None:
+    """Redis dies after an update's compute and before the learner writes the new version to the
+    control record and reads the run-wide counters (the chaos soak's ``redis_kill`` landing there
+    ended the learner with a ConnectionError): the step waits Redis out and completes."""
+    from worldloop.common.control import read_control
+    from worldloop.common.keys import Keys
+    from worldloop.common.modeling import ChatCodec
+    from worldloop.common.schemas import encode_trajectory
+    from worldloop.learner.engine import init_distributed
+    from worldloop.learner.process import Learner
+    from worldloop.learner.synthetic import synthetic_trajectory, tiny_learner_config
+    from worldloop.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model", max_image_side=56)
+    srv = LocalRedis(data_dir=str(tmp_path / "redis"), persist=True).start()
+    learner = None
+    try:
+        cfg = tiny_learner_config(model, srv.url, tmp_path / "run", namespace="outage", max_image_side=56,
+                                  total_steps=1, checkpoint_every=100)
+        cfg.redis.reconnect_max_s = 0.5
+        keys = Keys("outage")
+        codec = ChatCodec(model, max_image_side=56)
+        prod = StreamProducer(srv.url, keys.scored, 100)
+        for i in range(4):
+            prod.add(encode_trajectory(synthetic_trajectory(codec, trajectory_id=f"o{i}", seed=i, response_tokens=4,
+                                                            success=i % 2 == 1, env_reward=float(i % 2))))
+        prod.close()
+        learner = Learner(cfg, init_distributed(cfg))
+        mark_trained = learner.source.mark_trained
+        outage: dict = {}
+
+        def trained_then_redis_dies(items):  # the last Redis call of a step before its control write
+            mark_trained(items)
+            srv.stop(kill=True)
+            # longer than redis-py's own retries of a command (10 tries, backoff capped at 1 s)
+            outage["timer"] = threading.Timer(6.0, srv.restart)
+            outage["timer"].start()
+
+        learner.source.mark_trained = trained_then_redis_dies
+        rec = learner.step()
+        outage["timer"].join()
+        assert rec is not None and rec["step"] == 1 and rec["policy_version"] == 1
+        assert rec["trajectories"] == 4 and "dropped" in rec
+        assert read_control(connect(srv.url), keys)["policy_version"] == 1
+    finally:
+        if learner is not None:
+            learner.close()
+        srv.close()
