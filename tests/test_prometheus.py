@@ -229,7 +229,8 @@ def test_real_prometheus_scrapes_a_run_found_by_worldloop_sd(tmp_path, redis_url
         "weights": {"pub_port": 0, "fetch_port": 0},
         "metrics": {"host": "0.0.0.0", "port": 0},
         "model": {"path": str(tmp_path / "model"), "make_tiny_if_missing": True, "max_image_side": 56},
-        "actor": {"num_envs": 2, "max_turns": 1, "max_new_tokens": 8,
+        # groups of 2 episodes per seed: the learner exports the share of whole GRPO groups (a panel)
+        "actor": {"num_envs": 2, "max_turns": 1, "max_new_tokens": 8, "n_samples_per_seed": 2,
                   "envs": [{"id": "worldloop/FrozenLake-v0",
                             "kwargs": {"size": 3, "min_actions_to_succeed": 2, "render_mode": "text",
                                        "prompt_format": "grounding_worldmodeling"}}]},
@@ -292,11 +293,24 @@ def test_real_prometheus_scrapes_a_run_found_by_worldloop_sd(tmp_path, redis_url
 
         # two learner steps, then events the dashboard shows: dead letters, LLM judge requests and
         # stale trajectories (copies of a version-0 one, more than max_staleness=1 behind)
-        wait_for(lambda: (query(f'worldloop_learner_steps_total{{namespace="{ns}"}} >= 2') or None),
-                 "two learner steps", 400, children, extra=logs)
-        scored = r.xrange(keys.scored, count=1) or r.xrange(keys.rollouts, count=1)
-        assert scored, "no trajectory left in the streams to copy" + logs()
-        traj = decode_trajectory(scored[0][1][b"data"])
+        # a real trajectory to copy is caught while it passes through the streams: the learner acks
+        # (XACK + XDEL) what it drops as stale at once and what it trained at its next checkpoint, so
+        # both streams can be empty at any one moment
+        seen: list = []
+
+        def catch_trajectory():
+            if not seen:
+                entries = r.xrange(keys.scored, count=1) or r.xrange(keys.rollouts, count=1)
+                if entries:
+                    seen.append(decode_trajectory(entries[0][1][b"data"]))
+            return seen
+
+        def two_steps():
+            catch_trajectory()
+            return query(f'worldloop_learner_steps_total{{namespace="{ns}"}} >= 2') or None
+
+        wait_for(two_steps, "two learner steps", 400, children, extra=logs)
+        traj = wait_for(catch_trajectory, "a trajectory in the streams to copy", 120, children, extra=logs)[0]
         # as if the agent had answered in format (the judge scores only turns that earned the format reward)
         turns = [msgspec.structs.replace(t, observation="The player is at the top left, the goal at the bottom right.",
                                          prediction="The player moves one cell down.", policy_version=0,
