@@ -94,7 +94,9 @@ def bench_env(env: str, steps: int | None, episodes: int, seed_start: int | None
         return json.loads((base / "row.json").read_text())
     run_dir, model_dir = base / "run", base / "model"
     base.mkdir(parents=True, exist_ok=True)
-    ups = list(overrides) + ([f"trainer.total_steps={steps}"] if steps else [])
+    # the run's own periodic evaluator plays the bench's range too: a tuning run (--seed-start on
+    # another range) must not show its curve on the report seeds
+    ups = [f"eval.seed_start={seed_start}", *overrides] + ([f"trainer.total_steps={steps}"] if steps else [])
     if (base / "up.done").exists():
         up_s = float((base / "up.done").read_text())
         print(f"== {env}: worldloop up finished before ({up_s:.0f} s), reusing {run_dir}", flush=True)
