@@ -65,6 +65,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import msgspec
+import redis
 import torch
 
 from worldloop.common.config import Config, ConfigError, held_group_size
@@ -179,10 +180,11 @@ class Item:
 
 
 def redis_maxmemory(r) -> int | None:
-    """Redis's ``maxmemory`` in bytes (0 = unlimited), None when CONFIG GET is not allowed."""
+    """Redis's ``maxmemory`` in bytes (0 = unlimited), None when CONFIG GET is not allowed.
+    Connection errors propagate, so that a caller's RedisLink retries instead of skipping the check."""
     try:
         raw = r.config_get("maxmemory")
-    except Exception:  # managed Redis often forbids CONFIG; then there is nothing to check
+    except redis.ResponseError:  # managed Redis often forbids CONFIG (NOPERM, unknown command): nothing to check
         return None
     value = raw.get("maxmemory") or raw.get(b"maxmemory")
     return int(value) if value is not None else None

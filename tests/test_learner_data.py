@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 
 from worldloop.common.config import ConfigError, config_from_dict
@@ -262,6 +263,25 @@ def test_pending_bound_checked_against_redis_maxmemory(redis_url):
         check_pending_fits(_cfg(redis_url, max_pending_mb=50), r)
     finally:
         r.config_set("maxmemory", "0")
+
+
+def test_maxmemory_is_unknown_where_config_is_forbidden_but_an_outage_is_raised(redis_url):
+    """A user whose ACL forbids CONFIG (managed Redis) skips the check; a Redis that cannot be
+    reached raises, so that the learner's RedisLink waits it out instead of skipping the check."""
+    from worldloop.common.metrics import free_port
+    from worldloop.learner.data import redis_maxmemory
+
+    admin = connect(redis_url)
+    admin.acl_setuser("noconfig", enabled=True, passwords=["+pw"], commands=["+@all", "-config"], keys=["*"])
+    try:
+        host_port = redis_url.split("//", 1)[1]
+        limited = connect(f"redis://noconfig:pw@{host_port}")
+        assert limited.ping() and redis_maxmemory(limited) is None
+        assert redis_maxmemory(admin) is not None
+        with pytest.raises(redis.ConnectionError):
+            redis_maxmemory(connect(f"redis://127.0.0.1:{free_port()}/0", 1.0))
+    finally:
+        admin.acl_deluser("noconfig")
 
 
 def test_learner_cli_without_redis_url_fails_fast_naming_the_key(capsys):
