@@ -300,6 +300,10 @@ class SFTConfig:
     # prediction cut to their first `observation_relations` sentences and an empty reasoning
     answer_style: Literal["expert", "concise"] = "expert"
     observation_relations: int = 2
+    # the concise reasoning: empty, or plan = the turn's actions (as the answer writes them) before the
+    # prediction, so the model picks its move right after reading the board and then predicts and
+    # answers from that choice (README "What the presets do": Sokoban)
+    concise_reasoning: Literal["empty", "plan"] = "empty"
     # how much of its plan the demonstrator commits per turn: prefix = the first
     # max_actions_per_step actions (the env's expert); distinct = up to the first repeated move, then it
     # looks again (one step per direction: the answer follows from the observed relations)

@@ -181,6 +181,13 @@ def test_concise_response_keeps_answer_and_first_relations() -> None:
         "<prediction>goal is above and at the same column as the player.</prediction></think><answer>Right,Up</answer>")
     assert concise_response(full, "grounding_worldmodeling", 5).count(". ") == 2  # both sentences, both fields
     assert concise_response("not a response", "grounding_worldmodeling", 1) == "not a response"
+    # plan: the turn's actions become the reasoning, written before the prediction
+    assert concise_response(full, "grounding_worldmodeling", 1, reasoning="plan") == (
+        "<think><observation>goal is above and on the right side of the player.</observation><reasoning>Right,Up"
+        "</reasoning><prediction>goal is above and at the same column as the player.</prediction></think>"
+        "<answer>Right,Up</answer>")
+    with pytest.raises(ValueError, match="reasoning"):
+        concise_response(full, "grounding_worldmodeling", 1, reasoning="why")
 
 
 @pytest.mark.skipif(not _sokoban_registered(), reason="envs has not registered worldloop/Sokoban-v0 yet")
@@ -193,6 +200,12 @@ def test_concise_demonstrations_are_shorter_and_still_solve(codec: ChatCodec) ->
         assert s.success == f.success and [t.actions for t in s.turns] == [t.actions for t in f.turns]
         assert all(len(b.response_ids) < len(a.response_ids) for a, b in zip(f.turns, s.turns))
         assert all(t.format_ok and "<reasoning></reasoning>" in t.response_text for t in s.turns)
+    planned = make_demonstrations([spec], 4, 7, codec, max_turns=3, style="concise", observation_relations=1,
+                                  reasoning="plan")
+    for f, p in zip(full, planned):
+        assert p.success == f.success and [t.actions for t in p.turns] == [t.actions for t in f.turns]
+        for t in p.turns:
+            assert t.format_ok and t.reasoning == ",".join(t.actions)
     with pytest.raises(ValueError):
         make_demonstrations([spec], 1, 0, codec, 1, style="terse")
 

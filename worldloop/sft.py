@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 _FORMAT = re.compile(r"\s*<think>(.*?)</think>\s*<answer>(.*?)</answer>\s*", re.DOTALL)
 _MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors")
+CONCISE_REASONING = ("empty", "plan")  # sft.concise_reasoning
 
 
 # --------------------------------------------------------------------------- demonstrations
@@ -71,21 +72,27 @@ def _first_sentences(text: str | None, n: int) -> str | None:
     return ". ".join(kept) + ("." if kept else "")
 
 
-def concise_response(response: str, prompt_format: str, observation_relations: int) -> str:
+def concise_response(response: str, prompt_format: str, observation_relations: int, reasoning: str = "empty") -> str:
     """The same answer in the same format, with the observation and prediction cut to their first
-    ``observation_relations`` sentences and an empty reasoning (fewer tokens to sample and learn)."""
+    ``observation_relations`` sentences (fewer tokens to sample and learn). ``reasoning`` "empty": an
+    empty reasoning; "plan": the reasoning is the turn's actions as the answer writes them, so the
+    choice is made right after the observation and the prediction and the answer follow from it."""
+    if reasoning not in CONCISE_REASONING:
+        raise ValueError(f"reasoning must be one of {CONCISE_REASONING}, got {reasoning!r}")
     from worldloop.envs.base import build_response, parse_response
 
     p = parse_response(response, prompt_format)
     if not p.format_ok:
         return response
     return build_response(prompt_format, answer=str(p.answer), think="",
-                          observation=_first_sentences(p.observation, observation_relations), reasoning="",
+                          observation=_first_sentences(p.observation, observation_relations),
+                          reasoning=str(p.answer) if reasoning == "plan" else "",
                           prediction=_first_sentences(p.prediction, observation_relations))
 
 
 def _play_episode(env_id: str, kwargs: dict, seed: int, codec: ChatCodec, max_turns: int,
-                  style: str = "expert", observation_relations: int = 2, distinct_moves: bool = False) -> Trajectory:
+                  style: str = "expert", observation_relations: int = 2, distinct_moves: bool = False,
+                  reasoning: str = "empty") -> Trajectory:
     import gymnasium
 
     from worldloop import envs  # noqa: F401  (registers worldloop/* ids)
@@ -106,7 +113,7 @@ def _play_episode(env_id: str, kwargs: dict, seed: int, codec: ChatCodec, max_tu
             response = str(env.unwrapped.expert_response(distinct_moves=True) if distinct_moves
                            else env.unwrapped.expert_response())
             if style == "concise":
-                response = concise_response(response, prompt_format, observation_relations)
+                response = concise_response(response, prompt_format, observation_relations, reasoning)
             ids = codec.encode_response(response)
             obs, _, terminated, truncated, info = env.step(response)
             info = info if isinstance(info, dict) else {}
@@ -137,11 +144,12 @@ def _play_episode(env_id: str, kwargs: dict, seed: int, codec: ChatCodec, max_tu
 
 def make_demonstrations(
     env_specs: Sequence[Any], n_episodes: int, seed: int, codec: ChatCodec, max_turns: int,
-    *, style: str = "expert", observation_relations: int = 2, distinct_moves: bool = False,
+    *, style: str = "expert", observation_relations: int = 2, distinct_moves: bool = False, reasoning: str = "empty",
 ) -> list[Trajectory]:
     """Play ``n_episodes`` expert episodes, cycling over ``env_specs``, seeds ``seed, seed+1, ...``.
 
-    ``style`` "expert": the env's ``expert_response()``; "concise": :func:`concise_response` of it.
+    ``style`` "expert": the env's ``expert_response()``; "concise": :func:`concise_response` of it
+    (with ``reasoning``).
     ``distinct_moves``: the env's ``expert_response(distinct_moves=True)``, one step per direction
     per turn (such an episode can run out of turns: it is kept, an imperfect demonstrator)."""
     if not env_specs:
@@ -155,7 +163,7 @@ def make_demonstrations(
     for k in range(n_episodes):
         env_id, kwargs = specs[k % len(specs)]
         demos.append(_play_episode(env_id, kwargs, seed + k, codec, max_turns, style, observation_relations,
-                                   distinct_moves))
+                                   distinct_moves, reasoning))
     return demos
 
 
@@ -305,7 +313,7 @@ def warm_start(cfg: Any, model_dir: str | Path, *, probe_prompts: int = SFT_PROB
     codec = ChatCodec(model_dir, max_image_side=cfg.model.max_image_side)
     specs = [{"id": e.id, "kwargs": dict(e.kwargs)} for e in a.envs]
     start = time.monotonic()
-    style = dict(style=s.answer_style, observation_relations=s.observation_relations)
+    style = dict(style=s.answer_style, observation_relations=s.observation_relations, reasoning=s.concise_reasoning)
     demos = make_demonstrations(specs, s.episodes, s.seed_start, codec, a.max_turns,
                                 distinct_moves=s.turn_plan == "distinct", **style)
     probes = make_demonstrations(specs, probe_prompts, s.seed_start + s.episodes, codec, 1, **style)
