@@ -115,8 +115,7 @@ def swap_test(model_dir: Path, episodes: int, epochs: int, lr: float, freeze_vis
     cfg = load_config(str(ROOT / "configs" / "tiny-frozenlake.yaml"), [])
     codec = ChatCodec(model_dir, max_image_side=112)
     specs = [{"id": "worldloop/FrozenLake-v0", "kwargs": ENV_KW}]
-    style = dict(style=cfg.sft.answer_style, observation_relations=cfg.sft.observation_relations,
-                 reasoning=cfg.sft.concise_reasoning)
+    style = sft.demonstration_style(cfg.sft)
     demos = sft.make_demonstrations(specs, episodes, 5_000_000, codec, cfg.actor.max_turns, **style)
     held = sft.make_demonstrations(specs, 64, 6_000_000, codec, cfg.actor.max_turns, **style)
     if freeze_vision:  # run_sft's AdamW skips parameters without gradients

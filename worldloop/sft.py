@@ -142,6 +142,12 @@ def _play_episode(env_id: str, kwargs: dict, seed: int, codec: ChatCodec, max_tu
         env.close()
 
 
+def demonstration_style(sft_cfg: Any) -> dict:
+    """The answer-style keywords of :func:`make_demonstrations` that an ``sft`` config section sets."""
+    return dict(style=sft_cfg.answer_style, observation_relations=sft_cfg.observation_relations,
+                reasoning=sft_cfg.concise_reasoning)
+
+
 def make_demonstrations(
     env_specs: Sequence[Any], n_episodes: int, seed: int, codec: ChatCodec, max_turns: int,
     *, style: str = "expert", observation_relations: int = 2, distinct_moves: bool = False, reasoning: str = "empty",
@@ -313,7 +319,7 @@ def warm_start(cfg: Any, model_dir: str | Path, *, probe_prompts: int = SFT_PROB
     codec = ChatCodec(model_dir, max_image_side=cfg.model.max_image_side)
     specs = [{"id": e.id, "kwargs": dict(e.kwargs)} for e in a.envs]
     start = time.monotonic()
-    style = dict(style=s.answer_style, observation_relations=s.observation_relations, reasoning=s.concise_reasoning)
+    style = demonstration_style(s)
     demos = make_demonstrations(specs, s.episodes, s.seed_start, codec, a.max_turns,
                                 distinct_moves=s.turn_plan == "distinct", **style)
     probes = make_demonstrations(specs, probe_prompts, s.seed_start + s.episodes, codec, 1, **style)
