@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from worldloop.eval.stats import Z95, build_table, mean_interval, t_quantile_975, wilson_interval
+from worldloop.eval.stats import (Z95, build_table, mean_interval, sign_test_p, sign_test_power, t_quantile_975,
+                                  wilson_interval)
 
 
 def test_wilson_interval_by_hand() -> None:
@@ -25,6 +26,38 @@ def test_wilson_interval_by_hand() -> None:
     low, high = wilson_interval(8, 8, z=1.96)
     assert high == 1.0 and low == pytest.approx(1 - 2 * 0.2401 / 1.4802, abs=1e-5)
     assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_sign_test_by_hand() -> None:
+    # 9 wins, 1 loss: 2 * (C(10,0) + C(10,1)) / 2^10 = 22 / 1024
+    assert sign_test_p(9, 1) == pytest.approx(22 / 1024)
+    assert sign_test_p(1, 9) == sign_test_p(9, 1)
+    # 3 / 3: 2 * (1 + 6 + 15 + 20) / 64 = 84 / 64, capped at 1
+    assert sign_test_p(3, 3) == 1.0
+    assert sign_test_p(0, 0) == 1.0
+    # 8 / 0: 2 / 256
+    assert sign_test_p(8, 0) == pytest.approx(2 / 256)
+    with pytest.raises(ValueError):
+        sign_test_p(-1, 2)
+
+
+def test_sign_test_power_by_hand() -> None:
+    # 10 seeds, every one discordant, a win with probability 0.9; at alpha 0.05 the test rejects
+    # for 9 or 10 wins (p = 22/1024 and 2/1024) or as many losses, not for 8 (2 * 56 / 1024 = 0.109):
+    # power = P(W >= 9) + P(W <= 1), W ~ Binomial(10, 0.9)
+    by_hand = 0.9 ** 10 + 10 * 0.9 ** 9 * 0.1 + 10 * 0.9 * 0.1 ** 9 + 0.1 ** 10
+    assert sign_test_power(10, 0.9, 0.1, alpha=0.05) == pytest.approx(by_hand, rel=1e-9)
+    # ties: 8 seeds, half of them won by the new model and none by the old one; at alpha 0.01 only 8
+    # wins out of 8 discordant seeds reject (2 / 256 < 0.01; 7 of 7 gives 2 / 128), i.e. every seed won
+    assert sign_test_power(8, 0.5, 0.0, alpha=0.01) == pytest.approx(0.5 ** 8, rel=1e-9)
+    # no discordant seeds ever, or too few seeds to reach alpha at all
+    assert sign_test_power(100, 0.0, 0.0) == 0.0
+    assert sign_test_power(7, 1.0, 0.0, alpha=0.01) == 0.0  # 7 of 7: p = 2/128 > 0.01
+    # more seeds, more power; no effect: power near alpha at most (the exact test is conservative)
+    assert sign_test_power(512, 0.13, 0.085) < sign_test_power(2048, 0.13, 0.085)
+    assert sign_test_power(2048, 0.1, 0.1, alpha=0.01) <= 0.01
+    with pytest.raises(ValueError):
+        sign_test_power(10, 0.7, 0.5)
 
 
 def test_t_quantiles_and_mean_interval_by_hand() -> None:

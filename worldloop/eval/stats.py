@@ -6,6 +6,8 @@ Public API::
     wilson_interval(successes, n, z=Z95) -> (low, high)        # score interval for a proportion
     t_quantile_975(df) -> float                                 # two-sided 95% Student t critical value
     mean_interval(values) -> (mean, low, high)                  # mean +- t * s / sqrt(n)
+    sign_test_p(wins, losses) -> float                          # two-sided exact sign test
+    sign_test_power(n, p_win, p_loss, alpha=0.01) -> float      # its power on n paired seeds
     build_table(records, order=None) -> Table                   # from episode records (episodes.jsonl)
     Table.cells, .errors, .render_text(title), .render_markdown(title), .render_csv()
 
@@ -86,6 +88,72 @@ def mean_interval(values: list[float]) -> tuple[float, float, float]:
     s = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
     half = t_quantile_975(n - 1) * s / math.sqrt(n)
     return mean, mean - half, mean + half
+
+
+def _log_binom_pmf(k: int, n: int, p: float) -> float:
+    if p <= 0.0:
+        return 0.0 if k == 0 else -math.inf
+    if p >= 1.0:
+        return 0.0 if k == n else -math.inf
+    return (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+            + k * math.log(p) + (n - k) * math.log1p(-p))
+
+
+def sign_test_p(wins: int, losses: int) -> float:
+    """Two-sided exact sign test on the discordant pairs of a paired comparison.
+
+    ``wins``: seeds only the new model solved, ``losses``: seeds only the old one solved; seeds both
+    or neither solved carry no information about which is better and are left out.
+    p = min(1, 2 * P(X <= min(wins, losses))), X ~ Binomial(wins + losses, 1/2).
+    """
+    if wins < 0 or losses < 0:
+        raise ValueError(f"counts must be >= 0, got {wins}, {losses}")
+    n = wins + losses
+    if n == 0:
+        return 1.0
+    k = min(wins, losses)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n)
+
+
+def _sign_test_critical(d: int, alpha: float) -> int:
+    """The largest k with sign_test_p(k, d - k) < alpha (-1 when no split of d pairs reaches alpha)."""
+    k, tail, log_half = -1, 0.0, d * math.log(0.5)
+    while k + 1 <= d // 2:
+        tail_next = tail + math.exp(math.lgamma(d + 1) - math.lgamma(k + 2) - math.lgamma(d - k) + log_half)
+        if min(1.0, 2 * tail_next) >= alpha:
+            break
+        k, tail = k + 1, tail_next
+    return k
+
+
+def sign_test_power(n: int, p_win: float, p_loss: float, alpha: float = 0.01) -> float:
+    """Probability that :func:`sign_test_p` < ``alpha`` on ``n`` paired seeds.
+
+    Each seed is, independently, a win (only the new model solves it) with probability ``p_win``, a
+    loss with ``p_loss``, and a tie otherwise: the number of discordant seeds D ~ Binomial(n, p_win +
+    p_loss), and given D = d the wins W ~ Binomial(d, p_win / (p_win + p_loss)). The test rejects when
+    min(W, d - W) <= k*(d), its critical value, so
+    power = sum_d P(D = d) * (P(W <= k*(d)) + P(W >= d - k*(d))). Used to size an evaluation from
+    rates measured on tuning seeds before the report seeds are played.
+    """
+    if n < 0 or not (0.0 <= p_win and 0.0 <= p_loss and p_win + p_loss <= 1.0):
+        raise ValueError(f"need n >= 0 and probabilities p_win, p_loss >= 0 summing to <= 1, got {n}, {p_win}, {p_loss}")
+    pd = p_win + p_loss
+    if pd == 0.0:
+        return 0.0
+    q = p_win / pd
+    power = 0.0
+    for d in range(n + 1):
+        w_d = math.exp(_log_binom_pmf(d, n, pd))
+        if w_d < 1e-15:
+            continue
+        k = _sign_test_critical(d, alpha)
+        if k < 0:
+            continue
+        low = sum(math.exp(_log_binom_pmf(w, d, q)) for w in range(k + 1))
+        high = sum(math.exp(_log_binom_pmf(w, d, q)) for w in range(d - k, d + 1))
+        power += w_d * (low + high)
+    return min(1.0, power)
 
 
 @dataclass
