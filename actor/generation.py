@@ -3,7 +3,8 @@ returns and checks. Implementations live in their own modules; ``backends.make_b
 
 Public API::
 
-    GenRequest(prompt_ids: list[int], images: list[bytes])      # whole context so far + all its PNGs
+    GenRequest(prompt_ids: list[int], images: list[bytes], sample_key=None)
+        # whole context so far + all its PNGs; sample_key: the request's own random stream
     GenResult(response_ids, logprobs, text, truncated)           # truncated: hit max_new_tokens w/o EOS
     class GenerationBackend(Protocol):
         version: int
@@ -14,6 +15,7 @@ Public API::
     cut_at_eos(ids, eos_token_ids) -> (ids up to the first EOS, truncated)
     check_state_dict(model, tensors)                             # WeightUpdateError unless tensors cover the model
     resolve_device(name: str) -> str                             # "auto" -> "cuda" if available else "cpu"
+    keyed_gumbel_scores(logits, keys, step, temperature, top_p) -> Tensor  # argmax of it = a keyed sample
     WeightUpdateError(ValueError)
 
 Conventions every backend follows (see also ``worldloop.common.modeling``):
@@ -25,6 +27,13 @@ Conventions every backend follows (see also ``worldloop.common.modeling``):
 * ``logprobs[i]`` = ``log_softmax(logits / temperature)[response_ids[i]]`` over the full
   vocabulary, *before* top-p filtering (no renormalisation). ``temperature == 0`` means greedy
   decoding, and its log-probs are taken at temperature 1.
+* **Keyed sampling.** When every request of a call has a ``sample_key``, each request's tokens are
+  drawn from its own random stream, seeded by (key, token position) alone: a request's response
+  depends on its key, the model and its prompt, never on which other requests share the batch or
+  on ``seed``. Two models given the same key draw the same noise (common random numbers), so a
+  paired comparison of two models on the same seeds differs only where the models differ. The HF
+  backend samples by the Gumbel-max trick (:func:`keyed_gumbel_scores`), vLLM by its per-request
+  seed. Without keys (the actors' training rollouts) a call samples from one stream seeded by ``seed``.
 * ``update_weights`` takes tensors named as in the learner policy's ``state_dict()``; every name
   must be known and every parameter covered (tied aliases count as covered), shapes must match,
   and nothing is changed unless the whole set is valid.
@@ -41,6 +50,7 @@ import torch
 class GenRequest:
     prompt_ids: list[int]
     images: list[bytes] = field(default_factory=list)
+    sample_key: int | None = None  # the request's own random stream (see "Keyed sampling"), 0 <= key < 2**63
 
 
 @dataclass
@@ -112,3 +122,41 @@ def check_state_dict(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -
     for k, t in tensors.items():
         if tuple(t.shape) != tuple(own[k].shape):
             raise WeightUpdateError(f"tensor {k}: shape {tuple(t.shape)} does not match the model's {tuple(own[k].shape)}")
+
+
+_MIX = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: spreads consecutive positions over the seed space
+
+
+def _stream_seed(key: int, step: int) -> int:
+    return ((int(key) * 0x100000001B3) ^ ((int(step) + 1) * _MIX)) & (2**63 - 1)
+
+
+def keyed_gumbel_scores(logits: torch.Tensor, keys: list[int], step: int, temperature: float, top_p: float) -> torch.Tensor:
+    """``logits / temperature`` (top-p filtered) plus Gumbel noise drawn from each row's own stream.
+
+    Row ``i``'s noise is seeded by ``(keys[i], step)`` alone, so its argmax is a sample of token
+    ``step`` from ``softmax(logits[i] / temperature)`` restricted to the top-p nucleus (the
+    Gumbel-max trick: ``argmax(z + G)`` with ``G = -log(-log(U))``, ``U ~ Uniform(0, 1)`` i.i.d.,
+    is distributed as ``softmax(z)``), independent of every other row. The nucleus is the smallest
+    set of the most likely tokens whose probability reaches ``top_p`` (always at least one token).
+    """
+    if temperature <= 0:
+        raise ValueError(f"keyed sampling needs temperature > 0, got {temperature}")
+    if len(keys) != logits.shape[0]:
+        raise ValueError(f"{len(keys)} keys for {logits.shape[0]} rows")
+    z = logits.float() / float(temperature)
+    if top_p < 1.0:
+        sorted_z, order = torch.sort(z, dim=-1, descending=True)
+        probs = torch.softmax(sorted_z, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # probability of the tokens ranked above each
+        drop_sorted = before >= float(top_p)
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        z = z.masked_fill(drop, float("-inf"))
+    noise = torch.empty_like(z)
+    gen = torch.Generator(device="cpu")
+    for i, key in enumerate(keys):
+        gen.manual_seed(_stream_seed(key, step))
+        u = torch.rand(z.shape[-1], generator=gen, dtype=torch.float64).clamp_(min=1e-300, max=1.0 - 1e-16)
+        noise[i] = (-torch.log(-torch.log(u))).to(device=z.device, dtype=z.dtype)
+    return z + noise

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from worldloop.actor.generation import GenRequest, GenResult, check_state_dict, cut_at_eos, resolve_device, validate_requests
+from worldloop.actor.generation import (GenRequest, GenResult, check_state_dict, cut_at_eos, keyed_gumbel_scores, resolve_device,
+                                        validate_requests)
 from worldloop.common.modeling import ChatCodec, load_policy
 
 log = logging.getLogger(__name__)
@@ -71,13 +72,31 @@ class HFBackend:
         max_new_tokens: int,
         seed: int | None = None,
     ) -> list[GenResult]:
-        """Sample one response per request in one batched ``generate`` call."""
+        """Sample one response per request in one batched ``generate`` call.
+
+        With a ``sample_key`` on every request, each row samples from its own stream (Gumbel-max
+        over the processed logits, then greedy decoding): see "Keyed sampling" in
+        :mod:`worldloop.actor.generation`.
+        """
         if not requests:
             return []
         validate_requests(requests, max_new_tokens, self._vocab)
         batch = self._batch(requests)
         sample = temperature > 0
-        kwargs = dict(do_sample=True, temperature=float(temperature), top_p=float(top_p), top_k=0) if sample else dict(do_sample=False)
+        keys = [r.sample_key for r in requests]
+        if sample and all(k is not None for k in keys):
+            from transformers import LogitsProcessorList
+
+            width = batch["input_ids"].shape[1]
+
+            def keyed(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+                return keyed_gumbel_scores(scores, keys, input_ids.shape[1] - width, temperature, top_p)
+
+            kwargs = dict(do_sample=False, logits_processor=LogitsProcessorList([keyed]))
+        elif sample:
+            kwargs = dict(do_sample=True, temperature=float(temperature), top_p=float(top_p), top_k=0)
+        else:
+            kwargs = dict(do_sample=False)
         with torch.random.fork_rng(devices=[self.device] if self.device.startswith("cuda") else []):
             if seed is not None:
                 torch.manual_seed(seed)

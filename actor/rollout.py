@@ -6,17 +6,26 @@ Public API::
     EpisodeSpec(env_id, seed, env_kwargs={}, env_name=None, group_id=None, max_turns=3)
         .name                                   # env_name or the id without prefix/version
     RolloutEngine(backend, *, sampling, max_model_len, actor_id="local", codec=None,
-                  sample_seed=None, make_env=gymnasium.make)
+                  sample_seed=None, make_env=gymnasium.make, keyed_sampling=False)
         .start(spec) -> str                     # reset a new episode; its trajectory id
         .step() -> StepReport                   # one batched generation for all live episodes
         .live -> int, .pending_reports -> int, .close()
     StepReport(finished, generated_tokens, prompt_tokens, generate_seconds, turns, format_errors)
     play_episodes(backend, specs, *, concurrency=8, sampling=Sampling(), max_model_len=4096,
-                  actor_id="local", sample_seed=None, codec=None) -> list[Trajectory]
+                  actor_id="local", sample_seed=None, codec=None, keyed_sampling=False) -> list[Trajectory]
+    episode_sample_key(sample_seed, spec, turn) -> int  # the key of one turn's generation (keyed sampling)
     SeedSchedule(envs, n_samples_per_seed, seed_start, seed_end, run_seed, actor_id)
         .next(max_turns) -> EpisodeSpec         # groups of n_samples_per_seed specs share a group_id
         .next_group(max_turns) -> [EpisodeSpec] # the rest of a group, each with its trajectory id
     env_name(env_id) -> str
+
+``keyed_sampling=True`` (evaluations: ``worldloop eval`` and the run's evaluator) gives every turn's
+request its own random stream, keyed by ``(sample_seed, env name, episode seed, turn)``
+(:func:`episode_sample_key`; "Keyed sampling" in :mod:`worldloop.actor.generation`): an episode's
+samples no longer depend on which episodes share its batch (``--concurrency``), and two models
+evaluated on the same seeds use the same noise, so their paired comparison is not diluted by
+sampling luck. The actors' training rollouts keep one stream per call: the members of a GRPO group
+share env and seed and must sample independently.
 
 ``play_episodes`` plays a given list of episodes to completion (``concurrency`` at a time) and
 returns one :class:`~worldloop.common.schemas.Trajectory` per spec, in the specs' order: what ``worldloop eval`` builds on.
@@ -167,6 +176,7 @@ class RolloutEngine:
         codec: ChatCodec | None = None,
         sample_seed: int | None = None,
         make_env: Callable[..., Any] | None = None,
+        keyed_sampling: bool = False,
     ):
         codec = codec or getattr(backend, "codec", None)
         if codec is None:
@@ -183,6 +193,7 @@ class RolloutEngine:
         self.max_model_len = int(max_model_len)
         self.actor_id = actor_id
         self.sample_seed = sample_seed
+        self.keyed_sampling = bool(keyed_sampling)
         self.make_env = make_env
         # image-placeholder tokens a response must not contain (see the module docstring)
         self._vision_ids = {codec.image_token_id, codec.vision_start_id, codec.vision_end_id} if codec.is_vision else set()
@@ -276,7 +287,9 @@ class RolloutEngine:
         return report
 
     def _generate(self, batch: list[_Episode], report: StepReport) -> None:
-        requests = [GenRequest(ep.context + ep.pending.ids, ep.images + ep.pending.images) for ep in batch]
+        keys = [episode_sample_key(self.sample_seed, ep.spec, len(ep.turns)) if self.keyed_sampling else None for ep in batch]
+        requests = [GenRequest(ep.context + ep.pending.ids, ep.images + ep.pending.images, sample_key=k)
+                    for ep, k in zip(batch, keys)]
         version = int(self.backend.version)
         seed = None if self.sample_seed is None else self.sample_seed + self._calls
         self._calls += 1
@@ -358,6 +371,13 @@ class RolloutEngine:
 # --------------------------------------------------------------------------- playing a list
 
 
+def episode_sample_key(sample_seed: int | None, spec: EpisodeSpec, turn: int) -> int:
+    """The sample key of ``turn`` of the episode ``spec`` (keyed sampling): a 63-bit hash of the
+    run's sample seed, the env's name, the episode's seed and the turn."""
+    text = f"{0 if sample_seed is None else int(sample_seed)}:{spec.name}:{int(spec.seed)}:{int(turn)}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
+
+
 def play_episodes(
     backend: GenerationBackend,
     specs: Sequence[EpisodeSpec],
@@ -368,6 +388,7 @@ def play_episodes(
     actor_id: str = "local",
     sample_seed: int | None = None,
     codec: ChatCodec | None = None,
+    keyed_sampling: bool = False,
 ) -> list[Trajectory]:
     """Play every spec to its end, ``concurrency`` episodes per batched generation.
 
@@ -377,7 +398,7 @@ def play_episodes(
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     engine = RolloutEngine(backend, sampling=sampling, max_model_len=max_model_len, actor_id=actor_id,
-                           codec=codec, sample_seed=sample_seed)
+                           codec=codec, sample_seed=sample_seed, keyed_sampling=keyed_sampling)
     index: dict[str, int] = {}  # trajectory id -> position in specs
     out: list[Trajectory | None] = [None] * len(specs)
     queue = list(enumerate(specs))

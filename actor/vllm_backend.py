@@ -37,6 +37,9 @@ It follows every convention of :mod:`worldloop.actor.generation` (read that firs
   returns their full log_softmax as the "processed" log-probs, which the sampler then reports
   for the sampled token (``SamplingParams(logprobs=0)``). Greedy requests (temperature 0) never
   reach that sampler and report ``raw_logprobs``: temperature 1, as the convention says.
+* **Keyed sampling.** When every request has a ``sample_key``, it becomes that request's
+  ``SamplingParams.seed``: vLLM then draws the request's tokens from its own generator, whatever else
+  is in the batch. Otherwise request ``i`` gets ``seed + i``.
 * **Weights.** ``update_weights`` validates the set against the Hugging Face model's
   ``state_dict()`` names and shapes (built on the meta device, so no memory is used; tied
   aliases count as covered; NaN/inf refused), then runs vLLM's in-place layerwise reload
@@ -226,6 +229,14 @@ def _reprocess_tied_lm_heads(model: torch.nn.Module) -> None:
 # --------------------------------------------------------------------------- backend
 
 
+def _request_seed(requests: list[GenRequest], i: int, seed: int | None) -> int | None:
+    """Request ``i``'s vLLM seed: its ``sample_key`` when every request has one (keyed sampling),
+    else ``seed + i`` (None: vLLM's own stream)."""
+    if all(r.sample_key is not None for r in requests):
+        return int(requests[i].sample_key)  # type: ignore[arg-type]
+    return None if seed is None else int(seed) + i
+
+
 class VLLMBackend:
     """Batched sampling with an in-process vLLM engine (see the module docstring)."""
 
@@ -360,7 +371,7 @@ class VLLMBackend:
                 logprobs=0,
                 detokenize=False,
                 skip_special_tokens=True,
-                seed=None if seed is None else int(seed) + i,
+                seed=_request_seed(requests, i, seed),
             )
             for i in range(len(requests))
         ]

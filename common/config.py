@@ -335,6 +335,10 @@ class EvalConfig:
     # turns per episode; null = the paper's value per env (VAGEN Tables 7-15; actor.max_turns otherwise)
     max_turns: int | None = None
     top_p: float = 1.0  # the APIs' default; the same for local and remote models
+    # local models: "keyed" draws each turn's sampling noise from (run.seed, env, seed, turn) alone, so
+    # an episode does not depend on its batch and two models compared on the same seeds share their
+    # noise (common random numbers); "batch" seeds each batched call instead (before 2026-11-26)
+    sampling: Literal["keyed", "batch"] = "keyed"
     prompt_format: str | None = None  # reasoning strategy; null = the env's default
     state_format: str | None = None  # state representation; null = the env's default
     render_mode: Literal["vision", "text"] = "vision"

@@ -9,7 +9,8 @@ from msgspec.structs import asdict
 
 from worldloop import envs  # noqa: F401  (registers the env ids)
 from worldloop.actor.hf_backend import HFBackend
-from worldloop.actor.rollout import EpisodeSpec, RolloutEngine, Sampling, SeedSchedule, env_name, play_episodes
+from worldloop.actor.rollout import (EpisodeSpec, RolloutEngine, Sampling, SeedSchedule, env_name, episode_sample_key,
+                                     play_episodes)
 from worldloop.common.config import EnvSpec
 from worldloop.common.schemas import Trajectory, decode_trajectory, encode_trajectory
 from worldloop.tiny_model import make_tiny_model
@@ -92,6 +93,31 @@ def test_seeded_sampling_replays_the_same_episodes(backend) -> None:
                         for tr in play_episodes(backend, specs, concurrency=2, sampling=SAMPLING, sample_seed=seed)]
     first = run(11)
     assert any(first) and first == run(11)
+
+
+def test_keyed_sampling_plays_each_episode_the_same_at_any_concurrency(backend) -> None:
+    specs = [EpisodeSpec(LAKE, s, KW, max_turns=2) for s in (4, 5, 6, 7)]
+    run = lambda concurrency, seed=11: [
+        [t.response_ids for t in tr.turns]
+        for tr in play_episodes(backend, specs, concurrency=concurrency, sampling=SAMPLING, sample_seed=seed,
+                                keyed_sampling=True)]
+    one_by_one = run(1)
+    assert any(one_by_one)
+    assert run(4) == one_by_one  # batched together: the same episodes, turn for turn
+    assert run(3) == one_by_one
+    assert run(4, seed=12) != one_by_one  # the sample seed is part of every key
+
+
+def test_episode_sample_key_by_hand() -> None:
+    spec = EpisodeSpec(LAKE, 1234, KW, max_turns=3)
+    import hashlib
+    digest = hashlib.sha256(b"7:frozenlake:1234:2").digest()
+    assert episode_sample_key(7, spec, 2) == int.from_bytes(digest[:8], "big") >> 1
+    keys = {episode_sample_key(7, spec, t) for t in range(3)} | {episode_sample_key(8, spec, 0),
+                                                                  episode_sample_key(7, EpisodeSpec(LAKE, 1235, KW), 0)}
+    assert len(keys) == 5 and all(0 <= k < 2**63 for k in keys)
+    # the group id and the trajectory id are not part of it: a model pair compared on one seed shares keys
+    assert episode_sample_key(7, EpisodeSpec(LAKE, 1234, KW, group_id="g", trajectory_id="t"), 2) == episode_sample_key(7, spec, 2)
 
 
 def test_context_limit_ends_an_episode_before_generating(backend) -> None:

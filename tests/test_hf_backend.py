@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from worldloop.actor.backends import make_backend
-from worldloop.actor.generation import GenerationBackend, GenRequest, WeightUpdateError
+from worldloop.actor.generation import GenerationBackend, GenRequest, WeightUpdateError, keyed_gumbel_scores
 from worldloop.actor.hf_backend import HFBackend
 from worldloop.common.config import Config
 from worldloop.common.modeling import ChatCodec, build_sequence, collate, load_policy, token_logprobs
@@ -79,6 +79,52 @@ def test_seed_makes_sampling_reproducible(backend: HFBackend) -> None:
     run = lambda seed: [r.response_ids for r in backend.generate(reqs, temperature=1.0, top_p=1.0, max_new_tokens=12, seed=seed)]
     assert run(7) == run(7)
     assert run(7) != run(8)
+
+
+def _keyed(reqs: list[GenRequest], keys: list[int]) -> list[GenRequest]:
+    return [GenRequest(r.prompt_ids, r.images, sample_key=k) for r, k in zip(reqs, keys)]
+
+
+def test_keyed_sampling_does_not_depend_on_the_batch(backend: HFBackend) -> None:
+    a, b, c = _requests(backend.codec)
+    gen = lambda reqs, seed=0: backend.generate(reqs, temperature=1.0, top_p=1.0, max_new_tokens=12, seed=seed)
+    alone = gen(_keyed([b], [11]))[0]
+    # the same request and key in another batch, in another place, under another call seed
+    mixed = gen(_keyed([a, c, b], [5, 6, 11]), seed=99)
+    assert mixed[2].response_ids == alone.response_ids
+    assert mixed[2].logprobs == pytest.approx(alone.logprobs, abs=1e-4)
+    # log-probs keep the convention (log_softmax(logits / T) of the sampled token)
+    ref = _recomputed(backend.model, backend.codec, b, alone.response_ids, 1.0)
+    assert torch.allclose(torch.tensor(alone.logprobs), ref, atol=1e-4)
+    # another key is another sample: over a few keys the responses are not all the same
+    assert len({tuple(gen(_keyed([b], [k]))[0].response_ids) for k in range(12, 17)}) > 1
+    # one request without a key: the whole call samples from the call's seed as before
+    unkeyed = [GenRequest(a.prompt_ids, a.images, sample_key=5), GenRequest(b.prompt_ids, b.images)]
+    assert [r.response_ids for r in gen(unkeyed, seed=7)] == [r.response_ids for r in gen([a, b], seed=7)]
+
+
+def test_keyed_gumbel_scores_sample_the_tempered_distribution() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    n = 6000
+    for temperature, top_p in ((1.0, 1.0), (0.5, 1.0), (1.0, 0.8)):
+        z = logits[0] / temperature
+        want = torch.softmax(z, -1)
+        if top_p < 1.0:
+            # softmax([2, 1, 0, -1]) = 0.644, 0.237, 0.087, 0.032: the nucleus reaching 0.8 is {0, 1}
+            want = torch.tensor([want[0], want[1], 0.0, 0.0]) / (want[0] + want[1])
+        picks = torch.tensor([int(keyed_gumbel_scores(logits, [k], 3, temperature, top_p).argmax()) for k in range(n)])
+        freq = torch.bincount(picks, minlength=4).double() / n
+        # 4.5 standard errors of a proportion estimated from n draws
+        tol = 4.5 * torch.sqrt(want.double() * (1 - want.double()) / n) + 1e-9
+        assert torch.all((freq - want.double()).abs() <= tol), (temperature, top_p, freq, want)
+    # the same key and position, the same noise; another position, other noise
+    one = keyed_gumbel_scores(logits, [42], 0, 1.0, 1.0)
+    assert torch.equal(one, keyed_gumbel_scores(logits, [42], 0, 1.0, 1.0))
+    assert not torch.equal(one, keyed_gumbel_scores(logits, [42], 1, 1.0, 1.0))
+    with pytest.raises(ValueError):
+        keyed_gumbel_scores(logits, [1], 0, 0.0, 1.0)
+    with pytest.raises(ValueError):
+        keyed_gumbel_scores(logits, [1, 2], 0, 1.0, 1.0)
 
 
 def test_stops_on_eos_and_reports_truncation(trained_dir: Path) -> None:

@@ -91,6 +91,16 @@ def test_greedy_logprobs_are_taken_at_temperature_one(backend, policy) -> None:
     assert torch.allclose(torch.tensor(res.logprobs), ref, atol=2e-4)
 
 
+def test_keyed_sampling_does_not_depend_on_the_batch(backend) -> None:
+    a, b, c = _requests(backend.codec)
+    key = lambda r, k: GenRequest(r.prompt_ids, r.images, sample_key=k)
+    gen = lambda reqs, seed=0: backend.generate(reqs, temperature=1.0, top_p=1.0, max_new_tokens=12, seed=seed)
+    alone = gen([key(b, 11)])[0]
+    mixed = gen([key(a, 5), key(c, 6), key(b, 11)], seed=99)
+    assert mixed[2].response_ids == alone.response_ids
+    assert len({tuple(gen([key(b, k)])[0].response_ids) for k in range(12, 17)}) > 1
+
+
 def test_bad_requests_raise_clear_errors(backend) -> None:
     req = _requests(backend.codec)[0]
     with pytest.raises(ValueError, match="image"):

@@ -78,7 +78,8 @@ def summarize(trajs: list, version: int, seconds: float) -> dict:
 def evaluate(backend, cfg: Config, specs: list[EpisodeSpec]) -> list:
     return play_episodes(backend, specs, concurrency=cfg.actor.num_envs,
                          sampling=Sampling(cfg.eval.temperature, cfg.actor.top_p, cfg.actor.max_new_tokens),
-                         max_model_len=cfg.model.max_model_len, actor_id="evaluator", sample_seed=cfg.run.seed)
+                         max_model_len=cfg.model.max_model_len, actor_id="evaluator", sample_seed=cfg.run.seed,
+                         keyed_sampling=cfg.eval.sampling == "keyed")
 
 
 def checkpoint_weights(cfg: Config, run_dir: Path, version: int) -> dict | None:

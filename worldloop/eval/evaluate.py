@@ -49,6 +49,13 @@ Resume: an episode is identified by a hash of (model, env id + kwargs, seed, set
 the same ``--output`` skips episodes already recorded without an error, and re-plays those recorded
 with one (the newer line wins). The table holds only the episodes of the current plan.
 
+Sampling (local models): ``eval.sampling: keyed`` (the default) draws each turn's noise from
+(``run.seed``, env, seed, turn) alone (:func:`worldloop.actor.rollout.episode_sample_key`): an episode
+plays the same at any ``--concurrency``, and two models evaluated on the same seeds share their
+noise, so their paired comparison (a sign test on the seeds only one solved) sees the models'
+difference rather than sampling luck. Each model's own success rate is an unbiased estimate either
+way. ``batch`` seeds each batched call instead, as before the option existed.
+
 Exit code: 0 when every episode ran, 1 when some ended with an error (the table is still written,
 with a footnote), 2 for bad input (unknown env, missing model, overlapping seeds), 1 when the
 endpoint cannot be reached at all.
@@ -410,6 +417,10 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
                       prompt_format=pick("prompt_format", e.prompt_format), state_format=pick("state_format", e.state_format),
                       render_mode=settings["render_mode"])
     backend = "openai" if model.kind == "remote" else (getattr(args, "backend", None) or cfg.actor.backend)
+    if backend != "openai" and e.sampling == "keyed":
+        # part of every episode's key, so a rerun in the other mode does not resume these episodes
+        # (batch-mode keys are those of the evaluations made before the mode existed)
+        settings["sampling"] = "keyed"
     all_eps = plan_episodes(plans, model.name, episodes, e.seed_start, settings)
     out.mkdir(parents=True, exist_ok=True)
     store = EpisodeStore(out / "episodes.jsonl")

@@ -103,7 +103,8 @@ def play_local(episodes: list["Episode"], model: "ModelRef", settings: dict, cfg
 
     sampling = Sampling(temperature=settings["temperature"], top_p=settings["top_p"], max_new_tokens=settings["max_tokens"])
     engine = RolloutEngine(backend, sampling=sampling, max_model_len=cfg.model.max_model_len, actor_id="eval",
-                           codec=codec, sample_seed=cfg.run.seed, make_env=make_env)
+                           codec=codec, sample_seed=cfg.run.seed, make_env=make_env,
+                           keyed_sampling=settings.get("sampling") == "keyed")
     by_id: dict[str, "Episode"] = {}
     queue = list(episodes)
     try:
