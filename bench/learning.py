@@ -1,6 +1,7 @@
 """Does RL improve on the SFT warm start? The tiny run of `worldloop up`, evaluated before and after.
 
-    python bench/learning.py [--envs frozenlake,sokoban] [--episodes 2048] [--steps N] [--seed-start S]
+    python bench/learning.py [--envs frozenlake,sokoban] [--episodes 2048] [--sampling keyed|batch] [--steps N]
+                             [--seed-start S]
                              [--out runs/bench-learning] [key.sub=value ...]
 
 For each env this runs, as a user would, ``worldloop up configs/tiny-<env>.yaml`` with a fresh
@@ -18,7 +19,9 @@ both models. Extra ``key.sub=value`` arguments go to ``worldloop up`` and ``worl
 the default and report on the default held-out seeds once.
 
 Resume: rerun with the same ``--out``: a finished ``up`` (its ``up.done`` marker) is not rerun, the
-evaluations resume from their ``episodes.jsonl``, and a finished env's row (``row.json``) is reused.
+evaluations resume from their ``episodes.jsonl``, and a finished env's row (``row-<sampling>.json``) is
+reused. The same ``--out`` with the other ``--sampling`` evaluates the same two models again
+(``eval-<model>`` folders for batch, ``eval-<model>-keyed`` for keyed).
 Progress goes to stdout.
 
 The table gives both success rates with Wilson 95% intervals, the difference, the paired outcome
@@ -33,6 +36,11 @@ probability 0.36 / 0.24 on 512 seeds and 0.98 / 0.91 on 2,048
 (``worldloop.eval.stats.sign_test_power``), so 512 seeds, the default until 2026-11-26, could not
 resolve the effect it was meant to test. The size was chosen from those tuning-seed rates before the
 report seeds were played again.
+
+Sampling (``--sampling``, default ``keyed``): both evaluations use keyed sampling (``worldloop eval``,
+README "Evaluation"), so the two models share their noise seed by seed; each model's success rate
+is estimated as before, and the seeds only one of them solved come from their difference rather
+than from sampling luck. ``batch`` is the per-call seeding every report before 2026-11-26 used.
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from worldloop.eval.stats import sign_test_p, wilson_interval  # noqa: E402
+from worldloop.eval.compare import outcomes, paired  # noqa: E402
 from worldloop.common.config import ConfigError, check_held_out_seeds, load_config  # noqa: E402
 
 
@@ -65,19 +73,8 @@ def _cli(args: list[str], log: Path) -> float:
     return time.monotonic() - start
 
 
-def _outcomes(eval_dir: Path) -> dict[int, bool]:
-    """seed -> success of every episode recorded without an error."""
-    out = {}
-    for line in (eval_dir / "episodes.jsonl").read_text().splitlines():
-        if line.strip():
-            ep = json.loads(line)
-            if not ep.get("error"):
-                out[int(ep["seed"])] = bool(ep["success"])
-    return out
-
-
 def bench_env(env: str, steps: int | None, episodes: int, seed_start: int | None, out: Path,
-              overrides: list[str]) -> dict:
+              overrides: list[str], sampling: str = "keyed") -> dict:
     config = ROOT / "configs" / f"tiny-{env}.yaml"
     cfg = load_config(config, overrides)
     seed_start = cfg.eval.seed_start if seed_start is None else seed_start
@@ -86,9 +83,10 @@ def bench_env(env: str, steps: int | None, episodes: int, seed_start: int | None
     except ConfigError as e:
         raise SystemExit(str(e)) from None
     base = out / env
-    if (base / "row.json").exists():
-        print(f"== {env}: done before, reusing {base / 'row.json'}", flush=True)
-        return json.loads((base / "row.json").read_text())
+    row_file = base / f"row-{sampling}.json"
+    if row_file.exists():
+        print(f"== {env}: done before, reusing {row_file}", flush=True)
+        return json.loads(row_file.read_text())
     run_dir, model_dir = base / "run", base / "model"
     base.mkdir(parents=True, exist_ok=True)
     # the run's own periodic evaluator plays the bench's range too: a tuning run (--seed-start on
@@ -112,29 +110,29 @@ def bench_env(env: str, steps: int | None, episodes: int, seed_start: int | None
              if "step" in rec]
     common = ["--config", str(config), "--episodes", str(episodes), "--max-tokens", str(cfg.actor.max_new_tokens),
               "--max-turns", str(cfg.actor.max_turns), "--temperature", str(cfg.actor.temperature), "--concurrency", "32",
-              f"eval.seed_start={seed_start}", *overrides]
+              f"eval.seed_start={seed_start}", f"eval.sampling={sampling}", *overrides]
     results = {}
     for name, model in (("sft", model_dir), ("rl", run_dir)):
-        print(f"== {env}: worldloop eval {name} (held-out seeds {seed_start}..{seed_start + episodes - 1})", flush=True)
+        # batch-mode folders keep the names they had before keyed sampling existed (resumable)
+        eval_dir = base / (f"eval-{name}" if sampling == "batch" else f"eval-{name}-{sampling}")
+        print(f"== {env}: worldloop eval {name}, {sampling} sampling (held-out seeds {seed_start}.."
+              f"{seed_start + episodes - 1}) -> {eval_dir}", flush=True)
         t0 = time.monotonic()
-        _cli(["eval", "--model", str(model), "--output", str(base / f"eval-{name}"), *common], base / f"eval-{name}.log")
-        results[name] = _outcomes(base / f"eval-{name}")
+        _cli(["eval", "--model", str(model), "--output", str(eval_dir), *common], eval_dir.with_suffix(".log"))
+        results[name] = outcomes(eval_dir)
         k = sum(results[name].values())
         print(f"== {env}: {name} solved {k}/{len(results[name])} ({time.monotonic() - t0:.0f} s)", flush=True)
-    seeds = sorted(set(results["sft"]) & set(results["rl"]))
-    wins = sum(results["rl"][s] and not results["sft"][s] for s in seeds)
-    losses = sum(results["sft"][s] and not results["rl"][s] for s in seeds)
-    row = {"env": env, "steps": curve[-1]["step"] if curve else 0, "episodes": len(seeds), "up_seconds": up_s,
-           "seed_start": seed_start, "overrides": overrides,
-           "sft_format_ok": sft.get("format_ok_after"), "rl_wins": wins, "rl_losses": losses,
-           "sign_test_p": sign_test_p(wins, losses),
+    pair = paired(results["sft"], results["rl"])
+    row = {"env": env, "steps": curve[-1]["step"] if curve else 0, "episodes": pair.n, "up_seconds": up_s,
+           "seed_start": seed_start, "sampling": sampling, "overrides": overrides,
+           "sft_format_ok": sft.get("format_ok_after"), "rl_wins": pair.wins, "rl_losses": pair.losses,
+           "sign_test_p": pair.p,
            "train_success_first": curve[0]["success_rate"]["all"] if curve else None,
            "train_success_last": curve[-1]["success_rate"]["all"] if curve else None}
-    for name in ("sft", "rl"):
-        k = sum(results[name][s] for s in seeds)
-        lo, hi = wilson_interval(k, len(seeds))
-        row[name] = {"rate": k / max(len(seeds), 1), "lo": lo, "hi": hi}
-    (base / "row.json").write_text(json.dumps(row, indent=2))
+    for name, which in (("sft", "base"), ("rl", "new")):
+        lo, hi = pair.interval(which)
+        row[name] = {"rate": pair.rate(which), "lo": lo, "hi": hi}
+    row_file.write_text(json.dumps(row, indent=2))
     print(render([row]), flush=True)
     return row
 
@@ -145,13 +143,13 @@ def _p_text(p: float) -> str:
 
 
 def render(rows: list[dict]) -> str:
-    head = ("| env | RL steps | held-out episodes | SFT success (95% CI) | SFT+RL success (95% CI) | difference | "
+    head = ("| env | RL steps | held-out episodes | sampling | SFT success (95% CI) | SFT+RL success (95% CI) | difference | "
             "seeds only RL / only SFT solved | sign test p | train-batch success first -> last step | up wall s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         s, q = r["sft"], r["rl"]
         lines.append(
-            f"| {r['env']} | {r['steps']} | {r['episodes']} | {s['rate']:.3f} [{s['lo']:.3f}, {s['hi']:.3f}] | "
+            f"| {r['env']} | {r['steps']} | {r['episodes']} | {r.get('sampling', 'batch')} | {s['rate']:.3f} [{s['lo']:.3f}, {s['hi']:.3f}] | "
             f"{q['rate']:.3f} [{q['lo']:.3f}, {q['hi']:.3f}] | {q['rate'] - s['rate']:+.3f} | "
             f"{r['rl_wins']} / {r['rl_losses']} | {_p_text(r['sign_test_p'])} | "
             f"{r['train_success_first']:.3f} -> {r['train_success_last']:.3f} | {r['up_seconds']:.0f} |")
@@ -164,6 +162,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="learner steps of the RL run (default: the preset's)")
     ap.add_argument("--episodes", type=int, default=2048,
                     help="held-out episodes per model (at least 128; 2048 resolves a 4-point gain, see the docstring)")
+    ap.add_argument("--sampling", choices=["keyed", "batch"], default="keyed",
+                    help="eval.sampling of both evaluations (keyed: common random numbers, see worldloop eval)")
     ap.add_argument("--seed-start", type=int, default=None,
                     help="first held-out seed (default eval.seed_start; tune on another range)")
     ap.add_argument("--out", default=f"runs/bench-learning-{time.strftime('%Y%m%d-%H%M%S')}",
@@ -172,7 +172,7 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = [bench_env(env, args.steps, args.episodes, args.seed_start, out, args.overrides)
+    rows = [bench_env(env, args.steps, args.episodes, args.seed_start, out, args.overrides, args.sampling)
             for env in args.envs.split(",")]
     table = render(rows)
     print(table)
