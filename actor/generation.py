@@ -154,9 +154,9 @@ def keyed_gumbel_scores(logits: torch.Tensor, keys: list[int], step: int, temper
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         z = z.masked_fill(drop, float("-inf"))
     noise = torch.empty_like(z)
-    gen = torch.Generator(device="cpu")
+    gen = torch.Generator(device=z.device)  # drawn where the logits are (a CUDA stream differs from the CPU's)
     for i, key in enumerate(keys):
         gen.manual_seed(_stream_seed(key, step))
-        u = torch.rand(z.shape[-1], generator=gen, dtype=torch.float64).clamp_(min=1e-300, max=1.0 - 1e-16)
-        noise[i] = (-torch.log(-torch.log(u))).to(device=z.device, dtype=z.dtype)
+        u = torch.rand(z.shape[-1], generator=gen, device=z.device, dtype=torch.float64).clamp_(min=1e-300, max=1.0 - 1e-16)
+        noise[i] = (-torch.log(-torch.log(u))).to(z.dtype)
     return z + noise
