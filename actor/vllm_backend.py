@@ -229,12 +229,12 @@ def _reprocess_tied_lm_heads(model: torch.nn.Module) -> None:
 # --------------------------------------------------------------------------- backend
 
 
-def _request_seed(requests: list[GenRequest], i: int, seed: int | None) -> int | None:
-    """Request ``i``'s vLLM seed: its ``sample_key`` when every request has one (keyed sampling),
-    else ``seed + i`` (None: vLLM's own stream)."""
+def _request_seeds(requests: list[GenRequest], seed: int | None) -> list[int | None]:
+    """Each request's vLLM seed: its ``sample_key`` when every request has one (keyed sampling),
+    else ``seed + i`` for request ``i`` (None: vLLM's own stream)."""
     if all(r.sample_key is not None for r in requests):
-        return int(requests[i].sample_key)  # type: ignore[arg-type]
-    return None if seed is None else int(seed) + i
+        return [int(r.sample_key) for r in requests]  # type: ignore[arg-type]
+    return [None if seed is None else int(seed) + i for i in range(len(requests))]
 
 
 class VLLMBackend:
@@ -360,6 +360,7 @@ class VLLMBackend:
         self._validate(requests, max_new_tokens)
         prompts = [self._prompt(i, r) for i, r in enumerate(requests)]
         sample = temperature > 0
+        seeds = _request_seeds(requests, seed)
         params = [
             SamplingParams(
                 temperature=float(temperature) if sample else 0.0,
@@ -371,9 +372,9 @@ class VLLMBackend:
                 logprobs=0,
                 detokenize=False,
                 skip_special_tokens=True,
-                seed=_request_seed(requests, i, seed),
+                seed=request_seed,
             )
-            for i in range(len(requests))
+            for request_seed in seeds
         ]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return [self._result(i, req, out) for i, (req, out) in enumerate(zip(requests, outputs))]

@@ -117,9 +117,9 @@ def sign_test_p(wins: int, losses: int) -> float:
 
 def _sign_test_critical(d: int, alpha: float) -> int:
     """The largest k with sign_test_p(k, d - k) < alpha (-1 when no split of d pairs reaches alpha)."""
-    k, tail, log_half = -1, 0.0, d * math.log(0.5)
+    k, tail = -1, 0.0
     while k + 1 <= d // 2:
-        tail_next = tail + math.exp(math.lgamma(d + 1) - math.lgamma(k + 2) - math.lgamma(d - k) + log_half)
+        tail_next = tail + math.exp(_log_binom_pmf(k + 1, d, 0.5))
         if min(1.0, 2 * tail_next) >= alpha:
             break
         k, tail = k + 1, tail_next
