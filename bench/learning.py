@@ -38,9 +38,10 @@ resolve the effect it was meant to test. The size was chosen from those tuning-s
 report seeds were played again.
 
 Sampling (``--sampling``, default ``keyed``): both evaluations use keyed sampling (``worldloop eval``,
-README "Evaluation"), so the two models share their noise seed by seed; each model's success rate
-is estimated as before, and the seeds only one of them solved come from their difference rather
-than from sampling luck. ``batch`` is the per-call seeding every report before 2026-11-26 used.
+docs/operations.md "Evaluation"), so the two models share their noise seed by seed; each model's
+success rate is estimated as before, and the seeds only one of them solved come from their
+difference rather than from sampling luck. ``batch`` is the per-call seeding every report before
+2026-11-26 used.
 """
 
 from __future__ import annotations

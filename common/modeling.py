@@ -321,7 +321,8 @@ def freeze_vision_tower(model: torch.nn.Module) -> int:
 
     Why the tiny presets do it: trained from scratch at the tiny model's learning rates the tower
     collapses within tens of steps (every image token the same vector), while its random-init
-    features already tell every tile apart (README, "Why the tiny model could not see")."""
+    features already tell every tile apart (docs/learning-history.md, "Why the tiny model could
+    not see")."""
     frozen = 0
     for name, p in model.named_parameters():
         if ".visual." in f".{name}" and p.requires_grad:

@@ -6,9 +6,9 @@ Public API::
     package_versions() -> dict            # {"python": ..., package: version or None}
     write_versions(run_dir) -> Path       # <run_dir>/versions.json
 
-A re-resolved install moved the tiny presets' warm start (README "Does RL improve on the warm
-start?"), so every run records them: ``worldloop up`` before it prepares the model, and the
-learner when it starts (a run started by supervisor gets the file too).
+A re-resolved install moved the tiny presets' warm start (docs/learning-history.md, "The previous
+preset, and why it did not reproduce"), so every run records them: ``worldloop up`` before it
+prepares the model, and the learner when it starts (a run started by supervisor gets the file too).
 """
 
 from __future__ import annotations

@@ -319,8 +319,8 @@ def test_actors_in_their_own_network_namespaces_over_a_lossy_link_and_a_partitio
                              f"{[(l.passed, l.dropped) for l in hosts.links]}{logs()}")
 
     try:
-        # a password, as for any Redis that other hosts reach (README "Scaling actors across
-        # machines"): without one, Redis 7's protected mode answers only loopback clients, and the
+        # a password, as for any Redis that other hosts reach (docs/operations.md
+        # "Security"): without one, Redis 7's protected mode answers only loopback clients, and the
         # test subnet's address is not loopback
         redis_srv = LocalRedis(host=hosts.server, password="netns-test").start()
         ns = "netns"
