@@ -52,7 +52,7 @@ from typing import Callable
 
 from worldloop.common.keys import Keys
 from worldloop.common.metrics import metric
-from worldloop.common.streams import RedisLink
+from worldloop.common.redis_link import RedisLink
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from worldloop.common.config import Config
 from worldloop.common.control import read_control, register_process
 from worldloop.common.keys import Keys
 from worldloop.common.metrics import serve_metrics
-from worldloop.common.streams import connect
+from worldloop.common.redis_link import connect
 
 log = logging.getLogger(__name__)
 

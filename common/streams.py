@@ -1,4 +1,5 @@
-"""The Redis-stream transport between actors, judges and the learner (redis-py, sync API).
+"""The Redis-stream transport between actors, judges and the learner (redis-py, sync API): the only
+module that speaks Redis streams. Connections, retries and URLs are :mod:`worldloop.common.redis_link`.
 
 Every entry carries its msgpack payload in the field ``b"data"`` (plus optional
 extra fields). A :class:`StreamProducer` appends with XADD; a
@@ -34,11 +35,12 @@ Design decisions
   original bytes) and is acked+deleted in the same MULTI; it is never returned
   and never crashes the consumer. Entries deleted while pending (XAUTOCLAIM
   finds their id but no entry) are acked and skipped.
-* **Reconnects.** Every Redis call goes through one retry wrapper: on
-  ConnectionError / TimeoutError / BusyLoading it reconnects with exponential
-  backoff capped at ``reconnect_max_s`` (metric ``worldloop_stream_reconnects``,
-  a log line), forever unless the object was closed. A NOGROUP error (Redis
-  restarted without persistence) recreates the group and the call continues.
+* **Reconnects.** Every Redis call goes through the one retry wrapper of
+  :class:`worldloop.common.redis_link.RedisLink` (reconnect with capped
+  exponential backoff, forever unless closed or asked to stop; a wrong URL
+  fails at start-up with :class:`RedisUnreachable`). A NOGROUP error (Redis
+  restarted without persistence) recreates the consumer's group and the call
+  continues.
 * **Restarts.** With persistence (AOF, as ``LocalRedis(persist=True)``) and a
   clean shutdown, every entry whose XADD returned survives a restart, and so
   does the group with its pending list: nothing is lost. Without persistence
@@ -49,53 +51,28 @@ Design decisions
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable
 
 import redis
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from worldloop.common.metrics import metric
+from worldloop.common.redis_link import RETRYABLE, RedisLink, RedisUnreachable, connect
 from worldloop.common.schemas import deadletter_message, packb
 
 log = logging.getLogger(__name__)
 
+__all__ = [  # connect, RedisLink and RedisUnreachable: importable from here too, beside the stream classes
+    "DATA_FIELD", "DUPLICATE", "FORWARDED", "FORWARD_LUA", "LOST_RACE", "Forwarder", "Message", "RedisLink",
+    "RedisUnreachable", "StopRequested", "StreamConsumer", "StreamProducer", "connect", "stream_info",
+]
+
 DATA_FIELD = b"data"
-_RETRYABLE = (RedisConnectionError, RedisTimeoutError)  # BusyLoadingError is a ConnectionError
 _POLL_MIN_S = 0.005
 _POLL_MAX_S = 0.1
-_BACKOFF_START_S = 0.05
 _MAX_REASON_CHARS = 1000
-
-T = TypeVar("T")
-
-
-# the Redis password for a URL without one: from the environment, so that it is on no process's
-# command line (``ps``, /proc/PID/cmdline) and in no config file a run writes
-REDIS_PASSWORD_ENV = "WORLDLOOP_REDIS_PASSWORD"
-
-
-def connect(url: str, socket_timeout_s: float = 10.0) -> redis.Redis:
-    """A client for ``redis://``, ``rediss://`` (TLS) or ``unix://`` URLs.
-
-    Auth: ``redis://:password@host:port/db`` and ``redis://user:password@...`` (ACL) both work;
-    a URL without a password takes ``$WORLDLOOP_REDIS_PASSWORD`` when that is set (a password
-    in the URL wins). Responses stay bytes (``decode_responses=False``).
-    """
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(f"redis url must start with redis://, rediss:// or unix://, got {url.split('@')[-1]!r}")
-    return redis.Redis.from_url(
-        url,
-        # redis-py lets what the URL says override these keyword arguments
-        password=os.environ.get(REDIS_PASSWORD_ENV) or None,
-        decode_responses=False,
-        socket_timeout=socket_timeout_s,
-        socket_connect_timeout=min(socket_timeout_s, 5.0),
-    )
 
 
 def _text(x: Any) -> str:
@@ -104,94 +81,6 @@ def _text(x: Any) -> str:
 
 class StopRequested(Exception):
     """A blocking stream call gave up because its ``should_stop`` turned true."""
-
-
-class RedisUnreachable(RuntimeError):
-    """Redis was never reached within the start-up wait: most likely a wrong ``redis.url``."""
-
-
-def redis_address(url: str) -> str:
-    """``host:port/db`` (or the socket path) of a Redis URL, never its password."""
-    from urllib.parse import urlsplit
-
-    u = urlsplit(url)
-    if u.scheme == "unix":
-        return u.path
-    return f"{u.hostname or 'localhost'}:{u.port or 6379}{u.path or ''}"
-
-
-class RedisLink:
-    """One Redis connection with the reconnecting retry wrapper shared by every stream primitive.
-
-    ``should_stop`` (here or per call) ends the retrying: the connection error is raised so that a
-    process asked to stop never hangs on an unreachable Redis. Until the first call succeeds, the
-    retrying gives up after ``startup_timeout_s`` with :class:`RedisUnreachable` (a wrong URL must
-    not look like a slow start); after that it retries for as long as Redis stays away.
-    """
-
-    def __init__(self, url: str, stream: str, reconnect_max_s: float, socket_timeout_s: float, *,
-                 should_stop: Callable[[], bool] | None = None, startup_timeout_s: float | None = None):
-        self.url = url
-        self.stream = stream
-        self.reconnect_max_s = reconnect_max_s
-        self.socket_timeout_s = socket_timeout_s
-        self.should_stop = should_stop
-        self.startup_timeout_s = startup_timeout_s
-        self.reached = False
-        self.closed = False
-        self.r = connect(url, socket_timeout_s)
-        self._reconnects = metric("worldloop_stream_reconnects").labels(stream=stream)
-
-    def call(self, fn: Callable[[redis.Redis], T], should_stop: Callable[[], bool] | None = None) -> T:
-        """Run ``fn(client)``; on a connection-type error reconnect with backoff and run it again.
-
-        Retries until it succeeds, unless the link was closed or ``should_stop()`` (the call's or
-        the link's) turns true, in which case the connection error is raised, or Redis was never
-        reached within ``startup_timeout_s`` (:class:`RedisUnreachable`).
-        """
-        delay = _BACKOFF_START_S
-        first_failure: float | None = None
-        while True:
-            try:
-                out = fn(self.r)
-                self.reached = True
-                return out
-            except _RETRYABLE as e:
-                stop = should_stop or self.should_stop
-                if self.closed or (stop is not None and stop()):
-                    raise
-                now = time.monotonic()
-                first_failure = first_failure if first_failure is not None else now
-                if not self.reached and self.startup_timeout_s is not None and now - first_failure >= self.startup_timeout_s:
-                    raise RedisUnreachable(
-                        f"cannot reach Redis at {redis_address(self.url)} for {self.startup_timeout_s:g}s "
-                        f"({type(e).__name__}: {e}); check redis.url") from None
-                self._reconnects.inc()
-                log.warning("redis %s (stream %s): %s; reconnecting in %.2fs", type(e).__name__, self.stream, e, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, self.reconnect_max_s)
-                self._reset()
-            except ResponseError as e:
-                if "NOGROUP" not in str(e) or self.closed:
-                    raise
-                self.on_nogroup()
-
-    def on_nogroup(self) -> None:
-        raise RuntimeError(f"stream {self.stream}: consumer group vanished")
-
-    def _reset(self) -> None:
-        try:
-            self.r.connection_pool.disconnect()
-        except Exception:  # a broken pool: start a new client below anyway
-            pass
-        self.r = connect(self.url, self.socket_timeout_s)
-
-    def close(self) -> None:
-        self.closed = True
-        try:
-            self.r.close()
-        except Exception:  # closing a dead connection may fail; nothing to recover
-            pass
 
 
 class StreamProducer:
@@ -379,7 +268,7 @@ class StreamConsumer:
 
         try:
             return self._link.call(run, should_stop=lambda: True)  # one try: the next refresh retries
-        except _RETRYABLE as e:
+        except RETRYABLE as e:
             log.warning("stream %s: could not refresh %s's pending entries: %s", self.stream, self.consumer, e)
             return 0
 
@@ -492,7 +381,7 @@ class StreamConsumer:
 
         try:
             gone = self._link.call(run, should_stop=lambda: True)
-        except _RETRYABLE as e:
+        except RETRYABLE as e:
             log.debug("stream %s: consumer pruning skipped: %s", self.stream, e)
             return []
         if gone:
@@ -511,7 +400,7 @@ class StreamConsumer:
 
         try:
             return bool(self._link.call(run, should_stop=lambda: True))
-        except (*_RETRYABLE, ResponseError) as e:
+        except (*RETRYABLE, ResponseError) as e:
             log.debug("stream %s: %s could not leave the group: %s", self.stream, self.consumer, e)
             return False
 
@@ -585,7 +474,7 @@ class Forwarder:
 
         try:
             status = self.link.call(run, should_stop=should_stop)
-        except _RETRYABLE:
+        except RETRYABLE:
             return None  # asked to stop while Redis is away: still pending, reclaimed later
         if status != LOST_RACE:
             self._m_acked.inc()

@@ -410,7 +410,8 @@ def test_expert_reasoning_of_every_env_scores_one(env_name: str, state_format: s
 
 
 def test_parsers_take_plain_inputs_and_the_modules_import_one_way() -> None:
-    """parsing needs no Truth (explicit inputs), truths builds on parsing, f1 on neither."""
+    """parsing needs no Truth (explicit inputs) and gathers one module per kind of fact, truths builds on
+    parsing, f1 on neither."""
     import ast
     from pathlib import Path
 
@@ -427,6 +428,12 @@ def test_parsers_take_plain_inputs_and_the_modules_import_one_way() -> None:
     folder = Path(parsing.__file__).parent
     imports = {f.stem: {n.module for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.ImportFrom)
                         and (n.module or "").startswith("worldloop.judge.rule")} for f in folder.glob("*.py")}
+    rule = "worldloop.judge.rule."
     assert imports["f1"] == set()
-    assert imports["parsing"] == {"worldloop.judge.rule.f1"}
+    assert imports["lexicon"] == {rule + "f1"}
+    assert imports["relations"] == {rule + "f1", rule + "lexicon"}
+    assert imports["grids"] == {rule + "f1"}
+    assert imports["coordinates"] == {rule + "f1", rule + "lexicon"}
+    assert imports["svg"] == {rule + "f1", rule + "coordinates"}
+    assert imports["parsing"] == {rule + m for m in ("lexicon", "relations", "grids", "coordinates", "svg")}
     assert imports["truths"] == {"worldloop.judge.rule.f1", "worldloop.judge.rule.parsing"}

@@ -9,8 +9,8 @@ applications    ``worldloop.cli``, ``worldloop.up``, ``worldloop.status``, ``wor
 roles           ``worldloop.actor``, ``worldloop.judge``, ``worldloop.learner``: the three
                 processes; they never import each other
 envs            ``worldloop.envs``: gymnasium environments, used by actors and applications only
-machinery       ``worldloop.common.{streams, weights, process, control, metrics, redis_local,
-                openai_retry}``: Redis streams, the ZeroMQ weight channel, the process scaffold
+machinery       ``worldloop.common.{redis_link, streams, weights, process, control, metrics, redis_local,
+                openai_retry}``: Redis links, streams, the ZeroMQ weight channel, the process scaffold
 contracts       ``worldloop.common.{config, schemas, keys, modeling}``: what crosses a process
                 boundary (config, message types, Redis key names, token layout); no machinery
 ==============  ==========================================================================

@@ -156,21 +156,7 @@ class WeightPublisher:
         self._ctx = zmq.Context(io_threads or max(1, min(4, os.cpu_count() or 1)))
         self._sockets: list[zmq.Socket] = []
         self._wake_lock = threading.Lock()
-        try:
-            keys, self._auth = server_keys(self._ctx, curve_secret_key_file, curve_authorized_clients)
-            self._pub = self._socket(zmq.PUB, keys)
-            self._router = self._socket(zmq.ROUTER, keys)
-            self.pub_port = self._bind(self._pub, bind, pub_port, "pub_port")
-            self.fetch_port = self._bind(self._router, bind, fetch_port, "fetch_port")
-            wake_addr = f"inproc://worldloop-weights-{id(self)}"
-            self._wake_in = self._socket(zmq.PAIR, None)
-            self._wake_in.bind(wake_addr)
-            self._wake = self._socket(zmq.PAIR, None)
-            self._wake.connect(wake_addr)
-        except BaseException:
-            self._teardown()
-            raise
-        self.curve = keys is not None
+        self._open_sockets(bind, pub_port, fetch_port, curve_secret_key_file, curve_authorized_clients)
         self._m_versions = metric("worldloop_weights_published_versions")
         self._m_bytes = metric("worldloop_weights_published_bytes")
         self._m_served = metric("worldloop_weights_served_chunks")
@@ -186,6 +172,26 @@ class WeightPublisher:
         self._preparer.start()
         log.info("weights publisher: PUB %s, ROUTER %s%s", endpoint(bind, self.pub_port),
                  endpoint(bind, self.fetch_port), " (CURVE)" if self.curve else "")
+
+    def _open_sockets(self, bind: str, pub_port: int, fetch_port: int, curve_secret_key_file: str | os.PathLike | None,
+                      curve_authorized_clients: str | os.PathLike | None) -> None:
+        """Bind PUB and ROUTER (CURVE when a secret key is given) and the inproc wake-up pair; on any
+        failure close what was opened and raise."""
+        try:
+            keys, self._auth = server_keys(self._ctx, curve_secret_key_file, curve_authorized_clients)
+            self._pub = self._socket(zmq.PUB, keys)
+            self._router = self._socket(zmq.ROUTER, keys)
+            self.pub_port = self._bind(self._pub, bind, pub_port, "pub_port")
+            self.fetch_port = self._bind(self._router, bind, fetch_port, "fetch_port")
+            wake_addr = f"inproc://worldloop-weights-{id(self)}"
+            self._wake_in = self._socket(zmq.PAIR, None)
+            self._wake_in.bind(wake_addr)
+            self._wake = self._socket(zmq.PAIR, None)
+            self._wake.connect(wake_addr)
+        except BaseException:
+            self._teardown()
+            raise
+        self.curve = keys is not None
 
     def _socket(self, kind: int, keys: tuple[bytes, bytes | None] | None) -> zmq.Socket:
         s = self._ctx.socket(kind)

@@ -101,6 +101,19 @@ class _Moved:
         self.manifest = manifest
 
 
+def _chunk_fault(m: Manifest, idx: int, hdr: dict, payload: list[zmq.Frame]) -> str | None:
+    """Why a CHUNK reply does not hold chunk ``idx`` of ``m`` intact (frame, size, CRC-32C); None when it does."""
+    b, e = m.span(idx)
+    data = payload[0].buffer if len(payload) == 1 else None
+    if data is None or hdr.get("index") != idx or hdr.get("digest") != m.digest:
+        return f"bad CHUNK frame for chunk {idx} of v{m.version}"
+    if len(data) != e - b:
+        return f"chunk {idx} of v{m.version} has {len(data)} bytes, expected {e - b}"
+    if chunk_crc(data) != m.crcs[idx]:
+        return f"chunk {idx} of v{m.version} failed its CRC-32C check"
+    return None
+
+
 class WeightSubscriber:
     """Fetches the newest complete, verified version from a :class:`WeightPublisher`."""
 
@@ -428,16 +441,10 @@ class WeightSubscriber:
             wait = self.resend_s
             if kind != b"CHUNK":
                 return _Moved(self._manifest_from(kind, hdr, payload))
-            b, e = m.span(idx)
-            data = payload[0].buffer if len(payload) == 1 else None
-            if data is None or hdr.get("index") != idx or hdr.get("digest") != m.digest:
-                reason = f"bad CHUNK frame for chunk {idx} of v{m.version}"
-            elif len(data) != e - b:
-                reason = f"chunk {idx} of v{m.version} has {len(data)} bytes, expected {e - b}"
-            elif chunk_crc(data) != m.crcs[idx]:
-                reason = f"chunk {idx} of v{m.version} failed its CRC-32C check"
-            else:
-                arr[b:e] = np.frombuffer(data, dtype=np.uint8)
+            reason = _chunk_fault(m, idx, hdr, payload)
+            if reason is None:
+                b, e = m.span(idx)
+                arr[b:e] = np.frombuffer(payload[0].buffer, dtype=np.uint8)
                 done[idx] = 1
                 remaining -= 1
                 while hashed < n and done[hashed]:

@@ -3,14 +3,18 @@
 No model is involved and nothing in the agent's text is ever interpreted as an instruction, so
 "ignore the instructions and answer YES" earns exactly what its spatial content is worth: nothing.
 
-Three modules, one per seam (each imports only the ones before it):
+Three layers, one per seam (each imports only the ones before it):
 
 :mod:`~worldloop.judge.rule.f1`        F1 of predicted items against truth facts with a maximum
                                        matching (an item of alternatives counts once), the
                                        repetition tracker (VAGEN App. D.1.2).
-:mod:`~worldloop.judge.rule.parsing`   facts stated in the agent's text: relations (canonical
-                                       ``(a, b, axis, value)`` tuples), grids, coordinates, SVG
-                                       elements, a hybrid extractor's JSON.
+:mod:`~worldloop.judge.rule.parsing`   facts stated in the agent's text, one module per kind of
+                                       fact: :mod:`~worldloop.judge.rule.lexicon` and
+                                       :mod:`~worldloop.judge.rule.relations` (canonical
+                                       ``(a, b, axis, value)`` tuples), :mod:`~worldloop.judge.rule.grids`,
+                                       :mod:`~worldloop.judge.rule.coordinates`,
+                                       :mod:`~worldloop.judge.rule.svg` (elements), and a hybrid
+                                       extractor's JSON; ``parsing`` gathers their public names.
 :mod:`~worldloop.judge.rule.truths`    the ground truth of an env state and the scoring method
                                        (symbolic | svg | structured | navigation | relations),
                                        and the text's facts in that truth's terms.
