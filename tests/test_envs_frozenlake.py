@@ -6,7 +6,7 @@ import gymnasium
 import pytest
 
 from worldloop import envs  # noqa: F401
-from worldloop.envs.frozenlake import FrozenLakeEnv, shortest_path
+from worldloop.envs.grid.frozenlake import FrozenLakeEnv, shortest_path
 
 ID = "worldloop/FrozenLake-v0"
 DESC = ["SFFF", "FHFH", "FFFH", "HFFG"]

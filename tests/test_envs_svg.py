@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from worldloop import envs  # noqa: F401  (registers the ids)
-from worldloop.envs.svg_icons import generate_icon, load_svg_dataset
-from worldloop.envs.svg_metrics import make_metric, pixel_similarity
-from worldloop.envs.svg_render import (SVGRejected, SVGRenderError, color_name, describe_svg, element_sentence,
+from worldloop.envs.svg.icons import generate_icon, load_svg_dataset
+from worldloop.envs.svg.metrics import make_metric, pixel_similarity
+from worldloop.envs.svg.render import (SVGRejected, SVGRenderError, color_name, describe_svg, element_sentence,
                              extract_svg, render_svg, validate_svg)
 
 NS = 'xmlns="http://www.w3.org/2000/svg"'

@@ -13,7 +13,7 @@ Untrusted SVG (the agent's answer, or a file of a local dataset) goes through tw
    itself a ``use``/``svg`` nor contains one (no reference blow-up); no dash pattern finer than 0.01.
    Violations raise :class:`SVGRejected` with the reason.
 2. :func:`render_svg` rasterises with cairosvg in a separate worker process
-   (:mod:`worldloop.envs.svg_worker`: ``unsafe=False``, a URL fetcher that refuses everything, 1 GiB address-space
+   (:mod:`worldloop.envs.svg.worker`: ``unsafe=False``, a URL fetcher that refuses everything, 1 GiB address-space
    limit) and kills it when a render exceeds ``timeout_s`` (default 3 s); the next render starts a new
    worker. Failures raise :class:`SVGRenderError`. The worker is shared by all envs of a process
    (one render at a time, guarded by a lock) and restarted after a fork.
@@ -217,7 +217,7 @@ class _Worker:
         self.pid_owner = os.getpid()
 
     def _start(self) -> subprocess.Popen:
-        path = Path(__file__).with_name("svg_worker.py")
+        path = Path(__file__).with_name("worker.py")
         return subprocess.Popen([sys.executable, "-u", str(path)], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True)
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from worldloop.envs.nav_raycast import Frame, Scene
+from worldloop.envs.navigation.raycast import Frame, Scene
 
 ACTIONS = ("moveahead", "moveback", "moveright", "moveleft",
            "rotateright", "rotateleft", "lookup", "lookdown")

@@ -32,7 +32,7 @@ from typing import Any, Hashable, Sequence
 import numpy as np
 
 from worldloop.envs.base import VisualEnv
-from worldloop.envs.solvers import Plan
+from worldloop.envs.grid.solvers import Plan
 
 MOVES = ("Left", "Down", "Right", "Up")  # VAGEN's order ("Actions you can take: Left, Down, Right, Up.")
 

@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from worldloop.envs.nav_raycast import Scene
+from worldloop.envs.navigation.raycast import Scene
 
 TASKS = ("place", "stack", "drawer", "align")
 INSTRUCTIONS = {
