@@ -16,7 +16,8 @@ Each family is a subpackage (``grid/``, ``navigation/``, ``primitive_skill/``, `
 ``__init__`` lists its modules and re-exports its env classes lazily; ``adapters/`` runs Navigation
 and PrimitiveSkill on the original simulators. Importing this package imports none of them.
 
-All share :class:`worldloop.envs.base.VisualEnv` (see ``envs/base.py`` for the contract) and are built with
+All share :class:`worldloop.envs.base.VisualEnv` (see ``envs/base.py`` for the contract; the response
+parser and action words are ``envs/parsing.py``, the prompt builders ``envs/prompts.py``) and are built with
 ``gymnasium.make(id, **kwargs)``; short preset names live in :mod:`worldloop.envs.presets`. They are
 registered with gymnasium's env checker on and pass ``gymnasium.utils.env_checker.check_env``
 (tests/test_envs_gymnasium.py): standard render modes ``rgb_array`` / ``ansi`` (aliases ``vision`` /

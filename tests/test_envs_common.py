@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from worldloop import envs
-from worldloop.envs.base import IMAGE_PLACEHOLDER, PROMPT_FORMATS, parse_response
+from worldloop.envs.base import IMAGE_PLACEHOLDER
+from worldloop.envs.parsing import PROMPT_FORMATS, parse_response
 from worldloop.envs.presets import PRESETS, resolve
 
 GRID_IDS = ["worldloop/Sokoban-v0", "worldloop/FrozenLake-v0", "worldloop/Maze-v0", "worldloop/Taxi-v0"]

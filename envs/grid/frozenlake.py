@@ -32,8 +32,8 @@ from typing import Any, Hashable, Sequence
 import numpy as np
 from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv as GymFrozenLake
 
-from worldloop.envs.base import ActionResult, relation_sentence
-from worldloop.envs.grid.grid_env import GridEnv, check_int, generate_level
+from worldloop.envs.base import ActionResult, check_int, relation_sentence
+from worldloop.envs.grid.grid_env import GridEnv, generate_level
 from worldloop.envs.grid.render import cell_size, compose, grid_image_shape, tile_stack
 from worldloop.envs.grid.solvers import DIRECTIONS, Plan, bfs
 

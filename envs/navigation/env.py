@@ -43,8 +43,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from worldloop.envs.base import ActionResult, VisualEnv
-from worldloop.envs.grid.grid_env import check_int
+from worldloop.envs.base import ActionResult, VisualEnv, check_int
 from worldloop.envs.navigation.world import ACTION_DESCRIPTIONS, ACTIONS, SPLITS, World, type_label
 
 BACKENDS = ("builtin", "ai2thor")

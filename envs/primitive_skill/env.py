@@ -40,7 +40,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from worldloop.envs.base import ActionParse, ActionResult, VisualEnv
+from worldloop.envs.base import ActionResult, VisualEnv
+from worldloop.envs.parsing import ActionParse
 from worldloop.envs.primitive_skill.world import (INSTRUCTIONS, TASKS, WORKSPACES, Action, Tabletop, format_action,
                                  parse_action)
 

@@ -48,7 +48,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from worldloop.envs.base import ActionParse, ActionResult, VisualEnv
+from worldloop.envs.base import ActionResult, VisualEnv
+from worldloop.envs.parsing import ActionParse
 from worldloop.envs.svg.icons import generate_icon, load_svg_dataset
 from worldloop.envs.svg.metrics import make_metric
 from worldloop.envs.svg.render import (DEFAULT_TIMEOUT_S, MAX_BYTES, SVGRejected, SVGRenderError, describe_svg,
