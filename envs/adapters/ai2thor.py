@@ -27,8 +27,8 @@ import os
 
 import numpy as np
 
-from worldloop.envs.navigation.world import (CATALOG, HORIZONS, SPLITS, base_instruction, direction_word, plan_path,
-                            relations_from_gt, type_label)
+from worldloop.envs.navigation.catalog import CATALOG, base_instruction, type_label
+from worldloop.envs.navigation.world import HORIZONS, SPLITS, direction_word, plan_path, relations_from_gt
 
 _ACTIONS = {"moveahead": "MoveAhead", "moveback": "MoveBack", "moveright": "MoveRight",
             "moveleft": "MoveLeft", "rotateright": "RotateRight", "rotateleft": "RotateLeft",

@@ -8,6 +8,8 @@ module          holds
                 :mod:`worldloop.envs.adapters.ai2thor`
 ``world``       :class:`World`: a procedurally furnished room, motion rules, planner,
                 ground truth
+``catalog``     the object types, what each room holds, and the boxes each object is
+                built from
 ``raycast``     the numpy ray caster (:class:`Scene`), also used by PrimitiveSkill
 ==============  =====================================================================
 

@@ -44,7 +44,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from worldloop.envs.base import ActionResult, VisualEnv, check_int
-from worldloop.envs.navigation.world import ACTION_DESCRIPTIONS, ACTIONS, SPLITS, World, type_label
+from worldloop.envs.navigation.catalog import type_label
+from worldloop.envs.navigation.world import ACTION_DESCRIPTIONS, ACTIONS, SPLITS, World
 
 BACKENDS = ("builtin", "ai2thor")
 

@@ -12,7 +12,6 @@ along +z and 90 along +x ("rotateright" adds 90), camera ``horizon`` > 0 looks d
 
 Public API::
 
-    CATALOG: dict[str, ObjType]           # object types: name, rooms, size, recipe, instructions
     ACTIONS: tuple[str, ...]              # the 8 actions of Table 10, canonical spelling
     World.generate(rng, split="base", step_length=0.25, success_threshold=1.0,
                    min_plan=3, max_plan=12) -> World
@@ -24,20 +23,24 @@ Public API::
     world.relations(gt) -> list[str]            # judge-checkable sentences (relations_from_gt)
     world.plan(max_len=60) -> list[str] | None  # cheapest action list that reaches success
     plan_path(start, heading, step, is_free, target, threshold, max_len) -> list[str] | None
-    relations_from_gt(gt) -> list[str] ; type_label(type_name) -> str
+    relations_from_gt(gt) -> list[str]
     world.pose() / world.set_pose(pose)         # (x, z, heading, horizon)
     world.render_rgb(size, fov) -> np.ndarray
+
+The object types, what each room holds and the boxes each object is built from are
+:mod:`worldloop.envs.navigation.catalog` (``CATALOG``, ``type_label``, ...).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from worldloop.envs.navigation.catalog import (CATALOG, FLOOR_COLORS, ROOM_FURNITURE, ROOM_TYPES, WALL_COLORS,
+                                              base_instruction, build_parts, type_label)
 from worldloop.envs.navigation.raycast import Frame, Scene
 
 ACTIONS = ("moveahead", "moveback", "moveright", "moveleft",
@@ -57,116 +60,8 @@ AGENT_RADIUS = 0.2
 EYE_HEIGHT = 1.5
 ROOM_HEIGHT = 2.6
 SPLITS = ("base", "common_sense")
-ROOM_TYPES = ("kitchen", "living room", "bedroom")
 _VISIBILITY_RES = 96
 _VISIBILITY_MIN_PIXELS = 4
-
-
-# ----------------------------------------------------------------------------- catalog
-
-
-@dataclass(frozen=True)
-class ObjType:
-    """One object type: where it goes, how big it is, how it looks, how to ask for it."""
-
-    name: str  # AI2-THOR style type name, e.g. "GarbageCan"
-    label: str  # lower-case words, e.g. "garbage can"
-    rooms: tuple[str, ...]
-    size: tuple[float, float, float]  # width (along the wall), depth, height in metres
-    recipe: str
-    color: tuple[int, int, int]
-    place: str = "wall"  # "wall", "free" or "on"
-    supports: tuple[str, ...] = ()  # for place == "on": the types it may stand on
-    target: bool = True
-    common_sense: tuple[str, ...] = ()
-
-
-CATALOG: dict[str, ObjType] = {t.name: t for t in (
-    ObjType("CounterTop", "countertop", ("kitchen",), (1.8, 0.6, 0.9), "counter", (170, 160, 150),
-            target=False),
-    ObjType("Fridge", "fridge", ("kitchen",), (0.8, 0.7, 1.8), "fridge", (225, 228, 232),
-            common_sense=("I want to keep my drinks cold. Please navigate to the appliance that does "
-                          "that and stay near it.",
-                          "The milk should be stored somewhere cold. Can you go to that object and "
-                          "stay close?")),
-    ObjType("Toaster", "toaster", ("kitchen",), (0.32, 0.22, 0.22), "toaster", (200, 40, 40),
-            place="on", supports=("CounterTop", "DiningTable"),
-            common_sense=("I want some crispy bread for breakfast. Please navigate to the appliance "
-                          "that can do that and stay near it.",)),
-    ObjType("Microwave", "microwave", ("kitchen",), (0.55, 0.4, 0.32), "microwave", (45, 45, 50),
-            place="on", supports=("CounterTop",),
-            common_sense=("I need to heat up my leftovers quickly. Please navigate to that appliance "
-                          "and stay near it.",)),
-    ObjType("CoffeeMachine", "coffee machine", ("kitchen",), (0.3, 0.3, 0.4), "block",
-            (120, 70, 40), place="on", supports=("CounterTop",),
-            common_sense=("I need a cup of freshly brewed coffee to wake up. Can you navigate to the "
-                          "machine that makes it and stay close?",)),
-    ObjType("DiningTable", "dining table", ("kitchen",), (1.2, 0.8, 0.75), "table", (140, 90, 50),
-            place="free", target=False),
-    ObjType("GarbageCan", "garbage can", ("kitchen", "living room", "bedroom"), (0.36, 0.36, 0.6),
-            "garbage", (40, 110, 60),
-            common_sense=("I need to dispose of some trash properly. Please navigate to that object "
-                          "and stay near it.",)),
-    ObjType("Sofa", "sofa", ("living room",), (2.0, 0.9, 0.85), "sofa", (60, 90, 160), target=False),
-    ObjType("ArmChair", "armchair", ("living room",), (0.85, 0.85, 0.9), "sofa", (150, 60, 90),
-            common_sense=("I would like a comfortable seat just for one person. Please navigate to it "
-                          "and stay close.",)),
-    ObjType("CoffeeTable", "coffee table", ("living room",), (1.0, 0.6, 0.45), "table",
-            (110, 75, 45), place="free", target=False),
-    ObjType("TVStand", "TV stand", ("living room",), (1.2, 0.45, 0.5), "block", (90, 60, 40),
-            target=False),
-    ObjType("Television", "television", ("living room",), (1.0, 0.08, 0.6), "tv", (20, 20, 25),
-            place="on", supports=("TVStand",),
-            common_sense=("I want to watch the evening news. Please navigate to the device that shows "
-                          "it and stay near it.",)),
-    ObjType("FloorLamp", "floor lamp", ("living room", "bedroom"), (0.4, 0.4, 1.6), "lamp",
-            (250, 220, 120),
-            common_sense=("The corner is too dark; I am looking for a tall standing light. Please "
-                          "navigate to it and stay close.",)),
-    ObjType("HousePlant", "house plant", ("living room", "bedroom", "kitchen"), (0.45, 0.45, 1.0),
-            "plant", (50, 150, 60),
-            common_sense=("Something green in this room needs watering. Please navigate to it and "
-                          "stay near it.",)),
-    ObjType("Laptop", "laptop", ("living room", "bedroom"), (0.36, 0.26, 0.24), "laptop",
-            (170, 175, 185), place="on", supports=("CoffeeTable", "Desk"),
-            common_sense=("I need to check my emails on a portable computer. Please navigate to it "
-                          "and stay close.",)),
-    ObjType("Bed", "bed", ("bedroom",), (1.6, 2.0, 0.5), "bed", (235, 235, 245), target=False),
-    ObjType("Desk", "desk", ("bedroom",), (1.2, 0.6, 0.75), "table", (160, 120, 80), target=False),
-    ObjType("DeskLamp", "desk lamp", ("bedroom",), (0.25, 0.25, 0.45), "lamp", (255, 230, 90),
-            place="on", supports=("Desk", "Dresser"),
-            common_sense=("I am looking for a luminous device on my desk to read books at night. Can "
-                          "you navigate to that object and stay close?",)),
-    ObjType("Dresser", "dresser", ("bedroom",), (1.0, 0.5, 0.9), "dresser", (120, 80, 110),
-            common_sense=("I need to put away my folded clothes in drawers. Please navigate to that "
-                          "piece of furniture and stay near it.",)),
-    ObjType("AlarmClock", "alarm clock", ("bedroom",), (0.2, 0.12, 0.15), "block", (240, 120, 20),
-            place="on", supports=("Dresser", "Desk"),
-            common_sense=("Something in this room rings to wake me up in the morning. Please navigate "
-                          "to it and stay close.",)),
-)}
-
-ROOM_FURNITURE = {
-    "kitchen": (("CounterTop", 1.0), ("Fridge", 1.0), ("DiningTable", 0.7), ("GarbageCan", 0.8),
-                ("HousePlant", 0.4), ("Toaster", 0.8), ("Microwave", 0.7), ("CoffeeMachine", 0.6)),
-    "living room": (("Sofa", 1.0), ("TVStand", 0.9), ("Television", 0.9), ("ArmChair", 0.7),
-                    ("CoffeeTable", 0.8), ("FloorLamp", 0.7), ("HousePlant", 0.7),
-                    ("GarbageCan", 0.5), ("Laptop", 0.6)),
-    "bedroom": (("Bed", 1.0), ("Desk", 1.0), ("DeskLamp", 0.9), ("Dresser", 0.8),
-                ("FloorLamp", 0.4), ("HousePlant", 0.5), ("GarbageCan", 0.6), ("Laptop", 0.6),
-                ("AlarmClock", 0.6)),
-}
-WALL_COLORS = {
-    "kitchen": ((215, 210, 190), (205, 200, 180), (210, 205, 185), (200, 195, 175)),
-    "living room": ((190, 200, 215), (180, 190, 205), (185, 195, 210), (175, 185, 200)),
-    "bedroom": ((220, 200, 200), (210, 190, 190), (215, 195, 195), (205, 185, 185)),
-}
-FLOOR_COLORS = {"kitchen": (170, 170, 165), "living room": (150, 110, 75), "bedroom": (165, 125, 90)}
-
-
-def base_instruction(label: str) -> str:
-    """The base split's instruction (EmbodiedBench/VAGEN "base" style)."""
-    return f"Navigate to the {label} in the room and be as close as possible to it."
 
 
 # ----------------------------------------------------------------------------- objects
@@ -186,84 +81,6 @@ class NavObject:
     @property
     def label(self) -> str:
         return CATALOG[self.type].label
-
-
-def _shade(color, f: float) -> tuple[int, int, int]:
-    return tuple(int(max(0, min(255, c * f))) for c in color)
-
-
-def _build_parts(kind: str, color, cx: float, cz: float, y0: float, w: float, d: float, h: float,
-                 facing: tuple[int, int]):
-    """Boxes of one object. Local frame: u along the width, v from back (-d/2) to front (+d/2)."""
-    fx, fz = facing
-    ux, uz = fz, -fx  # perpendicular to the facing direction
-
-    def box(u0, u1, v0, v1, y_lo, y_hi, col):
-        xs = [cx + u * ux + v * fx for u in (u0, u1) for v in (v0, v1)]
-        zs = [cz + u * uz + v * fz for u in (u0, u1) for v in (v0, v1)]
-        return ((min(xs), y0 + y_lo, min(zs)), (max(xs), y0 + y_hi, max(zs)), tuple(col))
-
-    hw, hd = w / 2, d / 2
-    dark = _shade(color, 0.55)
-    if kind == "table":
-        leg = 0.06
-        parts = [box(-hw, hw, -hd, hd, h - 0.05, h, color)]
-        for su in (-1, 1):
-            for sv in (-1, 1):
-                u = su * (hw - leg)
-                v = sv * (hd - leg)
-                parts.append(box(u - leg / 2, u + leg / 2, v - leg / 2, v + leg / 2, 0, h - 0.05, dark))
-        return parts
-    if kind == "sofa":
-        seat = 0.45 * h
-        arm = min(0.18, w * 0.15)
-        return [box(-hw, hw, -hd, hd, 0, seat, color),
-                box(-hw, hw, -hd, -hd + 0.22, seat, h, _shade(color, 0.85)),
-                box(-hw, -hw + arm, -hd + 0.22, hd, seat, seat + 0.2, _shade(color, 0.9)),
-                box(hw - arm, hw, -hd + 0.22, hd, seat, seat + 0.2, _shade(color, 0.9))]
-    if kind == "bed":
-        return [box(-hw, hw, -hd, hd, 0, h, color),
-                box(-hw, hw, -hd, -hd + 0.08, 0, h + 0.6, (120, 85, 60)),
-                box(-hw + 0.15, hw - 0.15, -hd + 0.12, -hd + 0.45, h, h + 0.12, (250, 250, 250)),
-                box(-hw, hw, -hd + 0.6, hd, h, h + 0.04, (90, 120, 170))]
-    if kind == "lamp":
-        pole = max(0.03, w * 0.12)
-        return [box(-w * 0.3, w * 0.3, -d * 0.3, d * 0.3, 0, 0.04, (60, 60, 60)),
-                box(-pole / 2, pole / 2, -pole / 2, pole / 2, 0.04, h * 0.7, (70, 70, 70)),
-                box(-hw, hw, -hd, hd, h * 0.7, h, color)]
-    if kind == "plant":
-        return [box(-hw * 0.6, hw * 0.6, -hd * 0.6, hd * 0.6, 0, h * 0.35, (150, 90, 60)),
-                box(-hw, hw, -hd, hd, h * 0.35, h, color)]
-    if kind == "tv":
-        return [box(-hw, hw, -hd, hd, 0.05, h, color),
-                box(-0.1, 0.1, -0.06, 0.06, 0, 0.05, (60, 60, 60))]
-    if kind == "counter":
-        return [box(-hw, hw, -hd, hd, 0, h - 0.04, color),
-                box(-hw, hw, -hd, hd + 0.02, h - 0.04, h, (90, 90, 95))]
-    if kind == "fridge":
-        return [box(-hw, hw, -hd, hd, 0, h, color),
-                box(hw - 0.12, hw - 0.08, hd, hd + 0.03, h * 0.35, h * 0.85, (80, 80, 80)),
-                box(-hw, hw, hd, hd + 0.005, h * 0.62, h * 0.64, (150, 150, 155))]
-    if kind == "garbage":
-        return [box(-hw, hw, -hd, hd, 0, h * 0.92, color),
-                box(-hw - 0.01, hw + 0.01, -hd - 0.01, hd + 0.01, h * 0.92, h, dark)]
-    if kind == "laptop":
-        return [box(-hw, hw, -hd, hd, 0, 0.025, color),
-                box(-hw, hw, -hd, -hd + 0.02, 0.025, h, (30, 30, 40))]
-    if kind == "toaster":
-        return [box(-hw, hw, -hd, hd, 0, h, color),
-                box(-hw * 0.7, hw * 0.7, -hd * 0.5, -hd * 0.2, h, h + 0.005, (30, 30, 30)),
-                box(-hw * 0.7, hw * 0.7, hd * 0.2, hd * 0.5, h, h + 0.005, (30, 30, 30))]
-    if kind == "microwave":
-        return [box(-hw, hw, -hd, hd, 0, h, color),
-                box(-hw * 0.85, hw * 0.3, hd, hd + 0.005, h * 0.15, h * 0.85, (110, 140, 150))]
-    if kind == "dresser":
-        parts = [box(-hw, hw, -hd, hd, 0, h, color)]
-        for i in range(3):
-            y = h * (0.25 + 0.28 * i)
-            parts.append(box(-0.08, 0.08, hd, hd + 0.02, y, y + 0.03, (230, 200, 120)))
-        return parts
-    return [box(-hw, hw, -hd, hd, 0, h, color)]  # "block"
 
 
 # ----------------------------------------------------------------------------- world
@@ -326,123 +143,35 @@ class World:
 
     @classmethod
     def _try_generate(cls, rng, split, step_length, success_threshold, min_plan, max_plan):
-        room = ROOM_TYPES[int(rng.integers(len(ROOM_TYPES)))]
-        width = float(rng.integers(18, 29)) * 0.25  # 4.5 .. 7.0 m
-        depth = float(rng.integers(18, 29)) * 0.25
-        objects: list[NavObject] = []
-        partition = None
-        if rng.random() < 0.4:
-            # a partition wall from one side wall, leaving a gap to walk around it
-            along_x = bool(rng.random() < 0.5)
-            length = float(rng.uniform(0.35, 0.55)) * (width if along_x else depth)
-            pos = float(rng.uniform(0.4, 0.6)) * (depth if along_x else width)
-            from_low = bool(rng.random() < 0.5)
-            if along_x:
-                x0, x1 = (0.0, length) if from_low else (width - length, width)
-                partition = ((x0, 0.0, pos - 0.05), (x1, ROOM_HEIGHT, pos + 0.05))
-            else:
-                z0, z1 = (0.0, length) if from_low else (depth - length, depth)
-                partition = ((pos - 0.05, 0.0, z0), (pos + 0.05, ROOM_HEIGHT, z1))
-        footprints: list[tuple[float, float, float, float]] = []
-        if partition is not None:
-            footprints.append((partition[0][0], partition[0][2], partition[1][0], partition[1][2]))
-
-        def free(fp, gap):
-            x0, z0, x1, z1 = fp
-            if x0 < 0 or z0 < 0 or x1 > width or z1 > depth:
-                return False
-            for a0, b0, a1, b1 in footprints:
-                if x0 < a1 + gap and a0 < x1 + gap and z0 < b1 + gap and b0 < z1 + gap:
-                    return False
-            return True
-
-        for type_name, prob in ROOM_FURNITURE[room]:
-            if rng.random() > prob:
-                continue
-            spec = CATALOG[type_name]
-            scale = float(rng.uniform(0.9, 1.1))
-            w, d, h = (s * scale for s in spec.size)
-            placed = None
-            for _attempt in range(30):
-                if spec.place == "on":
-                    supports = [o for o in objects if o.type in spec.supports and o.on is None]
-                    if not supports:
-                        break
-                    sup = supports[int(rng.integers(len(supports)))]
-                    sx0, sz0, sx1, sz1 = sup.footprint
-                    facing = _facing_of(sup)
-                    ew, ed = (w, d) if facing[1] != 0 else (d, w)  # extent along x, z
-                    if sx1 - sx0 < ew + 0.1 or sz1 - sz0 < ed + 0.1:
-                        continue
-                    cx = float(rng.uniform(sx0 + ew / 2 + 0.05, sx1 - ew / 2 - 0.05))
-                    cz = float(rng.uniform(sz0 + ed / 2 + 0.05, sz1 - ed / 2 - 0.05))
-                    fp = (cx - ew / 2, cz - ed / 2, cx + ew / 2, cz + ed / 2)
-                    if any(o.on == sup.oid and _overlap(fp, o.footprint, 0.05) for o in objects):
-                        continue
-                    placed = (cx, cz, sup.top, facing, fp, sup.oid)
-                    break
-                if spec.place == "wall":
-                    wall = int(rng.integers(4))
-                    facing = ((0, 1), (0, -1), (1, 0), (-1, 0))[wall]  # walls at z=0, z=D, x=0, x=W
-                    if facing[1] != 0:
-                        cx = float(rng.uniform(w / 2 + 0.05, width - w / 2 - 0.05))
-                        cz = d / 2 + 0.02 if wall == 0 else depth - d / 2 - 0.02
-                        ew, ed = w, d
-                    else:
-                        cz = float(rng.uniform(w / 2 + 0.05, depth - w / 2 - 0.05))
-                        cx = d / 2 + 0.02 if wall == 2 else width - d / 2 - 0.02
-                        ew, ed = d, w
-                else:  # free standing, at least 0.9 m from the walls
-                    facing = ((0, 1), (0, -1), (1, 0), (-1, 0))[int(rng.integers(4))]
-                    ew, ed = (w, d) if facing[1] != 0 else (d, w)
-                    if width - ew < 1.9 or depth - ed < 1.9:
-                        break
-                    cx = float(rng.uniform(0.9 + ew / 2, width - 0.9 - ew / 2))
-                    cz = float(rng.uniform(0.9 + ed / 2, depth - 0.9 - ed / 2))
-                fp = (cx - ew / 2, cz - ed / 2, cx + ew / 2, cz + ed / 2)
-                if free(fp, 0.55):
-                    placed = (cx, cz, 0.0, facing, fp, None)
-                    break
-            if placed is None:
-                continue
-            cx, cz, y0, facing, fp, on = placed
-            oid = len(objects) + 1
-            parts = _build_parts(spec.recipe, spec.color, cx, cz, y0, w, d, h, facing)
-            top = max(p[1][1] for p in parts)
-            objects.append(NavObject(oid, type_name, (round(cx, 3), round(y0 + h / 2, 3), round(cz, 3)),
-                                     tuple(round(v, 3) for v in fp), top, parts, on, on is None))
-            if on is None:
-                footprints.append(fp)
-        counts: dict[str, int] = {}
-        for o in objects:
-            counts[o.type] = counts.get(o.type, 0) + 1
-        candidates = [o for o in objects if CATALOG[o.type].target and counts[o.type] == 1]
-        if len(objects) < 4 or not candidates:
+        """One draw of a room, its furniture, the target and the start; None when the draw fails."""
+        room, width, depth, partition = _room_shell(rng)
+        objects = _furnish(rng, room, width, depth, partition)
+        picked = _pick_target(rng, objects, split)
+        if picked is None:
             return None
-        target = candidates[int(rng.integers(len(candidates)))]
-        spec = CATALOG[target.type]
-        if split == "base":
-            instruction = base_instruction(spec.label)
-        else:
-            instruction = spec.common_sense[int(rng.integers(len(spec.common_sense)))]
-        world = cls(room, width, depth, objects, partition, target.oid, instruction, split,
+        target, instruction = picked
+        world = cls(room, width, depth, objects, partition, target, instruction, split,
                     step_length=step_length, success_threshold=success_threshold)
-        # the start: a free grid cell from which the target is min_plan..max_plan actions away
-        cells = world._free_cells()
+        return world if world._place_agent(rng, min_plan, max_plan) else None
+
+    def _place_agent(self, rng: np.random.Generator, min_plan: int, max_plan: int) -> bool:
+        """Put the agent on a free grid cell from which the target is min_plan..max_plan actions away
+        (at most 60 cells tried); sets ``initial_plan``. False when none is found."""
+        cells = self._free_cells()
         if not cells:
-            return None
+            return False
         order = rng.permutation(len(cells))
         for i in order[:60]:
-            world.x, world.z = cells[int(i)]
-            world.heading = int(rng.integers(4)) * 90
-            world.horizon = 0
-            if world.distance_to_target() <= success_threshold + 0.5:
+            self.x, self.z = cells[int(i)]
+            self.heading = int(rng.integers(4)) * 90
+            self.horizon = 0
+            if self.distance_to_target() <= self.success_threshold + 0.5:
                 continue
-            plan = world.plan(max_len=max_plan)
+            plan = self.plan(max_len=max_plan)
             if plan is not None and min_plan <= len(plan) <= max_plan:
-                world.initial_plan = plan
-                return world
-        return None
+                self.initial_plan = plan
+                return True
+        return False
 
     # ------------------------------------------------------------------ geometry
 
@@ -587,6 +316,134 @@ class World:
         return relations_from_gt(gt)
 
 
+# ----------------------------------------------------------------------------- generation
+
+
+def _room_shell(rng: np.random.Generator):
+    """(room type, width, depth, partition): the room's size on the 0.25 m grid, and in 40 % of rooms
+    a partition wall from one side wall that leaves a gap to walk around it."""
+    room = ROOM_TYPES[int(rng.integers(len(ROOM_TYPES)))]
+    width = float(rng.integers(18, 29)) * 0.25  # 4.5 .. 7.0 m
+    depth = float(rng.integers(18, 29)) * 0.25
+    partition = None
+    if rng.random() < 0.4:
+        along_x = bool(rng.random() < 0.5)
+        length = float(rng.uniform(0.35, 0.55)) * (width if along_x else depth)
+        pos = float(rng.uniform(0.4, 0.6)) * (depth if along_x else width)
+        from_low = bool(rng.random() < 0.5)
+        if along_x:
+            x0, x1 = (0.0, length) if from_low else (width - length, width)
+            partition = ((x0, 0.0, pos - 0.05), (x1, ROOM_HEIGHT, pos + 0.05))
+        else:
+            z0, z1 = (0.0, length) if from_low else (depth - length, depth)
+            partition = ((pos - 0.05, 0.0, z0), (pos + 0.05, ROOM_HEIGHT, z1))
+    return room, width, depth, partition
+
+
+def _furnish(rng: np.random.Generator, room: str, width: float, depth: float, partition) -> list[NavObject]:
+    """The room's objects: each type of ROOM_FURNITURE[room] with its probability, scaled by 0.9..1.1,
+    where :func:`_find_spot` finds room for it (skipped where it finds none)."""
+    objects: list[NavObject] = []
+    footprints: list[tuple[float, float, float, float]] = []  # of everything standing on the floor
+    if partition is not None:
+        footprints.append((partition[0][0], partition[0][2], partition[1][0], partition[1][2]))
+    for type_name, prob in ROOM_FURNITURE[room]:
+        if rng.random() > prob:
+            continue
+        spec = CATALOG[type_name]
+        scale = float(rng.uniform(0.9, 1.1))
+        w, d, h = (s * scale for s in spec.size)
+        placed = _find_spot(rng, spec, w, d, objects, footprints, width, depth)
+        if placed is None:
+            continue
+        cx, cz, y0, facing, fp, on = placed
+        parts = build_parts(spec.recipe, spec.color, cx, cz, y0, w, d, h, facing)
+        top = max(p[1][1] for p in parts)
+        objects.append(NavObject(len(objects) + 1, type_name, (round(cx, 3), round(y0 + h / 2, 3), round(cz, 3)),
+                                 tuple(round(v, 3) for v in fp), top, parts, on, on is None))
+        if on is None:
+            footprints.append(fp)
+    return objects
+
+
+def _find_spot(rng: np.random.Generator, spec, w: float, d: float, objects: list[NavObject],
+               footprints: list, width: float, depth: float):
+    """(cx, cz, y0, facing, footprint, supporting oid or None) for one object of ``spec`` sized w x d,
+    in at most 30 draws: on a free support (``place == "on"``), against a wall, or free standing at
+    least 0.9 m from the walls; None when no draw fits."""
+    for _attempt in range(30):
+        if spec.place == "on":
+            supports = [o for o in objects if o.type in spec.supports and o.on is None]
+            if not supports:
+                return None
+            sup = supports[int(rng.integers(len(supports)))]
+            sx0, sz0, sx1, sz1 = sup.footprint
+            facing = _facing_of(sup)
+            ew, ed = (w, d) if facing[1] != 0 else (d, w)  # extent along x, z
+            if sx1 - sx0 < ew + 0.1 or sz1 - sz0 < ed + 0.1:
+                continue
+            cx = float(rng.uniform(sx0 + ew / 2 + 0.05, sx1 - ew / 2 - 0.05))
+            cz = float(rng.uniform(sz0 + ed / 2 + 0.05, sz1 - ed / 2 - 0.05))
+            fp = (cx - ew / 2, cz - ed / 2, cx + ew / 2, cz + ed / 2)
+            if any(o.on == sup.oid and _overlap(fp, o.footprint, 0.05) for o in objects):
+                continue
+            return (cx, cz, sup.top, facing, fp, sup.oid)
+        if spec.place == "wall":
+            wall = int(rng.integers(4))
+            facing = ((0, 1), (0, -1), (1, 0), (-1, 0))[wall]  # walls at z=0, z=D, x=0, x=W
+            if facing[1] != 0:
+                cx = float(rng.uniform(w / 2 + 0.05, width - w / 2 - 0.05))
+                cz = d / 2 + 0.02 if wall == 0 else depth - d / 2 - 0.02
+                ew, ed = w, d
+            else:
+                cz = float(rng.uniform(w / 2 + 0.05, depth - w / 2 - 0.05))
+                cx = d / 2 + 0.02 if wall == 2 else width - d / 2 - 0.02
+                ew, ed = d, w
+        else:  # free standing, at least 0.9 m from the walls
+            facing = ((0, 1), (0, -1), (1, 0), (-1, 0))[int(rng.integers(4))]
+            ew, ed = (w, d) if facing[1] != 0 else (d, w)
+            if width - ew < 1.9 or depth - ed < 1.9:
+                return None
+            cx = float(rng.uniform(0.9 + ew / 2, width - 0.9 - ew / 2))
+            cz = float(rng.uniform(0.9 + ed / 2, depth - 0.9 - ed / 2))
+        fp = (cx - ew / 2, cz - ed / 2, cx + ew / 2, cz + ed / 2)
+        if _fits(fp, 0.55, footprints, width, depth):
+            return (cx, cz, 0.0, facing, fp, None)
+    return None
+
+
+def _fits(fp, gap: float, footprints: list, width: float, depth: float) -> bool:
+    """Is footprint ``fp`` inside the room and at least ``gap`` from every footprint on the floor?"""
+    x0, z0, x1, z1 = fp
+    if x0 < 0 or z0 < 0 or x1 > width or z1 > depth:
+        return False
+    for a0, b0, a1, b1 in footprints:
+        if x0 < a1 + gap and a0 < x1 + gap and z0 < b1 + gap and b0 < z1 + gap:
+            return False
+    return True
+
+
+def _pick_target(rng: np.random.Generator, objects: list[NavObject], split: str):
+    """(target oid, instruction): a target-able type that occurs once in the room; None when the room
+    has fewer than 4 objects or no such type."""
+    counts: dict[str, int] = {}
+    for o in objects:
+        counts[o.type] = counts.get(o.type, 0) + 1
+    candidates = [o for o in objects if CATALOG[o.type].target and counts[o.type] == 1]
+    if len(objects) < 4 or not candidates:
+        return None
+    target = candidates[int(rng.integers(len(candidates)))]
+    spec = CATALOG[target.type]
+    if split == "base":
+        instruction = base_instruction(spec.label)
+    else:
+        instruction = spec.common_sense[int(rng.integers(len(spec.common_sense)))]
+    return target.oid, instruction
+
+
+# ----------------------------------------------------------------------------- planning
+
+
 def plan_path(start: tuple[float, float], heading: int, step: float, is_free,
               target: tuple[float, float], threshold: float, max_len: int = 60) -> list[str] | None:
     """Uniform-cost search over (grid cell, heading) for a pose within ``threshold`` of ``target``.
@@ -623,22 +480,10 @@ def plan_path(start: tuple[float, float], heading: int, step: float, is_free,
             continue
         ix, iz, h = state
         if goal(ix, iz):
-            out = []
-            cur = state
-            while cur in prev:
-                cur, a = prev[cur]
-                out.append(a)
-            return out[::-1]
+            return _unwind(prev, state)
         if n >= max_len:
             continue
-        fx, fz = _HEADING_VEC[h]
-        rx, rz = fz, -fx
-        for action, nxt, c in (("moveahead", (ix + fx, iz + fz, h), 1.0),
-                               ("rotateleft", (ix, iz, (h - 90) % 360), 1.0),
-                               ("rotateright", (ix, iz, (h + 90) % 360), 1.0),
-                               ("moveleft", (ix - rx, iz - rz, h), 1.3),
-                               ("moveright", (ix + rx, iz + rz, h), 1.3),
-                               ("moveback", (ix - fx, iz - fz, h), 1.6)):
+        for action, nxt, c in _moves(ix, iz, h):
             if nxt[:2] != (ix, iz) and not free(nxt[0], nxt[1]):
                 continue
             nc = cost + c
@@ -650,12 +495,25 @@ def plan_path(start: tuple[float, float], heading: int, step: float, is_free,
     return None
 
 
-def type_label(type_name: str) -> str:
-    """Lower-case words of an object type: the catalog's label, else the CamelCase split."""
-    spec = CATALOG.get(type_name)
-    if spec is not None:
-        return spec.label
-    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", " ", type_name).lower()
+def _moves(ix: int, iz: int, h: int):
+    """(action, next (cell x, cell z, heading), cost) of every action from one planner state."""
+    fx, fz = _HEADING_VEC[h]
+    rx, rz = fz, -fx
+    return (("moveahead", (ix + fx, iz + fz, h), 1.0),
+            ("rotateleft", (ix, iz, (h - 90) % 360), 1.0),
+            ("rotateright", (ix, iz, (h + 90) % 360), 1.0),
+            ("moveleft", (ix - rx, iz - rz, h), 1.3),
+            ("moveright", (ix + rx, iz + rz, h), 1.3),
+            ("moveback", (ix - fx, iz - fz, h), 1.6))
+
+
+def _unwind(prev: dict, state) -> list[str]:
+    """The actions that led to ``state``, first to last, from the search's back pointers."""
+    out = []
+    while state in prev:
+        state, a = prev[state]
+        out.append(a)
+    return out[::-1]
 
 
 def relations_from_gt(gt: dict) -> list[str]:
