@@ -6,9 +6,11 @@ module       holds
 ``env``      :class:`PrimitiveSkillEnv` (``worldloop/PrimitiveSkill-v0``): prompts,
              stage rewards, the App. C.2 state; ``backend="maniskill"`` renders
              through :mod:`worldloop.envs.adapters.maniskill`
-``world``    :class:`Tabletop`: the tasks, the geometric rules of reach, grasp,
-             place, push and the drawer, the stages, the ground truth, the
-             scripted expert and the ray-cast view
+``world``    :class:`Tabletop`: the geometric rules of reach, grasp, place, push and
+             the drawer, the stages, the ground truth and the scripted expert
+``tasks``    what is fixed per task: instructions, workspaces, sizes, tolerances,
+             the cabinet, and the primitives' grammar (``parse_action``)
+``scene``    the tabletop's drawable parts, the camera and the ray-cast view
 ===========  ========================================================================
 
 Re-exported lazily: ``from worldloop.envs.primitive_skill import PrimitiveSkillEnv`` imports only

@@ -42,8 +42,8 @@ import numpy as np
 
 from worldloop.envs.base import ActionResult, VisualEnv
 from worldloop.envs.parsing import ActionParse
-from worldloop.envs.primitive_skill.world import (INSTRUCTIONS, TASKS, WORKSPACES, Action, Tabletop, format_action,
-                                 parse_action)
+from worldloop.envs.primitive_skill.tasks import INSTRUCTIONS, TASKS, WORKSPACES, Action, format_action, parse_action
+from worldloop.envs.primitive_skill.world import Tabletop
 
 BACKENDS = ("builtin", "maniskill")
 _SPLIT_RE = re.compile(r"[|;\n]")
