@@ -52,8 +52,9 @@ from worldloop.envs.base import ActionResult, VisualEnv
 from worldloop.envs.parsing import ActionParse
 from worldloop.envs.svg.icons import generate_icon, load_svg_dataset
 from worldloop.envs.svg.metrics import make_metric
-from worldloop.envs.svg.render import (DEFAULT_TIMEOUT_S, MAX_BYTES, SVGRejected, SVGRenderError, describe_svg,
-                             element_sentence, extract_svg, render_svg, validate_svg)
+from worldloop.envs.svg.describe import describe_svg, element_sentence
+from worldloop.envs.svg.render import (DEFAULT_TIMEOUT_S, MAX_BYTES, SVGRejected, SVGRenderError, extract_svg,
+                                       render_svg, validate_svg)
 
 _MAX_SENTENCES = 12
 
