@@ -46,8 +46,8 @@ ENV_KW = dict(size=4, is_slippery=False, max_actions_per_step=3, min_actions_to_
 
 
 def install_tint(strength: float) -> None:
-    import worldloop.envs.frozenlake as fl
-    import worldloop.envs.render as render
+    import worldloop.envs.grid.frozenlake as fl
+    import worldloop.envs.grid.render as render
 
     plain = render.compose
 

@@ -714,7 +714,7 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-# the envs whose prompt follows judge.rule_mode (their kwarg relation_prompt, envs/grid_env.py)
+# the envs whose prompt follows judge.rule_mode (their kwarg relation_prompt, envs/grid/grid_env.py)
 RELATION_PROMPT_ENVS = ("worldloop/Sokoban-v0", "worldloop/FrozenLake-v0")
 
 

@@ -1,18 +1,23 @@
 """worldloop envs: ``import worldloop.envs`` registers the gymnasium ids (entry points load lazily).
 
-==========================  ================================================  =========================
-id                          entry point                                       source
-==========================  ================================================  =========================
-worldloop/Sokoban-v0        worldloop.envs.sokoban:SokobanEnv                 VAGEN App. A.4, WMAct A.1
-worldloop/FrozenLake-v0     worldloop.envs.frozenlake:FrozenLakeEnv           VAGEN App. A.4
-worldloop/Maze-v0           worldloop.envs.maze:MazeEnv                       WMAct A.1
-worldloop/Taxi-v0           worldloop.envs.taxi:TaxiEnv                       WMAct A.1
-worldloop/Navigation-v0     worldloop.envs.navigation:NavigationEnv           VAGEN App. A.4
-worldloop/PrimitiveSkill-v0 worldloop.envs.primitive_skill:PrimitiveSkillEnv  VAGEN App. A.4
-worldloop/SVG-v0            worldloop.envs.svg:SVGEnv                         VAGEN App. A.4
-==========================  ================================================  =========================
+===========================  ====================================================  =========================
+id                           entry point                                           source
+===========================  ====================================================  =========================
+worldloop/Sokoban-v0         worldloop.envs.grid.sokoban:SokobanEnv                VAGEN App. A.4, WMAct A.1
+worldloop/FrozenLake-v0      worldloop.envs.grid.frozenlake:FrozenLakeEnv          VAGEN App. A.4
+worldloop/Maze-v0            worldloop.envs.grid.maze:MazeEnv                      WMAct A.1
+worldloop/Taxi-v0            worldloop.envs.grid.taxi:TaxiEnv                      WMAct A.1
+worldloop/Navigation-v0      worldloop.envs.navigation.env:NavigationEnv           VAGEN App. A.4
+worldloop/PrimitiveSkill-v0  worldloop.envs.primitive_skill.env:PrimitiveSkillEnv  VAGEN App. A.4
+worldloop/SVG-v0             worldloop.envs.svg.env:SVGEnv                         VAGEN App. A.4
+===========================  ====================================================  =========================
 
-All share :class:`worldloop.envs.base.VisualEnv` (see ``envs/base.py`` for the contract) and are built with
+Each family is a subpackage (``grid/``, ``navigation/``, ``primitive_skill/``, ``svg/``) whose
+``__init__`` lists its modules and re-exports its env classes lazily; ``adapters/`` runs Navigation
+and PrimitiveSkill on the original simulators. Importing this package imports none of them.
+
+All share :class:`worldloop.envs.base.VisualEnv` (see ``envs/base.py`` for the contract; the response
+parser and action words are ``envs/parsing.py``, the prompt builders ``envs/prompts.py``) and are built with
 ``gymnasium.make(id, **kwargs)``; short preset names live in :mod:`worldloop.envs.presets`. They are
 registered with gymnasium's env checker on and pass ``gymnasium.utils.env_checker.check_env``
 (tests/test_envs_gymnasium.py): standard render modes ``rgb_array`` / ``ansi`` (aliases ``vision`` /
@@ -24,13 +29,13 @@ from __future__ import annotations
 import gymnasium
 
 ENV_IDS: dict[str, str] = {
-    "worldloop/Sokoban-v0": "worldloop.envs.sokoban:SokobanEnv",
-    "worldloop/FrozenLake-v0": "worldloop.envs.frozenlake:FrozenLakeEnv",
-    "worldloop/Maze-v0": "worldloop.envs.maze:MazeEnv",
-    "worldloop/Taxi-v0": "worldloop.envs.taxi:TaxiEnv",
-    "worldloop/Navigation-v0": "worldloop.envs.navigation:NavigationEnv",
-    "worldloop/PrimitiveSkill-v0": "worldloop.envs.primitive_skill:PrimitiveSkillEnv",
-    "worldloop/SVG-v0": "worldloop.envs.svg:SVGEnv",
+    "worldloop/Sokoban-v0": "worldloop.envs.grid.sokoban:SokobanEnv",
+    "worldloop/FrozenLake-v0": "worldloop.envs.grid.frozenlake:FrozenLakeEnv",
+    "worldloop/Maze-v0": "worldloop.envs.grid.maze:MazeEnv",
+    "worldloop/Taxi-v0": "worldloop.envs.grid.taxi:TaxiEnv",
+    "worldloop/Navigation-v0": "worldloop.envs.navigation.env:NavigationEnv",
+    "worldloop/PrimitiveSkill-v0": "worldloop.envs.primitive_skill.env:PrimitiveSkillEnv",
+    "worldloop/SVG-v0": "worldloop.envs.svg.env:SVGEnv",
 }
 
 

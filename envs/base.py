@@ -1,50 +1,25 @@
-"""Base class, response parser and prompt builders shared by every worldloop environment.
+"""The env contract: :class:`VisualEnv`, the base class of every worldloop environment.
 
 Public API (stable; later changes only add)::
 
-    PROMPT_FORMATS = ("no_think", "free_think", "grounding", "worldmodeling", "grounding_worldmodeling")
     STATE_FORMATS = ("natural_language", "symbolic", "structured")
     RENDER_MODES = ("rgb_array", "ansi", "vision", "text")   # vision == rgb_array, text == ansi
     RENDER_MODE_ALIASES = {"vision": "rgb_array", "text": "ansi"}
     TEXT_CHARSET: str                      # characters of observation text (observation_space["text"])
     IMAGE_PLACEHOLDER = "<image>"          # == worldloop.common.modeling.IMAGE_PLACEHOLDER
     FORMAT_REWARD = 0.5                    # VAGEN Tables 16-20
-    MAX_RESPONSE_CHARS = 65536             # longer responses are rejected unread
-
-    parse_response(text, prompt_format) -> ParsedResponse
-        ParsedResponse(format_ok, think, observation, reasoning, prediction, answer, reason)
-    ActionVocab(words, aliases=None)       # canonical action words + extra spellings
-        .parse(answer, max_actions) -> ActionParse
-        .canonical(word) -> str | None
-    parse_actions(answer, vocab, max_actions) -> ActionParse
-        ActionParse(actions, values, unknown, dropped, reason); .ok
-    normalise_action_word(word) -> str     # "Move  Up." -> "moveup"
-    format_prompt(prompt_format, max_actions, sep=",", *, example=None, state_hint="",
-                  action_line=None) -> str
-    build_response(prompt_format, *, answer, think=None, observation=None, reasoning=None,
-                   prediction=None) -> str
-    user_message(slot, *, initial, valid_actions=None, context="", format_text="") -> str
+    observation_parts(obs) -> (text, images)
     relative_position(pos, ref) -> str     # App. D.1 phrase, e.g. "above and on the left side of"
     relation_sentence(name, pos, ref_name, ref_pos) -> str
     to_plain(obj)                          # numpy / tuples -> plain msgpack-able Python
+    check_int(name, value, lo, hi=None) -> int   # an int kwarg in [lo, hi], else ValueError naming it
     ActionResult(changed: bool, reward: float = 0.0)
     class VisualEnv(gymnasium.Env)
 
-Response formats (VAGEN Table 5). Tags are matched exactly (lower case, no spaces inside the
-brackets); the response may have white space around and between the structural tags but no other
-text outside them; every tag of the format must occur exactly once and in order, and no tag of
-another format may appear (in ``free_think`` the ``<think>`` body is free text and may contain any
-tag but think/answer). The answer must be non-empty. Anything else gives ``format_ok=False`` with a
-``reason`` such as ``"missing <answer>"``, ``"duplicated <think>"``, ``"unexpected <prediction>"``,
-``"text outside the tags"``, ``"empty answer"``. The parser is one regex scan over at most
-``MAX_RESPONSE_CHARS`` characters (it stops early once more tags than the format has are seen) and
-never raises on any text (None and bytes included).
-
-Action words: an answer is split on ``,`` / ``;`` / newlines; each item is normalised (lower case,
-everything but letters and digits removed, so ``" move  UP."`` -> ``"moveup"``) and looked up among
-the env's canonical words and aliases. Only the first ``max_actions_per_step`` items are considered
-(the rest are dropped, VAGEN truncates the same way). Any unknown word among them rejects the whole
-turn (see below).
+What a response may look like and how its answer becomes actions is :mod:`worldloop.envs.parsing`
+(``parse_response``, ``ActionVocab``, ``PROMPT_FORMATS``, ``MAX_RESPONSE_CHARS``); the text of the
+system prompt and of each turn's message is :mod:`worldloop.envs.prompts` (``format_prompt``,
+``build_response``, ``user_message``). This module imports both; neither imports it.
 
 Turn semantics of :class:`VisualEnv.step` (the same for every env; decided from VAGEN Tables 16/17
 and the issue's "invalid or unparsable text gets no format reward and changes nothing"):
@@ -106,15 +81,17 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 import string
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 import gymnasium
 import numpy as np
 
-PROMPT_FORMATS: tuple[str, ...] = ("no_think", "free_think", "grounding", "worldmodeling", "grounding_worldmodeling")
+from worldloop.envs.parsing import (MAX_RESPONSE_CHARS, PROMPT_FORMATS, ActionParse, ActionVocab, parse_response,
+                                    uses_observation, uses_prediction)
+from worldloop.envs.prompts import build_response, format_prompt, user_message
+
 STATE_FORMATS: tuple[str, ...] = ("natural_language", "symbolic", "structured")
 # what a text-mode observation shows: the env's text rendering, or the state text itself
 TEXT_OBSERVATIONS: tuple[str, ...] = ("render", "state")
@@ -131,285 +108,9 @@ TEXT_CHARSET: str = string.printable + "".join(chr(c) for lo, hi in _UNICODE_BLO
 MAX_OBSERVATION_CHARS = 1 << 20
 IMAGE_PLACEHOLDER = "<image>"
 FORMAT_REWARD = 0.5
-MAX_RESPONSE_CHARS = 65536
-
-# format -> (description line, format line); wording of VAGEN App. B.1/B.2 and its code
-_FORMAT_TEXT: dict[str, tuple[str, str]] = {
-    "no_think": ("You should provide only your answer.", "<answer>...</answer>"),
-    "free_think": ("You should first give your reasoning, and then your answer.", "<think>...</think><answer>...</answer>"),
-    "grounding": (
-        "You should first give the description of your observation, then your reasoning, and finally your answer.",
-        "<think><observation>...</observation><reasoning>...</reasoning></think><answer>...</answer>",
-    ),
-    "worldmodeling": (
-        "You should first give your reasoning, then predict the next state, and finally your answer.",
-        "<think><reasoning>...</reasoning><prediction>...</prediction></think><answer>...</answer>",
-    ),
-    "grounding_worldmodeling": (
-        "You should first give the description of your observation, then your reasoning, then predict the next "
-        "state, and finally your answer.",
-        "<think><observation>...</observation><reasoning>...</reasoning><prediction>...</prediction></think>"
-        "<answer>...</answer>",
-    ),
-}
-
-# the think-children of each format (None: free text inside <think>; () : no <think> at all)
-_THINK_FIELDS: dict[str, tuple[str, ...] | None] = {
-    "no_think": (),
-    "free_think": None,
-    "grounding": ("observation", "reasoning"),
-    "worldmodeling": ("reasoning", "prediction"),
-    "grounding_worldmodeling": ("observation", "reasoning", "prediction"),
-}
-
-_ALL_TAGS = ("think", "observation", "reasoning", "prediction", "answer")
-_TAG_RE = re.compile(r"<(/?)(think|observation|reasoning|prediction|answer)>")
-_FREE_TAG_RE = re.compile(r"<(/?)(think|answer)>")
-_SPLIT_RE = re.compile(r"[,;\n]")
-_NON_ALNUM_RE = re.compile(r"[^0-9a-z]+")
 
 
-def uses_observation(prompt_format: str) -> bool:
-    """True when the format has an ``<observation>`` field (grounding, grounding_worldmodeling)."""
-    return "observation" in (_THINK_FIELDS.get(prompt_format) or ())
-
-
-def uses_prediction(prompt_format: str) -> bool:
-    """True when the format has a ``<prediction>`` field (worldmodeling, grounding_worldmodeling)."""
-    return "prediction" in (_THINK_FIELDS.get(prompt_format) or ())
-
-
-# --------------------------------------------------------------------------- parsing
-
-
-@dataclass(frozen=True)
-class ParsedResponse:
-    """The fields of one response; ``reason`` says why ``format_ok`` is False ("" when ok)."""
-
-    format_ok: bool
-    think: str | None = None
-    observation: str | None = None
-    reasoning: str | None = None
-    prediction: str | None = None
-    answer: str | None = None
-    reason: str = ""
-
-
-def _expected_tags(prompt_format: str) -> list[str]:
-    children = _THINK_FIELDS[prompt_format]
-    seq: list[str] = []
-    if children is None:
-        seq += ["<think>", "</think>"]
-    elif children:
-        seq.append("<think>")
-        for c in children:
-            seq += [f"<{c}>", f"</{c}>"]
-        seq.append("</think>")
-    return seq + ["<answer>", "</answer>"]
-
-
-def _mismatch_reason(found: list[str], expected: list[str]) -> str:
-    for tag in found:
-        if tag not in expected:
-            return f"unexpected {tag}"
-    for tag in expected:
-        if found.count(tag) > 1:
-            return f"duplicated {tag}"
-    for tag in expected:
-        if tag not in found:
-            return f"missing {tag}"
-    return "tags out of order"
-
-
-def _fail(reason: str) -> ParsedResponse:
-    return ParsedResponse(format_ok=False, reason=reason)
-
-
-def parse_response(text: Any, prompt_format: str) -> ParsedResponse:
-    """Parse a raw model response in ``prompt_format`` (one of PROMPT_FORMATS); never raises on text.
-
-    Raises ValueError only for an unknown ``prompt_format`` (a caller bug, not model output).
-    """
-    if prompt_format not in _FORMAT_TEXT:
-        raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}, got {prompt_format!r}")
-    if isinstance(text, (bytes, bytearray)):
-        text = bytes(text[: MAX_RESPONSE_CHARS * 4 + 4]).decode("utf-8", errors="replace")
-    if not isinstance(text, str):
-        return _fail(f"response is {type(text).__name__}, not text")
-    if len(text) > MAX_RESPONSE_CHARS:
-        return _fail(f"response has {len(text)} characters, more than {MAX_RESPONSE_CHARS}")
-    expected = _expected_tags(prompt_format)
-    tag_re = _FREE_TAG_RE if _THINK_FIELDS[prompt_format] is None else _TAG_RE
-    found: list[str] = []
-    spans: list[tuple[int, int]] = []
-    for m in tag_re.finditer(text):
-        found.append(m.group(0))
-        spans.append(m.span())
-        if len(found) > len(expected):
-            break
-    if found != expected:
-        return _fail(_mismatch_reason(found, expected) if found else "no tags")
-    # white space only before the first tag, after the last, and between structural tags
-    content: dict[str, str] = {}
-    gaps = [text[: spans[0][0]], text[spans[-1][1] :]]
-    for i in range(len(found) - 1):
-        inner = text[spans[i][1] : spans[i + 1][0]]
-        a, b = found[i], found[i + 1]
-        if not a.startswith("</") and b == "</" + a[1:]:
-            content[a[1:-1]] = inner.strip()  # a leaf: <x> ... </x>
-        else:
-            gaps.append(inner)
-    if any(g.strip() for g in gaps):
-        return _fail("text outside the tags")
-    answer = content.get("answer", "")
-    if not answer:
-        return ParsedResponse(False, content.get("think"), content.get("observation"), content.get("reasoning"),
-                              content.get("prediction"), answer, "empty answer")
-    think = content.get("think")
-    if think is None and _THINK_FIELDS[prompt_format]:
-        # the structured formats: the think text is the span between <think> and </think>
-        s, e = spans[0][1], spans[found.index("</think>")][0]
-        think = text[s:e].strip()
-    return ParsedResponse(True, think, content.get("observation"), content.get("reasoning"),
-                          content.get("prediction"), answer, "")
-
-
-# --------------------------------------------------------------------------- actions
-
-
-def normalise_action_word(word: str) -> str:
-    """Lower case with everything but letters and digits removed: ``" Move  UP."`` -> ``"moveup"``."""
-    return _NON_ALNUM_RE.sub("", word.lower())
-
-
-@dataclass(frozen=True)
-class ActionParse:
-    """Result of splitting an answer into actions.
-
-    ``actions``: canonical spellings of the accepted actions (at most max_actions);
-    ``values``: what ``_apply_action`` receives (None: the canonical strings themselves);
-    ``unknown``: items that are not actions (as written); ``dropped``: items beyond max_actions;
-    ``reason``: "" when ok, else why the answer is rejected.
-    """
-
-    actions: list[str] = field(default_factory=list)
-    values: list[Any] | None = None
-    unknown: list[str] = field(default_factory=list)
-    dropped: int = 0
-    reason: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return not self.reason and bool(self.actions)
-
-
-class ActionVocab:
-    """Canonical action words plus extra spellings, matched by :func:`normalise_action_word`."""
-
-    def __init__(self, words: Sequence[str], aliases: Mapping[str, str] | None = None) -> None:
-        self.words = tuple(words)
-        self._lookup: dict[str, str] = {}
-        for w in self.words:
-            self._lookup[normalise_action_word(w)] = w
-        for alias, canon in (aliases or {}).items():
-            if canon not in self.words:
-                raise ValueError(f"alias {alias!r} maps to {canon!r}, which is not an action")
-            self._lookup.setdefault(normalise_action_word(alias), canon)
-
-    def canonical(self, word: str) -> str | None:
-        return self._lookup.get(normalise_action_word(word))
-
-    def parse(self, answer: str | None, max_actions: int) -> ActionParse:
-        items = [s.strip() for s in _SPLIT_RE.split(answer or "")]
-        items = [s for s in items if s]
-        if not items:
-            return ActionParse(reason="no action in the answer")
-        kept, dropped = items[:max_actions], max(0, len(items) - max_actions)
-        actions: list[str] = []
-        unknown: list[str] = []
-        for item in kept:
-            canon = self.canonical(item)
-            if canon is None:
-                unknown.append(item[:80])
-            else:
-                actions.append(canon)
-        if unknown:
-            return ActionParse(actions, None, unknown, dropped, f"unknown action {unknown[0]!r}")
-        return ActionParse(actions, None, [], dropped, "")
-
-
-def parse_actions(answer: str | None, vocab: ActionVocab | Sequence[str], max_actions: int) -> ActionParse:
-    """Split ``answer`` into at most ``max_actions`` canonical actions of ``vocab``."""
-    if not isinstance(vocab, ActionVocab):
-        vocab = ActionVocab(vocab)
-    return vocab.parse(answer, max_actions)
-
-
-# --------------------------------------------------------------------------- prompts
-
-
-def format_prompt(
-    prompt_format: str,
-    max_actions: int,
-    sep: str = ",",
-    *,
-    example: str | None = None,
-    state_hint: str = "",
-    action_line: str | None = None,
-) -> str:
-    """The format instructions of VAGEN App. B.2: action count, description, format, example."""
-    description, fmt = _FORMAT_TEXT[prompt_format]
-    lines = [action_line if action_line is not None else f"You can take up to {max_actions} action(s) at a time, separated by {sep}."]
-    lines.append(description)
-    if state_hint and (uses_observation(prompt_format) or uses_prediction(prompt_format)):
-        lines.append(state_hint)
-    lines += ["Your response should be in the format of:", fmt]
-    if example:
-        lines.append(f"e.g. {example}")
-    return "\n".join(lines)
-
-
-def build_response(
-    prompt_format: str,
-    *,
-    answer: str,
-    think: str | None = None,
-    observation: str | None = None,
-    reasoning: str | None = None,
-    prediction: str | None = None,
-) -> str:
-    """A well-formed response in ``prompt_format`` (free_think uses ``think`` or else ``reasoning``)."""
-    children = _THINK_FIELDS[prompt_format]
-    if children is None:
-        head = f"<think>{think if think is not None else reasoning or ''}</think>"
-    elif children:
-        values = {"observation": observation, "reasoning": reasoning, "prediction": prediction}
-        head = "<think>" + "".join(f"<{c}>{values[c] or ''}</{c}>" for c in children) + "</think>"
-    else:
-        head = ""
-    return f"{head}<answer>{answer}</answer>"
-
-
-def user_message(
-    slot: str,
-    *,
-    initial: bool,
-    valid_actions: Sequence[str] | None = None,
-    context: str = "",
-    format_text: str = "",
-) -> str:
-    """The per-turn user message (VAGEN App. B.2): ``slot`` is ``<image>`` or the text observation."""
-    if initial:
-        head = f"[Initial Observation]:\n{slot}\n"
-    else:
-        acts = ", ".join(valid_actions) if valid_actions else "none"
-        head = f"After your answer, the extracted valid action is {acts}.\nAfter that, the observation is:\n{slot}\n"
-    body = (context.strip() + "\n") if context and context.strip() else ""
-    tail = f"\n{format_text}" if format_text else ""
-    return f"{head}{body}Decide your next action(s).{tail}"
-
-
-# --------------------------------------------------------------------------- relations
+# --------------------------------------------------------------------------- helpers for envs
 
 
 def observation_parts(obs: Any) -> tuple[str, list[Any]]:
@@ -441,6 +142,14 @@ def relative_position(pos: Sequence[int], ref: Sequence[int]) -> str:
 def relation_sentence(name: str, pos: Sequence[int], ref_name: str, ref_pos: Sequence[int]) -> str:
     """``"box0 is above and on the left side of the player"`` (``ref_name`` given as "the player")."""
     return f"{name} is {relative_position(pos, ref_pos)} {ref_name}"
+
+
+def check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
+    """``value`` as int in [lo, hi], else ValueError naming the kwarg."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo or (hi is not None and value > hi):
+        span = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be an int {span}, got {value!r}")
+    return int(value)
 
 
 def to_plain(obj: Any) -> Any:

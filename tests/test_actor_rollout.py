@@ -14,7 +14,7 @@ from worldloop.actor.rollout import (EpisodeSpec, RolloutEngine, Sampling, SeedS
 from worldloop.common.config import EnvSpec
 from worldloop.common.schemas import Trajectory, decode_trajectory, encode_trajectory
 from worldloop.tiny_model import make_tiny_model
-from worldloop.envs.frozenlake import FrozenLakeEnv
+from worldloop.envs.grid.frozenlake import FrozenLakeEnv
 
 SIDE = 112
 KW = {"size": 3, "is_slippery": False, "min_actions_to_succeed": 2, "render_mode": "vision", "image_size": 56, "add_example": False}

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from worldloop import envs
-from worldloop.envs.base import IMAGE_PLACEHOLDER, PROMPT_FORMATS, parse_response
+from worldloop.envs.base import IMAGE_PLACEHOLDER
+from worldloop.envs.parsing import PROMPT_FORMATS, parse_response
 from worldloop.envs.presets import PRESETS, resolve
 
 GRID_IDS = ["worldloop/Sokoban-v0", "worldloop/FrozenLake-v0", "worldloop/Maze-v0", "worldloop/Taxi-v0"]
@@ -25,7 +26,7 @@ def test_all_seven_ids_are_registered_lazily() -> None:
     assert set(envs.ENV_IDS) == {
         "worldloop/Sokoban-v0", "worldloop/FrozenLake-v0", "worldloop/Maze-v0", "worldloop/Taxi-v0",
         "worldloop/Navigation-v0", "worldloop/PrimitiveSkill-v0", "worldloop/SVG-v0"}
-    assert envs.ENV_IDS["worldloop/SVG-v0"] == "worldloop.envs.svg:SVGEnv"
+    assert envs.ENV_IDS["worldloop/SVG-v0"] == "worldloop.envs.svg.env:SVGEnv"
 
 
 @pytest.mark.parametrize("env_id", GRID_IDS)

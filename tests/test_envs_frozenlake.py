@@ -6,7 +6,7 @@ import gymnasium
 import pytest
 
 from worldloop import envs  # noqa: F401
-from worldloop.envs.frozenlake import FrozenLakeEnv, shortest_path
+from worldloop.envs.grid.frozenlake import FrozenLakeEnv, shortest_path
 
 ID = "worldloop/FrozenLake-v0"
 DESC = ["SFFF", "FHFH", "FFFH", "HFFG"]
@@ -101,7 +101,7 @@ def test_bad_kwargs() -> None:
 def test_the_distinct_moves_demonstrator_looks_again_after_each_direction() -> None:
     """expert_response(distinct_moves=True): the plan's moves up to the first repeated one; the
     observation is the true state and the prediction the true state after exactly those moves."""
-    from worldloop.envs.base import parse_response
+    from worldloop.envs.parsing import parse_response
 
     env = gymnasium.make(ID, desc=DESC, render_mode="text", prompt_format="grounding_worldmodeling")
     env.reset(seed=0)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from worldloop import envs  # noqa: F401
-from worldloop.envs.maze import MazeEnv, farthest_cell, prim_maze
-from worldloop.envs.solvers import bfs
+from worldloop.envs.grid.maze import MazeEnv, farthest_cell, prim_maze
+from worldloop.envs.grid.solvers import bfs
 
 BOARD = """
 P o o o o

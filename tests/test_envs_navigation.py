@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from worldloop import envs  # noqa: F401  (registers the ids)
-from worldloop.envs.nav_raycast import Scene
-from worldloop.envs.nav_world import World, NavObject, direction_word, relations_from_gt
-from worldloop.envs.navigation import describe_gt
+from worldloop.envs.navigation.raycast import Scene
+from worldloop.envs.navigation.world import World, NavObject, direction_word, relations_from_gt
+from worldloop.envs.navigation.env import describe_gt
 
 
 def make_env(**kw):

@@ -1,25 +1,21 @@
-"""worldloop.envs.base: response parser (Table 5 formats), action words, prompt pieces, App. D.1 relations."""
+"""worldloop.envs.parsing (response parser, Table 5 formats; action words), worldloop.envs.prompts (prompt
+pieces) and worldloop.envs.base's App. D.1 relations."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from worldloop.envs.base import (
-    IMAGE_PLACEHOLDER,
+from worldloop.envs.base import IMAGE_PLACEHOLDER, relation_sentence, relative_position, to_plain
+from worldloop.envs.parsing import (
     MAX_RESPONSE_CHARS,
     PROMPT_FORMATS,
     ActionVocab,
-    build_response,
-    format_prompt,
     normalise_action_word,
     parse_actions,
     parse_response,
-    relation_sentence,
-    relative_position,
-    to_plain,
-    user_message,
 )
+from worldloop.envs.prompts import build_response, format_prompt, user_message
 
 FULL = {"observation": "box0 is below the player", "reasoning": "push it", "prediction": "box0 on target0",
         "think": "free text"}

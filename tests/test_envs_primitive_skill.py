@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from worldloop import envs  # noqa: F401  (registers the ids)
-from worldloop.envs.tabletop_world import Action, Body, Tabletop, format_action, parse_action
+from worldloop.envs.primitive_skill.tasks import Action, format_action, parse_action
+from worldloop.envs.primitive_skill.world import Body, Tabletop
 
 RESP = "<think><observation>o</observation><reasoning>r</reasoning><prediction>p</prediction></think><answer>{}</answer>"
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from worldloop import envs  # noqa: F401  (registers the ids)
-from worldloop.envs.sokoban import SokobanEnv, parse_symbolic, room_topology
-from worldloop.envs.solvers import SokobanSolver
+from worldloop.envs.grid.sokoban import SokobanEnv, parse_symbolic, room_topology
+from worldloop.envs.grid.solvers import SokobanSolver
 
 ID = "worldloop/Sokoban-v0"
 

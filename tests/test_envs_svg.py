@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from worldloop import envs  # noqa: F401  (registers the ids)
-from worldloop.envs.svg_icons import generate_icon, load_svg_dataset
-from worldloop.envs.svg_metrics import make_metric, pixel_similarity
-from worldloop.envs.svg_render import (SVGRejected, SVGRenderError, color_name, describe_svg, element_sentence,
-                             extract_svg, render_svg, validate_svg)
+from worldloop.envs.svg.icons import generate_icon, load_svg_dataset
+from worldloop.envs.svg.metrics import make_metric, pixel_similarity
+from worldloop.envs.svg.describe import color_name, describe_svg, element_sentence
+from worldloop.envs.svg.render import SVGRejected, SVGRenderError, extract_svg, render_svg, validate_svg
 
 NS = 'xmlns="http://www.w3.org/2000/svg"'
 CIRCLE = f'<svg viewBox="0 0 100 100" {NS}><circle cx="25" cy="25" r="15" fill="red" /></svg>'

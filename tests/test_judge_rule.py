@@ -385,7 +385,7 @@ def test_expert_reasoning_of_every_env_scores_one(env_name: str, state_format: s
     state format) is what the judge's truth says: F1 = 1 against info["state"] before and after."""
     gymnasium = pytest.importorskip("gymnasium")
     pytest.importorskip("envs")
-    from worldloop.envs.base import parse_response
+    from worldloop.envs.parsing import parse_response
 
     env = gymnasium.make(f"worldloop/{env_name}-v0", render_mode="text", state_format=state_format)
     try:

@@ -44,7 +44,7 @@ def test_the_wheel_holds_one_import_root_and_its_data(wheel: Path) -> None:
                  "worldloop/deploy/supervisord.conf", "worldloop/deploy/prometheus.yml",
                  "worldloop/deploy/grafana/dashboards/worldloop.json", "worldloop/common/config.py",
                  "worldloop/actor/process.py", "worldloop/judge/process.py", "worldloop/learner/process.py",
-                 "worldloop/envs/sokoban.py", "worldloop/eval/evaluate.py"):
+                 "worldloop/envs/grid/sokoban.py", "worldloop/eval/evaluate.py"):
         assert must in names, must
     # every tracked preset and deployment file ships (dashboards, provisioning, alert rules, scripts)
     tracked = subprocess.run(["git", "ls-files", "configs", "deploy"], cwd=ROOT, capture_output=True, text=True,

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import worldloop.envs  # noqa: F401  (registers the ids)
-from worldloop.envs.frozenlake import frozenlake_state
-from worldloop.envs.sokoban import sokoban_state
+from worldloop.envs.grid.frozenlake import frozenlake_state
+from worldloop.envs.grid.sokoban import sokoban_state
 from worldloop.judge.rule import build_truth
 from worldloop.judge.vagen_score import assignment_weight, text_items, truth_items, vagen_kind, vagen_score
 

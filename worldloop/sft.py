@@ -40,7 +40,8 @@ import torch
 from worldloop.common.config import SFT_PROBE_SEEDS
 from worldloop.common.modeling import ChatCodec, build_sequence, collate, freeze_vision_tower, load_policy, token_logprobs
 from worldloop.common.schemas import TRAJECTORY_SCHEMA, Trajectory, Turn, state_from_info
-from worldloop.envs.base import observation_parts, parse_response
+from worldloop.envs.base import observation_parts
+from worldloop.envs.parsing import parse_response
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,8 @@ def concise_response(response: str, prompt_format: str, observation_relations: i
     choice is made right after the observation and the prediction and the answer follow from it."""
     if reasoning not in CONCISE_REASONING:
         raise ValueError(f"reasoning must be one of {CONCISE_REASONING}, got {reasoning!r}")
-    from worldloop.envs.base import build_response, parse_response
+    from worldloop.envs.parsing import parse_response
+    from worldloop.envs.prompts import build_response
 
     p = parse_response(response, prompt_format)
     if not p.format_ok:

@@ -258,7 +258,7 @@ def _replay(rec: dict, responses: list[str]) -> tuple[list[dict], Any, str | Non
 
 
 def _parse(response: str, prompt_format: str | None) -> dict[str, str | None]:
-    from worldloop.envs.base import PROMPT_FORMATS, parse_response
+    from worldloop.envs.parsing import PROMPT_FORMATS, parse_response
 
     if prompt_format not in PROMPT_FORMATS:
         return {}

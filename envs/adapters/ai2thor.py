@@ -16,7 +16,7 @@ Public API::
 
     ThorNavigation(*, fov, size, step_length, success_threshold, scenes=None, platform=None,
                    gpu_device=None, visibility_distance=10.0, min_plan=3, max_plan=12)
-        .new_episode(rng, split) -> ThorWorld     # the world interface of worldloop.envs.nav_world.World
+        .new_episode(rng, split) -> ThorWorld     # the world interface of worldloop.envs.navigation.world.World
         .close()
 """
 
@@ -27,8 +27,8 @@ import os
 
 import numpy as np
 
-from worldloop.envs.nav_world import (CATALOG, HORIZONS, SPLITS, base_instruction, direction_word, plan_path,
-                            relations_from_gt, type_label)
+from worldloop.envs.navigation.catalog import CATALOG, base_instruction, type_label
+from worldloop.envs.navigation.world import HORIZONS, SPLITS, direction_word, plan_path, relations_from_gt
 
 _ACTIONS = {"moveahead": "MoveAhead", "moveback": "MoveBack", "moveright": "MoveRight",
             "moveleft": "MoveLeft", "rotateright": "RotateRight", "rotateleft": "RotateLeft",
@@ -124,7 +124,7 @@ class ThorNavigation:
 
 
 class ThorWorld:
-    """One AI2-THOR episode with the world interface of :class:`worldloop.envs.nav_world.World`."""
+    """One AI2-THOR episode with the world interface of :class:`worldloop.envs.navigation.world.World`."""
 
     def __init__(self, owner: ThorNavigation, scene: str, target: dict, instruction: str, reachable):
         self.owner = owner

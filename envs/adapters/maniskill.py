@@ -2,7 +2,7 @@
 
 Renders the tabletop with SAPIEN, ManiSkill's simulator and renderer (lit, shadowed, the same
 camera as the built-in renderer) instead of the numpy ray caster. The task state and the primitive
-rules stay worldloop's (:mod:`worldloop.envs.tabletop_world`): VAGEN's motion-planned ManiSkill skills and its
+rules stay worldloop's (:mod:`worldloop.envs.primitive_skill.world`): VAGEN's motion-planned ManiSkill skills and its
 task classes (``PlaceTwoCube``, ``StackThreeCube``, ``PutAppleInDrawer``, ``AlignTwoCube``) live in
 VAGEN's repository, not in ManiSkill, so this adapter reproduces their scenes, not their controllers.
 

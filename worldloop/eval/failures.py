@@ -71,7 +71,7 @@ def failure_breakdown(records: Iterable[dict]) -> dict:
     import gymnasium
 
     from worldloop import envs  # noqa: F401  (registers worldloop/* ids)
-    from worldloop.envs.grid_env import GridEnv
+    from worldloop.envs.grid.grid_env import GridEnv
 
     tally = {k: dict.fromkeys(COUNTS, 0) for k in KINDS}
     episodes = successes = skipped = mismatched = 0

@@ -196,7 +196,7 @@ class Table:
         notes = ["95% CI: Wilson for success rates, t interval for similarities, normal approximation "
                  "for Average/Overall (parts treated as independent); n = episodes per cell."]
         if any(c.kind == "similarity" and c.column == "pixel_similarity" for c in self.cells):
-            notes.append("pixel_similarity is a pixel-level image similarity (envs/svg_metrics.py), "
+            notes.append("pixel_similarity is a pixel-level image similarity (envs/svg/metrics.py), "
                          "not DreamSim or DINO.")
         if self.errors:
             total = sum(self.errors.values())

@@ -6,7 +6,7 @@ A Panda-like arm on a tabletop, commanded with ``pick(x, y, z)``, ``place(x, y, 
 (``task`` kwarg) are VAGEN's: ``place`` (red cube on the left target, green cube on the right one),
 ``stack`` (red on green, purple on red), ``drawer`` (apple into the drawer, then close it) and
 ``align`` (both cubes at x = 0 +- 10 mm). The rules (workspace reach, grasping, support, collisions,
-drawer) and stages are documented in :mod:`worldloop.envs.tabletop_world`; a primitive whose coordinates are
+drawer) and stages are documented in :mod:`worldloop.envs.primitive_skill.world`; a primitive whose coordinates are
 wrong fails, changes nothing and says why in the next observation.
 
 Knobs: ``task`` (default "place"), ``max_actions_per_step`` (2), ``max_steps`` (10 executed
@@ -40,9 +40,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from worldloop.envs.base import ActionParse, ActionResult, VisualEnv
-from worldloop.envs.tabletop_world import (INSTRUCTIONS, TASKS, WORKSPACES, Action, Tabletop, format_action,
-                                 parse_action)
+from worldloop.envs.base import ActionResult, VisualEnv
+from worldloop.envs.parsing import ActionParse
+from worldloop.envs.primitive_skill.tasks import INSTRUCTIONS, TASKS, WORKSPACES, Action, format_action, parse_action
+from worldloop.envs.primitive_skill.world import Tabletop
 
 BACKENDS = ("builtin", "maniskill")
 _SPLIT_RE = re.compile(r"[|;\n]")

@@ -40,8 +40,7 @@ Frame: the viewer faces −x; −y is to the viewer's left, +z is up (the paper'
 
 Public API::
 
-    TASKS = ("place", "stack", "drawer", "align")
-    Tabletop.generate(task, rng) -> Tabletop
+    Tabletop.generate(task, rng) -> Tabletop       # task in TASKS
     tt.execute(action: Action) -> tuple[bool, bool, str]   # (ok, changed state, feedback)
     tt.stage() -> int                                      # highest stage whose condition holds (-1)
     tt.success() -> bool
@@ -50,94 +49,25 @@ Public API::
     tt.expert_actions(max_actions=2) -> list[str]
     tt.render(size) -> np.ndarray (uint8 HxWx3)        # numpy ray caster
     tt.primitives() / tt.camera()                      # renderer-independent scene description
-    parse_action(text) -> Action | None ; format_action(Action) -> str
+
+The tasks' fixed numbers (workspaces, sizes, tolerances, the cabinet) and the primitives' grammar
+(``Action``, ``parse_action``, ``format_action``) are :mod:`worldloop.envs.primitive_skill.tasks`; the
+drawing behind ``render`` / ``primitives`` / ``camera`` is :mod:`worldloop.envs.primitive_skill.scene`.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from worldloop.envs.nav_raycast import Scene
-
-TASKS = ("place", "stack", "drawer", "align")
-INSTRUCTIONS = {
-    "place": "Please put the red cube on the left target and the green cube on the right target.",
-    "stack": "Please stack the red cube on the green cube, and then stack the purple cube on the "
-             "red cube.",
-    "drawer": "Please put the apple in the drawer and close the drawer.",
-    "align": "Please align the cubes in the y-axis, which means the x-coordinates of both cubes "
-             "should be 0 (+-10mm).",
-}
-WORKSPACES = {  # (x, y, z) limits in mm, as VAGEN's tasks (x 1000)
-    "place": ((-100, 150), (-200, 200), (10, 200)),
-    "stack": ((-100, 150), (-150, 150), (10, 150)),
-    "drawer": ((-500, -100), (-570, 200), (10, 470)),
-    "align": ((-100, 150), (-150, 150), (10, 200)),
-}
-CUBE_HALF = 20.0
-APPLE_R = 36.0
-TARGET_R = 50.0
-ALIGN_TOL = 10.0
-PLACE_TOL = 15.0  # a release point may be this much below the resting height
-GRASP_XY_SLACK = 5.0
-GRASP_Z_SLACK = 10.0
-HANDLE_TOL = 30.0
-DRAWER_CLOSED = 30.0
-COLORS = {"red_cube": (220, 40, 40), "green_cube": (40, 185, 60), "purple_cube": (165, 50, 200),
-          "apple": (200, 25, 30)}
-
-# cabinet and drawer (drawer task), mm
-CAB_X = (-620.0, -380.0)
-CAB_FRONT_Y = -590.0
-CAB_BACK_Y = -870.0
-CAB_TOP = 420.0
-DRAWER_X = (-600.0, -400.0)  # interior
-DRAWER_FLOOR = 200.0
-DRAWER_TOP = 320.0
-DRAWER_MAX_OPEN = 280.0
-DRAWER_PANEL = 20.0
-HANDLE_Z = 260.0
-
-_NUM = r"\s*(-?\d+(?:\.\d+)?)\s*"
-_ACTION_RE = re.compile(r"^\s*(pick|place|push)\s*\((" + _NUM + r"(?:," + _NUM + r")*)\)\s*$",
-                        re.IGNORECASE)
-
-
-@dataclass(frozen=True)
-class Action:
-    name: str  # pick | place | push
-    args: tuple[float, ...]
-
-
-def parse_action(text: str) -> Action | None:
-    """``pick(x,y,z)``, ``place(x,y,z)`` or ``push(x1,y1,z1,x2,y2,z2)`` (numbers, any spacing)."""
-    if not isinstance(text, str) or len(text) > 200:
-        return None
-    m = _ACTION_RE.match(text)
-    if not m:
-        return None
-    name = m.group(1).lower()
-    try:
-        args = tuple(float(v) for v in m.group(2).split(","))
-    except ValueError:
-        return None
-    if len(args) != (6 if name == "push" else 3) or not all(math.isfinite(a) for a in args):
-        return None
-    return Action(name, args)
-
-
-def _num_text(v: float) -> str:
-    return str(int(round(v))) if abs(v - round(v)) < 1e-9 else f"{v:.1f}"
-
-
-def format_action(a: Action) -> str:
-    """Canonical spelling: ``pick(62,-55,20)`` (integers as integers, other values to 0.1 mm)."""
-    return f"{a.name}(" + ",".join(_num_text(v) for v in a.args) + ")"
+from worldloop.envs.primitive_skill import scene
+from worldloop.envs.primitive_skill.tasks import (ALIGN_TOL, APPLE_R, CAB_BACK_Y, CAB_FRONT_Y, CAB_TOP, CAB_X, CUBE_HALF,
+                                                  DRAWER_CLOSED, DRAWER_FLOOR, DRAWER_PANEL, DRAWER_TOP,
+                                                  DRAWER_X, GRASP_XY_SLACK, GRASP_Z_SLACK, HANDLE_TOL, HANDLE_Z, PLACE_TOL,
+                                                  TARGET_R, TASKS, WORKSPACES, Action, format_action)
 
 
 @dataclass
@@ -595,85 +525,19 @@ class Tabletop:
                 return place_on(0, P[cube][1], CUBE_HALF)
         return None
 
-    # ------------------------------------------------------------------ rendering
+    # ------------------------------------------------------------------ rendering (primitive_skill/scene.py)
 
     def primitives(self) -> list[tuple]:
-        """The scene as drawable parts in robot millimetres, for any renderer.
-
-        ``("box", lo, hi, rgb)``, ``("sphere", centre, radius, rgb)`` and ``("target", (x, y), radius)``
-        (a red/white bull's-eye on the table); the robot base, the objects, the cabinet and drawer,
-        and the gripper (palm, wrist and two fingers, closed when holding) where it last acted.
-        """
-        out: list[tuple] = [("target", xy, TARGET_R) for xy in self.targets.values()]
-        base = (-560, -60, 0), (-440, 60, 120)
-        if self.task != "drawer":
-            base = (-680, -60, 0), (-560, 60, 120)
-        out.append(("box", base[0], base[1], (235, 235, 235)))
-        for name, b in self.bodies.items():
-            x, y, z = b.pos
-            if b.kind == "cube":
-                out.append(("box", (x - CUBE_HALF, y - CUBE_HALF, z - CUBE_HALF),
-                            (x + CUBE_HALF, y + CUBE_HALF, z + CUBE_HALF), COLORS[name]))
-            else:
-                out.append(("sphere", (x, y, z), APPLE_R, COLORS[name]))
-                out.append(("box", (x - 3, y - 3, z + APPLE_R - 4), (x + 3, y + 3, z + APPLE_R + 12), (90, 60, 30)))
-        if self.task == "drawer":
-            o = self.drawer_open
-            wood, dark = (150, 110, 75), (110, 80, 55)
-            # cabinet shell around the drawer slot
-            out += [("box", (CAB_X[0], CAB_BACK_Y, 0), (CAB_X[1], CAB_FRONT_Y, DRAWER_FLOOR - 10), wood),
-                    ("box", (CAB_X[0], CAB_BACK_Y, DRAWER_TOP + 10), (CAB_X[1], CAB_FRONT_Y, CAB_TOP), wood),
-                    ("box", (CAB_X[0], CAB_BACK_Y, DRAWER_FLOOR - 10), (DRAWER_X[0] - 2, CAB_FRONT_Y, DRAWER_TOP + 10),
-                     wood),
-                    ("box", (DRAWER_X[1] + 2, CAB_BACK_Y, DRAWER_FLOOR - 10), (CAB_X[1], CAB_FRONT_Y, DRAWER_TOP + 10),
-                     wood)]
-            front = CAB_FRONT_Y + o
-            if o > DRAWER_PANEL:
-                out += [("box", (DRAWER_X[0], CAB_FRONT_Y, DRAWER_FLOOR - 8),
-                         (DRAWER_X[1], front - DRAWER_PANEL, DRAWER_FLOOR), (225, 215, 195)),
-                        ("box", (DRAWER_X[0], CAB_FRONT_Y, DRAWER_FLOOR), (DRAWER_X[0] + 8, front, DRAWER_TOP - 20), dark),
-                        ("box", (DRAWER_X[1] - 8, CAB_FRONT_Y, DRAWER_FLOOR), (DRAWER_X[1], front, DRAWER_TOP - 20), dark)]
-            out.append(("box", (DRAWER_X[0], max(front - DRAWER_PANEL, CAB_FRONT_Y - 1), DRAWER_FLOOR - 8),
-                        (DRAWER_X[1], front + 1, DRAWER_TOP), (170, 125, 85)))
-            hx, hy, hz = self.handle_pos()
-            out.append(("box", (hx - 50, front, hz - 8), (hx + 50, hy + 6, hz + 8), (60, 60, 65)))
-        gx, gy, gz = self.gripper
-        grey = (70, 70, 80)
-        spread = CUBE_HALF + 4 if self.holding else 38
-        out += [("box", (gx - 12, gy - 45, gz + 25), (gx + 12, gy + 45, gz + 50), grey),
-                ("box", (gx - 25, gy - 25, gz + 50), (gx + 25, gy + 25, gz + 140), (225, 225, 230)),
-                ("box", (gx - 8, gy - spread - 8, gz - 15), (gx + 8, gy - spread, gz + 25), grey),
-                ("box", (gx - 8, gy + spread, gz - 15), (gx + 8, gy + spread + 8, gz + 25), grey)]
-        return out
+        """The scene as drawable parts in robot millimetres, for any renderer (:func:`scene.primitives`)."""
+        return scene.primitives(self)
 
     def camera(self) -> tuple[tuple[float, float, float], tuple[float, float, float], float]:
-        """(eye, look-at point, field of view in degrees) in robot millimetres: behind the table, facing -x."""
-        if self.task == "drawer":
-            return (250.0, -230.0, 700.0), (-510.0, -392.0, 0.0), 80.0
-        return (400.0, 0.0, 560.0), (-20.0, 0.0, 0.0), 46.0
+        """(eye, look-at point, field of view in degrees) in robot millimetres (:func:`scene.camera`)."""
+        return scene.camera(self)
 
     def render(self, size: int) -> np.ndarray:
         """Third-person view (numpy ray caster) of :meth:`primitives` from :meth:`camera`."""
-        def r(p):  # robot mm (x, y, z) -> render metres (X, Y, Z) with Y up, Z = -x
-            return (p[1] / 1000.0, p[2] / 1000.0, -p[0] / 1000.0)
-
-        rings = [(210, 40, 40), (245, 245, 245), (210, 40, 40), (245, 245, 245)]
-        prims = self.primitives()
-        decals = [(p[1][1] / 1000.0, -p[1][0] / 1000.0, p[2] / 1000.0, rings) for p in prims if p[0] == "target"]
-        sc = Scene((-1.5, 0.0, -1.2), (1.5, 2.0, 1.6), wall_colors=((205, 210, 215),) * 4,
-                   floor_color=(190, 160, 120), ceiling_color=(230, 230, 230), floor_tile=0.0, decals=decals)
-        for oid, p in enumerate(prims, start=1):
-            if p[0] == "box":
-                a, b = r(p[1]), r(p[2])
-                sc.add_box([min(a[i], b[i]) for i in range(3)], [max(a[i], b[i]) for i in range(3)], p[3], oid)
-            elif p[0] == "sphere":
-                sc.add_sphere(r(p[1]), p[2] / 1000.0, p[3], oid)
-        eye, look, fov = self.camera()
-        e, t = np.array(r(eye)), np.array(r(look))
-        v = t - e
-        yaw = math.degrees(math.atan2(v[0], v[2]))
-        pitch = math.degrees(math.atan2(-v[1], math.hypot(v[0], v[2])))
-        return sc.render(tuple(e), yaw, pitch, fov, size).rgb
+        return scene.render(self, size)
 
 
 def _label(name: str) -> str:

@@ -179,6 +179,8 @@ class Scene:
 
     def render(self, eye, yaw: float, pitch: float, fov: float, width: int,
                height: int | None = None, shade: bool = True) -> Frame:
+        """The view from ``eye``: each ray's nearest hit among the room shell, the boxes and the
+        spheres, coloured (floor tiles, decals, box outlines), lit by one directional light and fogged."""
         height = int(height or width)
         width = int(width)
         o = np.asarray(eye, np.float32)
@@ -190,7 +192,6 @@ class Scene:
                for ax in range(3)]
         t_best = np.minimum(np.minimum(far[0], far[1]), far[2])
         room_axis = np.where(far[0] <= np.minimum(far[1], far[2]), 0, np.where(far[1] <= far[2], 1, 2))
-        ids = np.zeros(n, np.int32)
         box_index = np.full(n, -1, np.int64)
 
         # --- boxes: a slab test restricted to the screen rectangle each box projects to
@@ -200,8 +201,33 @@ class Scene:
             self._cast_boxes(o, yaw, pitch, fov, width, height,
                              [v.reshape(height, width) for v in inv], lo, hi,
                              t_best.reshape(height, width), box_index.reshape(height, width))
+        t_best, box_index, sphere_index = self._cast_spheres(o, d, t_best, box_index)
 
-        # --- spheres
+        px = o[0] + dc[0] * t_best
+        pz = o[2] + dc[2] * t_best
+        # lambert term of the surface normal; room faces and box faces have axis normals
+        light_axis = np.where(room_axis == 0, -np.sign(dc[0]) * _LIGHT[0],
+                              np.where(room_axis == 1, -np.sign(dc[1]) * _LIGHT[1],
+                                       -np.sign(dc[2]) * _LIGHT[2]))
+        color = self._room_colors(px, pz, dc, room_axis, (box_index < 0) & (sphere_index < 0))
+        ids = np.zeros(n, np.int32)
+        if self._lo:
+            self._color_boxes(o, dc, inv, t_best, box_index, lo, hi, color, light_axis, ids)
+        if self._sc:
+            self._color_spheres(o, d, t_best, sphere_index, color, light_axis, ids)
+
+        if shade:
+            light = 0.55 + 0.45 * np.clip(light_axis, 0.0, 1.0)
+            fog = np.exp(-0.04 * np.maximum(t_best, 0.0))
+            color = color * (light * fog)[:, None] + (1.0 - fog)[:, None] * 40.0
+        rgb = np.clip(color, 0, 255).astype(np.uint8).reshape(height, width, 3)
+        return Frame(rgb=rgb, ids=ids.reshape(height, width),
+                     depth=t_best.astype(np.float32).reshape(height, width))
+
+    def _cast_spheres(self, o, d, t_best, box_index):
+        """(t_best, box_index, sphere_index) after the spheres: where a sphere is nearer than the
+        shell or box hit so far, its distance and index (and no box)."""
+        n = d.shape[0]
         sphere_index = np.full(n, -1, np.int64)
         if self._sc:
             c = np.stack(self._sc)
@@ -218,16 +244,11 @@ class Scene:
             t_best = np.where(closer, tsb, t_best)
             sphere_index = np.where(closer, sbest, -1)
             box_index = np.where(closer, -1, box_index)
+        return t_best, box_index, sphere_index
 
-        px = o[0] + dc[0] * t_best
-        pz = o[2] + dc[2] * t_best
-        # lambert term of the surface normal; room faces and box faces have axis normals
-        light_axis = np.where(room_axis == 0, -np.sign(dc[0]) * _LIGHT[0],
-                              np.where(room_axis == 1, -np.sign(dc[1]) * _LIGHT[1],
-                                       -np.sign(dc[2]) * _LIGHT[2]))
-
-        # room colours
-        room = (box_index < 0) & (sphere_index < 0)
+    def _room_colors(self, px, pz, dc, room_axis, room) -> np.ndarray:
+        """[N, 3] float colours of the room surfaces (walls, checkered floor, ceiling, floor decals)
+        at the rays' hit points (px, pz); ``room`` marks the rays that hit the shell."""
         wall_idx = np.where(room_axis == 0, np.where(dc[0] < 0, 0, 1), np.where(dc[2] < 0, 2, 3))
         color = self.wall_colors[wall_idx]
         floor = room & (room_axis == 1) & (dc[1] < 0)
@@ -245,50 +266,49 @@ class Scene:
             for i, ring in enumerate(rings):
                 inside = floor & (dist <= radius * (k - i) / k)
                 color[inside] = ring
+        return color
 
-        if self._lo:
-            sel = np.flatnonzero(box_index >= 0)
-            if sel.size:
-                bi = box_index[sel]
-                ts = t_best[sel]
-                blo, bhi = lo[bi], hi[bi]
-                near = []
-                for ax in range(3):
-                    iv = inv[ax][sel]
-                    near.append(np.minimum((blo[:, ax] - o[ax]) * iv, (bhi[:, ax] - o[ax]) * iv))
-                axis = np.where(near[0] >= np.maximum(near[1], near[2]), 0,
-                                np.where(near[1] >= near[2], 1, 2))
-                lam = np.zeros(sel.size, np.float32)
-                outline = np.zeros(sel.size, bool)
-                for ax in range(3):
-                    on = axis == ax
-                    lam[on] = -np.sign(dc[ax][sel][on]) * _LIGHT[ax]
-                    # dark outline along box edges: a local coordinate near a face boundary
-                    size = np.maximum(bhi[:, ax] - blo[:, ax], 1e-3)
-                    u = (o[ax] + dc[ax][sel] * ts - blo[:, ax]) / size
-                    ew = np.minimum(0.012 * ts / size, 0.25)
-                    outline |= ~on & ((u < ew) | (u > 1.0 - ew))
-                light_axis[sel] = lam
-                col = np.stack(self._bcol)[bi]
-                col[outline] *= 0.45
-                color[sel] = col
-                ids[sel] = np.asarray(self._bid, np.int32)[bi]
-        if self._sc:
-            sel = np.flatnonzero(sphere_index >= 0)
-            if sel.size:
-                si = sphere_index[sel]
-                c = np.stack(self._sc)[si]
-                pts = o[None, :] + d[sel] * t_best[sel][:, None]
-                nrm = pts - c
-                nrm /= np.maximum(np.linalg.norm(nrm, axis=1, keepdims=True), 1e-6)
-                light_axis[sel] = nrm @ _LIGHT
-                color[sel] = np.stack(self._scol)[si]
-                ids[sel] = np.asarray(self._sid, np.int32)[si]
+    def _color_boxes(self, o, dc, inv, t_best, box_index, lo, hi, color, light_axis, ids) -> None:
+        """Colour, light term and object id of the rays that hit a box (in place), with a dark outline
+        along the box edges."""
+        sel = np.flatnonzero(box_index >= 0)
+        if not sel.size:
+            return
+        bi = box_index[sel]
+        ts = t_best[sel]
+        blo, bhi = lo[bi], hi[bi]
+        near = []
+        for ax in range(3):
+            iv = inv[ax][sel]
+            near.append(np.minimum((blo[:, ax] - o[ax]) * iv, (bhi[:, ax] - o[ax]) * iv))
+        axis = np.where(near[0] >= np.maximum(near[1], near[2]), 0,
+                        np.where(near[1] >= near[2], 1, 2))
+        lam = np.zeros(sel.size, np.float32)
+        outline = np.zeros(sel.size, bool)
+        for ax in range(3):
+            on = axis == ax
+            lam[on] = -np.sign(dc[ax][sel][on]) * _LIGHT[ax]
+            # dark outline along box edges: a local coordinate near a face boundary
+            size = np.maximum(bhi[:, ax] - blo[:, ax], 1e-3)
+            u = (o[ax] + dc[ax][sel] * ts - blo[:, ax]) / size
+            ew = np.minimum(0.012 * ts / size, 0.25)
+            outline |= ~on & ((u < ew) | (u > 1.0 - ew))
+        light_axis[sel] = lam
+        col = np.stack(self._bcol)[bi]
+        col[outline] *= 0.45
+        color[sel] = col
+        ids[sel] = np.asarray(self._bid, np.int32)[bi]
 
-        if shade:
-            light = 0.55 + 0.45 * np.clip(light_axis, 0.0, 1.0)
-            fog = np.exp(-0.04 * np.maximum(t_best, 0.0))
-            color = color * (light * fog)[:, None] + (1.0 - fog)[:, None] * 40.0
-        rgb = np.clip(color, 0, 255).astype(np.uint8).reshape(height, width, 3)
-        return Frame(rgb=rgb, ids=ids.reshape(height, width),
-                     depth=t_best.astype(np.float32).reshape(height, width))
+    def _color_spheres(self, o, d, t_best, sphere_index, color, light_axis, ids) -> None:
+        """Colour, light term (from the sphere's normal) and object id of the rays that hit a sphere."""
+        sel = np.flatnonzero(sphere_index >= 0)
+        if not sel.size:
+            return
+        si = sphere_index[sel]
+        c = np.stack(self._sc)[si]
+        pts = o[None, :] + d[sel] * t_best[sel][:, None]
+        nrm = pts - c
+        nrm /= np.maximum(np.linalg.norm(nrm, axis=1, keepdims=True), 1e-6)
+        light_axis[sel] = nrm @ _LIGHT
+        color[sel] = np.stack(self._scol)[si]
+        ids[sel] = np.asarray(self._sid, np.int32)[si]

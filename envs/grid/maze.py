@@ -25,10 +25,10 @@ from typing import Any, Hashable
 
 import numpy as np
 
-from worldloop.envs.base import ActionResult, relation_sentence
-from worldloop.envs.grid_env import GridEnv, check_int, generate_level
-from worldloop.envs.render import cell_size, compose, grid_image_shape, tile_stack
-from worldloop.envs.solvers import DIRECTIONS, Plan, bfs
+from worldloop.envs.base import ActionResult, check_int, relation_sentence
+from worldloop.envs.grid.grid_env import GridEnv, generate_level
+from worldloop.envs.grid.render import cell_size, compose, grid_image_shape, tile_stack
+from worldloop.envs.grid.solvers import DIRECTIONS, Plan, bfs
 
 _TILE_NAMES = ("maze_wall", "maze_path", "maze_player", "maze_goal", "maze_player_goal")
 

@@ -35,9 +35,9 @@ import numpy as np
 from gymnasium.envs.toy_text.taxi import MAP, TaxiEnv as GymTaxi
 
 from worldloop.envs.base import ActionResult, relation_sentence
-from worldloop.envs.grid_env import MOVE_ALIASES, MOVES, GridEnv, generate_level
-from worldloop.envs.render import cell_size, compose, grid_image_shape, overlay, pad_square, sprite_rgba, tile_stack
-from worldloop.envs.solvers import Plan, bfs
+from worldloop.envs.grid.grid_env import MOVE_ALIASES, MOVES, GridEnv, generate_level
+from worldloop.envs.grid.render import cell_size, compose, grid_image_shape, overlay, pad_square, sprite_rgba, tile_stack
+from worldloop.envs.grid.solvers import Plan, bfs
 
 ACTIONS = (*MOVES, "Pickup", "Dropoff")
 _GYM_ACTION = {"Down": 0, "Up": 1, "Right": 2, "Left": 3, "Pickup": 4, "Dropoff": 5}

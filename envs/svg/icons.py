@@ -8,7 +8,7 @@ coordinates. No text (fonts differ between machines, which would make targets ma
 The loader reads a local copy of an SVG icon dataset such as ``starvector/svg-icons-simple``:
 a directory of ``*.svg`` files, or ``*.jsonl`` / ``*.json`` files whose records carry the code in
 ``Svg`` / ``svg`` (and a name in ``Filename`` / ``filename``). Parquet needs ``pyarrow`` (not a
-dependency): export to JSONL first. Entries that fail :func:`worldloop.envs.svg_render.validate_svg` are
+dependency): export to JSONL first. Entries that fail :func:`worldloop.envs.svg.render.validate_svg` are
 skipped and counted.
 
 Public API::
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from worldloop.envs.svg_render import SVGRejected, validate_svg
+from worldloop.envs.svg.render import SVGRejected, validate_svg
 
 PALETTE = {
     "red": "#e53935", "orange": "#fb8c00", "yellow": "#fdd835", "green": "#43a047", "cyan": "#00acc1",

@@ -7,7 +7,7 @@ long), ``max_actions_per_step`` (3), ``image_size`` (default
 32 px per cell), ``crop_outer_wall`` (False; True: the image leaves out the outer ring of wall,
 which every generated room has, so a 6x6 room is drawn as its 4x4 inside; the text state, the
 relations and the dynamics are those of the whole room), ``relation_prompt`` ("default"; "vagen": describe target and boxes relative to the
-player only, see :mod:`worldloop.envs.grid_env`), plus the common kwargs of
+player only, see :mod:`worldloop.envs.grid.grid_env`), plus the common kwargs of
 :class:`worldloop.envs.base.VisualEnv`.
 
 Actions: ``Left, Down, Right, Up`` (aliases ``move up``, ``push up``, ``north``, ...). Walking into a
@@ -19,7 +19,7 @@ one (gym-sokoban, so on/off cycling earns nothing), +10 when the action solves t
 
 Levels: a random room (gym-sokoban's random-walk topology) with targets on random floor cells,
 then reverse play from the solved room (boxes on the targets, the player anywhere): an exhaustive
-breadth-first reverse play by moves and pulls (:meth:`worldloop.envs.solvers.SokobanSolver.reverse_search`),
+breadth-first reverse play by moves and pulls (:meth:`worldloop.envs.grid.solvers.SokobanSolver.reverse_search`),
 so every state it reaches is solvable and its depth is its exact minimum number of actions. The
 start is a random state at a distance drawn uniformly from [``min_actions_to_succeed``, deepest],
 where deepest is the room's deepest state or ``max_actions_to_succeed`` (None: no cap) if that is
@@ -42,10 +42,10 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from worldloop.envs.base import ActionResult, relation_sentence
-from worldloop.envs.grid_env import GridEnv, check_int, generate_level
-from worldloop.envs.render import cell_size, compose, grid_image_shape, tile_stack
-from worldloop.envs.solvers import DIRECTIONS, Plan, SokobanSolver
+from worldloop.envs.base import ActionResult, check_int, relation_sentence
+from worldloop.envs.grid.grid_env import GridEnv, generate_level
+from worldloop.envs.grid.render import cell_size, compose, grid_image_shape, tile_stack
+from worldloop.envs.grid.solvers import DIRECTIONS, Plan, SokobanSolver
 
 Pos = tuple[int, int]
 

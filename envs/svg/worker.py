@@ -1,4 +1,4 @@
-"""Render worker for SVG code (run as a subprocess by :mod:`worldloop.envs.svg_render`; never imported by it).
+"""Render worker for SVG code (run as a subprocess by :mod:`worldloop.envs.svg.render`; never imported by it).
 
 Protocol on stdin/stdout, raw bytes only (no pickle): a request is ``b"R"`` + ``!II`` (side in
 pixels, byte length) + that many bytes of UTF-8 SVG; the reply is ``!BI`` (status, byte length) +

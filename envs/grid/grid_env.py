@@ -3,8 +3,7 @@
 Adds: direction actions with aliases (``Up``/``move up``/``push up``/``north`` ...), an expert that
 caches the BFS plan of every state it passes through (one search per episode when the expert is
 followed), cheap snapshots of the attributes named in ``_SNAP_ATTRS``, the state-format hints of
-the prompt, integer-kwarg validation and the generate-until-hard-enough loop used for
-``min_actions_to_succeed``.
+the prompt and the generate-until-hard-enough loop used for ``min_actions_to_succeed``.
 
 ``relation_prompt`` (kwarg of the envs that set ``VAGEN_NL_HINT``: Sokoban, FrozenLake): ``"default"``
 keeps the env's own natural-language hint; ``"vagen"`` asks for what VAGEN's judge scores (the
@@ -31,8 +30,8 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from worldloop.envs.base import VisualEnv
-from worldloop.envs.solvers import Plan
+from worldloop.envs.base import VisualEnv, check_int
+from worldloop.envs.grid.solvers import Plan
 
 MOVES = ("Left", "Down", "Right", "Up")  # VAGEN's order ("Actions you can take: Left, Down, Right, Up.")
 
@@ -63,14 +62,6 @@ def generate_level(rng: np.random.Generator, make, solve, min_actions: int, what
         f"could not generate a {what} level needing >= {need} actions in {MAX_GENERATION_ATTEMPTS} attempts; "
         "lower min_actions_to_succeed or enlarge the level"
     )
-
-
-def check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
-    """``value`` as int in [lo, hi], else ValueError naming the kwarg."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo or (hi is not None and value > hi):
-        span = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name} must be an int {span}, got {value!r}")
-    return int(value)
 
 
 class GridEnv(VisualEnv):

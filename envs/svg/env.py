@@ -6,19 +6,19 @@ rendering to the target. After a turn the observation image is the agent's own r
 white after a rejected answer), as in VAGEN's env; the text reports the similarity.
 
 Targets (``source``): ``"generated"`` (the default without ``dataset_dir``) draws icons from
-:func:`worldloop.envs.svg_icons.generate_icon` (``info["task"] == "icon"``); ``"dataset"`` (the default with
+:func:`worldloop.envs.svg.icons.generate_icon` (``info["task"] == "icon"``); ``"dataset"`` (the default with
 ``dataset_dir``) loads a local copy of an icon dataset such as ``starvector/svg-icons-simple`` with
-:func:`worldloop.envs.svg_icons.load_svg_dataset` (``info["task"] == "dataset"``; the episode's icon is
+:func:`worldloop.envs.svg.icons.load_svg_dataset` (``info["task"] == "dataset"``; the episode's icon is
 ``items[seed-driven index]``). ``reset(options={"svg": code, "name": name})`` sets a given target.
 
-Similarity (``metric``, see :mod:`worldloop.envs.svg_metrics`): ``"pixel"`` (default; multi-scale normalised
+Similarity (``metric``, see :mod:`worldloop.envs.svg.metrics`): ``"pixel"`` (default; multi-scale normalised
 cross-correlation x (1 - mean abs error), no download, reported as ``pixel_similarity``), ``"dino"``,
 ``"dreamsim"`` (local weights only) or ``"auto"``. ``info["metrics"]`` holds ``similarity`` plus the
 metric's own names (``pixel_similarity``/``pixel_ncc``/``pixel_mae``, or ``dreamsim``/``dino``) for the
 current canvas (0.0 after a rejected answer); it is empty before the first answer.
 
 Answers: the ``<answer>`` must contain one SVG document (``<svg ...>...</svg>``; text around it is
-ignored). It is validated and rendered by :mod:`worldloop.envs.svg_render` (no DTD/entities, no scripts or
+ignored). It is validated and rendered by :mod:`worldloop.envs.svg.render` (no DTD/entities, no scripts or
 external references, bounded size/elements/depth/coordinates, rendering in a separate process killed
 after ``render_timeout_s``). A rejected or unrenderable SVG is a **format failure**: no format
 reward, no env reward, nothing executed, ``info["reason"]`` says why (VAGEN gives an invalid SVG
@@ -48,11 +48,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from worldloop.envs.base import ActionParse, ActionResult, VisualEnv
-from worldloop.envs.svg_icons import generate_icon, load_svg_dataset
-from worldloop.envs.svg_metrics import make_metric
-from worldloop.envs.svg_render import (DEFAULT_TIMEOUT_S, MAX_BYTES, SVGRejected, SVGRenderError, describe_svg,
-                             element_sentence, extract_svg, render_svg, validate_svg)
+from worldloop.envs.base import ActionResult, VisualEnv
+from worldloop.envs.parsing import ActionParse
+from worldloop.envs.svg.icons import generate_icon, load_svg_dataset
+from worldloop.envs.svg.metrics import make_metric
+from worldloop.envs.svg.describe import describe_svg, element_sentence
+from worldloop.envs.svg.render import (DEFAULT_TIMEOUT_S, MAX_BYTES, SVGRejected, SVGRenderError, extract_svg,
+                                       render_svg, validate_svg)
 
 _MAX_SENTENCES = 12
 

@@ -6,7 +6,7 @@ list of equal-length strings over ``S F H G``, one ``S``; None: a new random map
 ``min_actions_to_succeed`` (5; enforced on generated maps only), ``max_actions_per_step`` (3),
 ``max_steps`` (100 executed actions), ``image_size`` (default 48 px per cell), ``relation_prompt``
 ("default"; "vagen": both relations of goal and holes to the player, see
-:mod:`worldloop.envs.grid_env`), plus the common kwargs of :class:`worldloop.envs.base.VisualEnv`.
+:mod:`worldloop.envs.grid.grid_env`), plus the common kwargs of :class:`worldloop.envs.base.VisualEnv`.
 
 Dynamics are gymnasium's own ``FrozenLakeEnv`` (wrapped, seeded from the episode seed; with
 ``is_slippery`` the move goes perpendicular with gymnasium's probabilities). Generated maps put
@@ -32,10 +32,10 @@ from typing import Any, Hashable, Sequence
 import numpy as np
 from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv as GymFrozenLake
 
-from worldloop.envs.base import ActionResult, relation_sentence
-from worldloop.envs.grid_env import GridEnv, check_int, generate_level
-from worldloop.envs.render import cell_size, compose, grid_image_shape, tile_stack
-from worldloop.envs.solvers import DIRECTIONS, Plan, bfs
+from worldloop.envs.base import ActionResult, check_int, relation_sentence
+from worldloop.envs.grid.grid_env import GridEnv, generate_level
+from worldloop.envs.grid.render import cell_size, compose, grid_image_shape, tile_stack
+from worldloop.envs.grid.solvers import DIRECTIONS, Plan, bfs
 
 _GYM_ACTION = {"Left": 0, "Down": 1, "Right": 2, "Up": 3}
 _TILE_NAMES = ("ice", "hole", "goal", "elf", "elf_hole", "elf_goal")

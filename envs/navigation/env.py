@@ -2,7 +2,7 @@
 
 The agent sees a first-person view of an indoor room and must get within ``success_threshold``
 metres of the object named (``split="base"``) or described by its use (``split="common_sense"``)
-in the instruction. The default backend is the self-contained world of :mod:`worldloop.envs.nav_world`
+in the instruction. The default backend is the self-contained world of :mod:`worldloop.envs.navigation.world`
 (numpy ray casting; rooms with walls, an optional partition and typed furniture); ``backend="ai2thor"``
 runs the same task in AI2-THOR through :mod:`worldloop.envs.adapters.ai2thor` when it is installed and can render.
 
@@ -43,9 +43,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from worldloop.envs.base import ActionResult, VisualEnv
-from worldloop.envs.grid_env import check_int
-from worldloop.envs.nav_world import ACTION_DESCRIPTIONS, ACTIONS, SPLITS, World, type_label
+from worldloop.envs.base import ActionResult, VisualEnv, check_int
+from worldloop.envs.navigation.catalog import type_label
+from worldloop.envs.navigation.world import ACTION_DESCRIPTIONS, ACTIONS, SPLITS, World
 
 BACKENDS = ("builtin", "ai2thor")
 
