@@ -1,803 +1,477 @@
 """One typed configuration tree for every worldloop process.
 
-Loaded from YAML (``load_config(path, overrides)``), with ``key.sub=value``
-overrides from the command line (the value is parsed as YAML, so
-``actor.envs=[{id: worldloop/Sokoban-v0}]`` and ``judge.base_url=null`` work).
-Every key is checked against the dataclasses below: an unknown key or a value
-of the wrong type raises :class:`ConfigError` naming the dotted key and the
-reason, so a bad config fails at start-up, never an hour into a run.
+Loaded from YAML (``load_config(path, overrides)``), with ``key.sub=value`` overrides from the
+command line (the value is parsed as YAML, so ``actor.envs=[{id: worldloop/Sokoban-v0}]`` and
+``judge.base_url=null`` work). Every key is checked against the sections below: an unknown key,
+a value of the wrong type or out of its bound raises :class:`ConfigError` naming the dotted key
+and the reason, so a bad config fails at start-up, never an hour into a run.
 
-Each section belongs to one role; a role adds its own keys to its own
-dataclass only. Defaults follow Table 22 of the VAGEN paper unless noted.
+Each field holds its type, default, bound and one-line doc together (pydantic ``Field``; the
+rules for declaring one are in :mod:`worldloop.common.config_fields`). Rules across fields live in
+:mod:`worldloop.common.config_checks`; files, presets and overrides in
+:mod:`worldloop.common.config_load`. ``docs/configuration.md`` is generated from this schema
+(``python tools/gen_config_docs.py``).
+
+Each section belongs to one role; a role adds its own keys to its own section only. Defaults
+follow Table 22 of the VAGEN paper unless noted.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import re
-import types
-import typing
-from dataclasses import dataclass, field
-from importlib import resources
-from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-import yaml
+from pydantic import Field, PrivateAttr, ValidationError
 
+from worldloop.common.config_checks import (  # noqa: F401  (re-exported)
+    GROUNDING_EVAL_BOARDS, RELATION_PROMPT_ENVS, SFT_PROBE_SEEDS, check_held_out_seeds, cross_check, held_group_size,
+    pass_rule_mode, training_seed_ranges,
+)
+from worldloop.common.config_fields import ConfigError, Float, Rule, Section, config_error
+from worldloop.common.config_load import (  # noqa: F401  (re-exported)
+    parse_override, preset_names, read_config_file, resolve_config_path, with_overrides,
+)
 
-class ConfigError(ValueError):
-    """A configuration key is unknown or its value is invalid."""
-
-    def __init__(self, key: str, reason: str):
-        self.key = key
-        self.reason = reason
-        super().__init__(f"config key '{key}': {reason}")
+SCORERS = ("rule", "llm", "hybrid")
+LOGGERS = ("jsonl", "tensorboard", "wandb")
 
 
 # --------------------------------------------------------------------------- sections
 
 
-@dataclass
-class RunConfig:
-    name: str = "worldloop"
-    # where metrics.jsonl, plots, checkpoints and logs go; null = runs/<config>-<time>
-    run_dir: str | None = None
-    seed: int = 0
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    # where the learner's per-step metrics go (learner/trackers.py): jsonl (metrics.jsonl, always
-    # written), tensorboard (<run_dir>/tensorboard), wandb (honours WANDB_MODE=offline)
-    loggers: list[str] = field(default_factory=lambda: ["jsonl"])
+class RunConfig(Section):
+    """The run as a whole: its name, folder, seed and logging."""
+
+    name: str = Field("worldloop", description="the run's name: the wandb run's name, and the learner's run directory "
+                                               "runs/<name> when run.run_dir is null and it runs without `worldloop up`")
+    run_dir: str | None = Field(None, description="where metrics.jsonl, plots, checkpoints and logs go; "
+                                                  "null = runs/<config>-<time> (`worldloop up`)")
+    seed: int = Field(0, description="the run's seed: each actor's training seeds are drawn from sha256(run.seed, actor_id); "
+                                     "vLLM and keyed evaluation sampling start from it")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="the processes' log level")
+    loggers: Annotated[list[str], Rule(f"must list distinct names out of {', '.join(LOGGERS)}",
+                                       lambda v: set(v) <= set(LOGGERS) and len(set(v)) == len(v))] = Field(
+        default_factory=lambda: ["jsonl"],
+        description="where the learner's per-step metrics go (learner/trackers.py): jsonl (metrics.jsonl, always written), "
+                    "tensorboard (<run_dir>/tensorboard), wandb (honours WANDB_MODE=offline)")
 
 
-@dataclass
-class RedisConfig:
-    # redis://[user:password@]host:port/db or rediss://...; null = `worldloop up` starts a local server
-    url: str | None = None
-    # every key and stream of a run is prefixed with this, so several runs can share one Redis
-    namespace: str = "worldloop"
-    # backpressure: a producer waits while a stream holds this many undelivered+pending entries
-    max_backlog: int = 512
-    block_ms: int = 1000  # XREADGROUP block time
-    claim_idle_ms: int = 60_000  # reclaim messages pending longer than this from dead consumers
-    reconnect_max_s: float = 30.0  # backoff cap while Redis is unreachable
-    socket_timeout_s: float = 10.0
-    # a process that has never reached Redis gives up after this long with "cannot reach Redis at
-    # ..., check redis.url" (a wrong URL); once connected it reconnects for as long as it takes
-    startup_timeout_s: float = 30.0
+class RedisConfig(Section):
+    """The Redis server that carries the streams, the control record and the counters."""
+
+    url: Annotated[str | None, Rule("must start with redis://, rediss:// or unix://",
+                                    lambda v: v is None or v.startswith(("redis://", "rediss://", "unix://")))] = Field(
+        None, description="redis://[user:password@]host:port/db, rediss://... or unix://...; "
+                          "null = `worldloop up` starts a local server")
+    namespace: str = Field("worldloop", description="prefix of every key and stream of the run, so several runs can "
+                                                    "share one Redis")
+    max_backlog: int = Field(512, ge=1, description="backpressure: a producer waits while a stream holds this many "
+                                                    "undelivered + pending entries")
+    block_ms: int = Field(1000, ge=1, json_schema_extra={"unit": "ms", "note": "0 would block forever"},
+                          description="how long one XREADGROUP blocks waiting for entries (the roles cap it at 1000 ms)")
+    # A live judge refreshes the idle time of the entries it holds every claim_idle_ms / 3 (judge/process.py).
+    # Below ~1 s one slow loop step (a Redis round trip, a stats flush, a burst of scoring on the event loop, a
+    # refresh that failed once) is no longer small against that period, and judges reclaim each other's live
+    # work (issue 31: 10 ms did). Tests that need a fast reclaim pass claim_idle_ms to StreamConsumer directly.
+    claim_idle_ms: int = Field(60_000, ge=1000, json_schema_extra={
+        "unit": "ms", "note": "a live judge refreshes its entries every third of it; below 1 s judges steal live work"},
+        description="an entry pending this long in a consumer's list is reclaimed by another consumer (its own is "
+                    "taken for dead); live judges refresh the entries they work on every claim_idle_ms / 3")
+    reconnect_max_s: Float = Field(30.0, gt=0, json_schema_extra={"unit": "seconds", "note": "0 would retry in a busy loop"},
+                                   description="backoff cap while Redis is unreachable")
+    socket_timeout_s: Float = Field(10.0, gt=0, json_schema_extra={
+        "unit": "seconds", "note": "0 would make the socket non-blocking: every command fails at once as if Redis were down"},
+        description="timeout of one Redis command (and of connecting, at most 5 s)")
+    startup_timeout_s: Float = Field(30.0, gt=0, description="a process that has never reached Redis gives up after this "
+                                     "long with \"cannot reach Redis at ..., check redis.url\" (a wrong URL); once "
+                                     "connected it reconnects for as long as it takes")
 
 
-@dataclass
-class WeightsConfig:
-    host: str = "127.0.0.1"  # where actors reach the learner
-    bind: str = "127.0.0.1"  # where the learner binds its sockets ("0.0.0.0" across machines)
-    pub_port: int = 5555  # PUB: version announcements
-    fetch_port: int = 5556  # ROUTER: chunked fetch of the latest version
-    chunk_bytes: int = 4 * 1024 * 1024
-    # ZeroMQ CURVE (paths to key files made by `zmq.auth.create_certificates`); all null = plaintext
-    curve_server_public: str | None = None  # server .key (actors)
-    curve_server_secret: str | None = None  # server .key_secret (learner)
-    curve_client_public: str | None = None  # learner: the only client .key (or folder of them) it admits; null = any
-    curve_client_secret: str | None = None  # client .key_secret (actors); null = an ephemeral client key
-    fetch_timeout_s: float = 30.0  # an actor gives up when the learner has not answered for this long
-    # the largest weight set an actor accepts before allocating for it (a manifest from a buggy or
-    # hostile publisher must not make it reserve terabytes); 0 = 4x the model directory's weight
-    # files (*.safetensors, *.bin) + 64 MiB (room for a float32 set sent to a bfloat16 actor)
-    max_bytes: int = 0
+class WeightsConfig(Section):
+    """The learner's ZeroMQ weight channel to the actors."""
+
+    host: str = Field("127.0.0.1", description="where actors reach the learner")
+    bind: str = Field("127.0.0.1", description="where the learner binds its sockets (\"0.0.0.0\" across machines)")
+    pub_port: int = Field(5555, ge=0, lt=65536, json_schema_extra={"note": "a TCP port"},
+                          description="PUB socket: version announcements")
+    fetch_port: int = Field(5556, ge=0, lt=65536, json_schema_extra={"note": "a TCP port"},
+                            description="ROUTER socket: chunked fetch of the latest version")
+    chunk_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="bytes per fetched chunk of a weight set")
+    # ZeroMQ CURVE: paths to key files made by `zmq.auth.create_certificates`
+    curve_server_public: str | None = Field(None, description="CURVE: the server's public .key file (actors); "
+                                                              "all curve_* null = plaintext")
+    curve_server_secret: str | None = Field(None, description="CURVE: the server's .key_secret file (learner)")
+    curve_client_public: str | None = Field(None, description="CURVE (learner): the only client .key (or a folder of them) "
+                                                              "it admits; null = any client")
+    curve_client_secret: str | None = Field(None, description="CURVE (actors): the client's .key_secret file; "
+                                                              "null = an ephemeral client key")
+    fetch_timeout_s: Float = Field(30.0, gt=0, description="an actor gives up when the learner has not answered for this long")
+    # a manifest from a buggy or hostile publisher must not make an actor reserve terabytes
+    max_bytes: int = Field(0, ge=0, json_schema_extra={"note": "0 = derived from the model directory"},
+                           description="the largest weight set an actor accepts before allocating for it; 0 = 4x the model "
+                                       "directory's weight files (*.safetensors, *.bin) + 64 MiB (room for a float32 set "
+                                       "sent to a bfloat16 actor)")
 
 
-@dataclass
-class MetricsConfig:
-    enabled: bool = True
-    host: str = "127.0.0.1"
-    port: int = 0  # 0 = an ephemeral port, announced in the log and in Redis
+class MetricsConfig(Section):
+    """Each process's Prometheus endpoint."""
+
+    enabled: bool = Field(True, description="serve /metrics")
+    host: str = Field("127.0.0.1", description="the address /metrics binds to")
+    port: int = Field(0, ge=0, lt=65536, json_schema_extra={"note": "a TCP port; 0 = ephemeral"},
+                      description="0 = an ephemeral port, announced in the log and in Redis")
 
 
-@dataclass
-class ModelConfig:
-    # a local HF model directory (Qwen2.5-VL family or a text-only causal LM); no hub downloads
-    path: str = "models/tiny-qwen2.5-vl"
-    # build the embedded tiny model (local tokenizer + small Qwen2.5-VL config) if `path` is missing
-    make_tiny_if_missing: bool = True
-    # steps of in-context copy pre-training of a newly made tiny model before SFT (0: none)
-    tiny_copy_pretrain_steps: int = 0
-    # steps of grounding pre-training of a newly made tiny model before SFT (worldloop/grounding.py:
-    # first-turn image of a fresh level -> the true state description; 0: none), its learning rate,
-    # levels per step, and the first seed of its levels (a range disjoint from RL, SFT and eval seeds)
-    tiny_grounding_steps: int = 0
-    tiny_grounding_lr: float = 3e-3
-    tiny_grounding_batch_size: int = 32
-    tiny_grounding_seed_start: int = 30_000_000
-    # every n-th grounding step shows the whole first turn the actors send (the env's system prompt
-    # too) to tiny_grounding_agent_batch_size levels; the other steps leave the system prompt out
-    # (0: never). The system prompt is 60 % of the tokens, the image-to-answer distance is the same.
-    tiny_grounding_agent_every: int = 4
-    tiny_grounding_agent_batch_size: int = 8
-    # keep the vision tower (and its merger) at its initial weights in grounding pre-training, SFT
-    # and the learner: the tiny model's random-init tower tells every tile apart, and training it
-    # from scratch at the tiny presets' learning rates collapses it
-    freeze_vision: bool = False
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_model_len: int = 4096
-    # images are resized so that neither side exceeds this (pixels) before the vision tower
-    max_image_side: int = 224
+class ModelConfig(Section):
+    """The policy model, and how `worldloop up` makes the embedded tiny one."""
+
+    path: str = Field("models/tiny-qwen2.5-vl", description="a local HF model directory (Qwen2.5-VL family or a "
+                                                            "text-only causal LM); no hub downloads")
+    make_tiny_if_missing: bool = Field(True, description="build the embedded tiny model (local tokenizer + small "
+                                                         "Qwen2.5-VL config) if `path` is missing")
+    tiny_copy_pretrain_steps: int = Field(0, ge=0, description="steps of in-context copy pre-training of a newly made "
+                                                               "tiny model before SFT (0: none)")
+    tiny_grounding_steps: int = Field(0, ge=0, description="steps of grounding pre-training of a newly made tiny model "
+                                                           "before SFT (first-turn image of a fresh level -> the true state "
+                                                           "description, worldloop/grounding.py; 0: none)")
+    tiny_grounding_lr: Float = Field(3e-3, gt=0, description="grounding pre-training: learning rate")
+    tiny_grounding_batch_size: int = Field(32, ge=1, description="grounding pre-training: levels per step")
+    tiny_grounding_seed_start: int = Field(30_000_000, ge=0, description="grounding pre-training: the first seed of "
+                                           "its levels (a range disjoint from RL, SFT and eval seeds)")
+    # the system prompt is 60 % of the tokens; the image-to-answer distance is the same either way
+    tiny_grounding_agent_every: int = Field(4, ge=0, json_schema_extra={"note": "0 = never"},
+                                            description="every n-th grounding step shows the whole first turn the actors send "
+                                                        "(the env's system prompt too) to tiny_grounding_agent_batch_size "
+                                                        "levels; the other steps leave the system prompt out (0: never)")
+    tiny_grounding_agent_batch_size: int = Field(8, ge=1, description="levels per whole-first-turn grounding step")
+    # the tiny model's random-init tower tells every tile apart; training it from scratch at the tiny
+    # presets' learning rates collapses it
+    freeze_vision: bool = Field(False, description="keep the vision tower (and its merger) at its initial weights in "
+                                                   "grounding pre-training, SFT and the learner")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the dtype the actors load the model in; auto = float32 on CPU, bfloat16 on CUDA")
+    max_model_len: int = Field(4096, description="context length in tokens; an episode that would exceed it ends "
+                                                 "(end_reason \"context\")")
+    max_image_side: int = Field(224, description="images are resized so that neither side exceeds this (pixels) before "
+                                                 "the vision tower")
 
 
-@dataclass
-class EnvSpec:
-    id: str = "worldloop/Sokoban-v0"  # a registered gymnasium id
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    # kwargs the actors' training episodes alone lay over `kwargs` (a training curriculum, e.g.
-    # Sokoban's max_actions_to_succeed); the run's evaluator, `worldloop eval`, SFT demonstrations and
-    # grounding pre-training play `kwargs` as they are
-    train_kwargs: dict[str, Any] = field(default_factory=dict)
-    weight: float = 1.0  # sampling weight among envs of an actor
-    name: str | None = None  # label in metrics; default: id without prefix/version
+class EnvSpec(Section):
+    """One env of `actor.envs`."""
+
+    id: str = Field("worldloop/Sokoban-v0", description="a registered gymnasium id")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="the env's keyword arguments")
+    train_kwargs: dict[str, Any] = Field(default_factory=dict,
+                                         description="kwargs the actors' training episodes alone lay over `kwargs` (a "
+                                                     "training curriculum, e.g. Sokoban's max_actions_to_succeed); the "
+                                                     "run's evaluator, `worldloop eval`, SFT demonstrations and grounding "
+                                                     "pre-training play `kwargs` as they are")
+    weight: Float = Field(1.0, ge=0, description="sampling weight among the envs of an actor (0 = never drawn)")
+    name: str | None = Field(None, description="label in metrics; null = the id without prefix and version")
 
     def training_kwargs(self) -> dict[str, Any]:
         """What the actors' training episodes are made with: ``kwargs`` with ``train_kwargs`` over them."""
         return {**self.kwargs, **self.train_kwargs}
 
 
-@dataclass
-class ActorConfig:
-    num_envs: int = 8
-    envs: list[EnvSpec] = field(default_factory=lambda: [EnvSpec()])
-    max_turns: int = 3
-    n_samples_per_seed: int = 1
-    backend: Literal["hf", "vllm"] = "hf"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    temperature: float = 0.7
-    top_p: float = 0.95
-    max_new_tokens: int = 200
-    # training seeds are drawn from [seed_start, seed_end); eval uses seeds >= eval.seed_start
-    seed_start: int = 0
-    seed_end: int = 1_000_000
-    # rollout admission (common/admission.py): an episode starts only while the run-wide budget
-    # (v + trainer.max_staleness + 1) * trainer.train_batch_size allows it, so nothing goes stale;
-    # false = actors generate freely and the learner drops what is too old
-    admission: bool = True
-    # an admitted episode whose actor stops renewing its lease (killed, partitioned) gives its
-    # budget back after this long
-    admission_lease_s: float = 120.0
-    vllm_gpu_memory_utilization: float = 0.5
-    vllm_enforce_eager: bool = True
-    # vLLM KV-cache size in GiB; null = from vllm_gpu_memory_utilization on GPU, 1 GiB on CPU
-    vllm_kv_cache_gib: float | None = None
-    actor_id: str | None = None  # default: <hostname>-<pid>
+class ActorConfig(Section):
+    """The actors: envs, sampling, seeds, admission and the generation backend."""
+
+    num_envs: int = Field(8, ge=1, description="episodes an actor plays at once")
+    envs: Annotated[list[EnvSpec], Rule("must list at least one env", lambda v: len(v) >= 1)] = Field(
+        default_factory=lambda: [EnvSpec()], description="the envs an actor plays, drawn by weight")
+    max_turns: int = Field(3, ge=1, description="turns per episode")
+    n_samples_per_seed: int = Field(1, ge=1, description="episodes per level (a GRPO group)")
+    backend: Literal["hf", "vllm"] = Field("hf", description="generation backend: Hugging Face generate or vLLM")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the actor's model runs; auto = cuda when visible")
+    temperature: Float = Field(0.7, ge=0, description="sampling temperature")
+    top_p: Float = Field(0.95, gt=0, le=1, description="nucleus sampling mass")
+    max_new_tokens: int = Field(200, ge=1, description="tokens generated per turn at most")
+    seed_start: int = Field(0, description="training seeds are drawn from [seed_start, seed_end); eval uses seeds >= "
+                                           "eval.seed_start")
+    seed_end: int = Field(1_000_000, description="the end (exclusive) of the training seed range")
+    # common/admission.py: the budget (v + trainer.max_staleness + 1) * trainer.train_batch_size keeps anything from going stale
+    admission: bool = Field(True, description="rollout admission: an episode starts only while the run-wide budget "
+                                              "(v + trainer.max_staleness + 1) * trainer.train_batch_size allows it; "
+                                              "false = actors generate freely and the learner drops what is too old")
+    admission_lease_s: Float = Field(120.0, gt=0, description="an admitted episode whose actor stops renewing its lease "
+                                                              "(killed, partitioned) gives its budget back after this long")
+    vllm_gpu_memory_utilization: Float = Field(0.5, gt=0, le=1, description="vLLM: the share of GPU memory it may take")
+    vllm_enforce_eager: bool = Field(True, description="vLLM: run eagerly (no CUDA graphs)")
+    vllm_kv_cache_gib: Float | None = Field(None, gt=0, description="vLLM KV-cache size in GiB; null = from "
+                                                                    "vllm_gpu_memory_utilization on GPU, 1 GiB on CPU")
+    actor_id: str | None = Field(None, description="the actor's name; null = <hostname>-<pid>")
 
 
-@dataclass
-class JudgeConfig:
-    enabled: bool = True
-    # scorer names per env name ("default" applies to envs not listed): rule | llm | hybrid
-    scorers: dict[str, list[str]] = field(default_factory=lambda: {"default": ["rule"]})
-    # how `rule` (and `hybrid`'s extracted facts) score Sokoban/FrozenLake descriptions: f1 = per-axis
-    # relation facts over all pairs (judge/rule.py); vagen = VAGEN's code (judge/vagen_score.py): target,
-    # box, hole relative to the player, both axes; the config then gives those envs
-    # relation_prompt=vagen so that their prompt asks for exactly these relations
-    rule_mode: Literal["f1", "vagen"] = "f1"
-    beta_grounding: float = 0.5
-    beta_worldmodeling: float = 0.5
-    concurrency: int = 16
-    timeout_s: float = 30.0
-    max_retries: int = 3
-    backoff_s: float = 0.5
-    base_url: str | None = None  # any OpenAI-compatible endpoint
-    model: str = "gpt-4o-mini"
-    api_key_env: str = "OPENAI_API_KEY"  # the key is read from this variable, never logged
-    cache_size: int = 10_000
-    repetition_top_k: int = 5
-    repetition_f1_threshold: float = 0.7
-    repetition_penalty: float = 0.1
-    fallback_score: float = 0.0
-    batch_size: int = 8  # trajectories read per XREADGROUP (and held in flight at most)
-    # Argos Eq. 9 gate when several scorers apply: the first listed is the gate; below the threshold
-    # the gate's score stands alone, at or above it the weighted mean of all applicable scorers
-    gate_threshold: float = 0.5
-    scorer_weights: dict[str, float] = field(default_factory=lambda: {"rule": 1.0, "llm": 1.0, "hybrid": 1.0})
-    max_tokens: int = 512  # judge reply length (llm: think + verdict; hybrid: the JSON list)
-    dedup_window_s: float = 86400.0  # trajectory ids already forwarded to `scored` are remembered this long
+class JudgeConfig(Section):
+    """The judges: which scorers score which env, and the LLM endpoint they may call."""
+
+    enabled: bool = Field(True, description="score the reasoning; false = actors push straight to the learner's stream")
+    scorers: Annotated[dict[str, list[str]], Rule(f"must name scorers out of {', '.join(SCORERS)}",
+                                                  lambda v: all(s in SCORERS for names in v.values() for s in names))] = Field(
+        default_factory=lambda: {"default": ["rule"]},
+        description="scorer names per env name (\"default\" applies to envs not listed): rule, llm, hybrid")
+    # vagen: VAGEN's code (judge/vagen_score.py) scores target, box and hole relative to the player, both axes
+    rule_mode: Literal["f1", "vagen"] = Field("f1", description="how `rule` (and `hybrid`'s extracted facts) score "
+                                                               "Sokoban/FrozenLake descriptions: f1 = per-axis relation facts "
+                                                               "over all pairs (judge/rule/); vagen = VAGEN's code "
+                                                               "(judge/vagen_score.py), and those envs then get "
+                                                               "relation_prompt=vagen so that their prompt asks for exactly "
+                                                               "these relations")
+    beta_grounding: Float = Field(0.5, description="weight of the grounding score in a turn's reasoning reward")
+    beta_worldmodeling: Float = Field(0.5, description="weight of the world-modeling score in a turn's reasoning reward")
+    concurrency: int = Field(16, ge=1, description="LLM requests in flight per judge process at most")
+    timeout_s: Float = Field(30.0, gt=0, description="per LLM request")
+    max_retries: int = Field(3, ge=0, description="retries of a failed LLM request (exponential backoff)")
+    backoff_s: Float = Field(0.5, ge=0, description="first backoff of an LLM retry (doubled each attempt, jittered)")
+    base_url: str | None = Field(None, description="any OpenAI-compatible endpoint; null = the OpenAI API")
+    model: str = Field("gpt-4o-mini", description="the judge LLM's model name")
+    api_key_env: str = Field("OPENAI_API_KEY", description="the environment variable the API key is read from (never logged)")
+    cache_size: int = Field(10_000, ge=0, json_schema_extra={"note": "0 = no cache"},
+                            description="identical LLM requests are answered from an LRU of this many entries")
+    repetition_top_k: int = Field(5, ge=0, json_schema_extra={"note": "0 = no repetition penalty"},
+                                  description="repetition penalty (VAGEN App. D.1.2): a part that repeats one of the agent's "
+                                              "top_k most frequent sentences is penalised")
+    repetition_f1_threshold: Float = Field(0.7, description="repetition penalty: only parts scoring below this are penalised")
+    repetition_penalty: Float = Field(0.1, description="repetition penalty: subtracted from the part's score")
+    fallback_score: Float = Field(0.0, description="the score of an LLM scorer whose endpoint stays down (flagged fallback)")
+    batch_size: int = Field(8, ge=1, description="trajectories read per XREADGROUP (and held in flight at most)")
+    gate_threshold: Float = Field(0.5, ge=0, le=1, description="Argos Eq. 9 gate when several scorers apply: the first "
+                                                               "listed is the gate; below the threshold the gate's score "
+                                                               "stands alone, at or above it the weighted mean of all "
+                                                               "applicable scorers")
+    scorer_weights: Annotated[dict[str, Float], Rule(f"keys must be {'/'.join(SCORERS)} with weights > 0",
+                                                     lambda v: all(k in SCORERS and w > 0 for k, w in v.items()))] = Field(
+        default_factory=lambda: {"rule": 1.0, "llm": 1.0, "hybrid": 1.0},
+        description="the weights of the gate's weighted mean, per scorer")
+    max_tokens: int = Field(512, ge=1, description="judge reply length (llm: think + verdict; hybrid: the JSON list)")
+    dedup_window_s: Float = Field(86400.0, gt=0, description="trajectory ids already forwarded to `scored` are remembered "
+                                                             "this long")
 
 
-@dataclass
-class TrainerConfig:
-    estimator: Literal["masked_gae", "bilevel_gae", "turn_ppo", "grpo", "vanilla_ppo"] = "bilevel_gae"
-    total_steps: int = 100
-    train_batch_size: int = 128  # trajectories per update
-    ppo_mini_batch_size: int = 32
-    micro_batch_size: int = 4  # sequences per forward; accumulation = mini / micro
-    # > 0: micro-batches are formed by this token budget instead (rows x longest incl. padding;
-    # rows sorted by length within each mini-batch, learner/trainer.py); 0 = micro_batch_size rows
-    micro_batch_tokens: int = 0
-    ppo_epochs: int = 1
-    actor_lr: float = 1e-6
-    critic_lr: float = 1e-5
-    kl_coef: float = 0.001
-    clip_ratio: float = 0.2
-    value_clip: float = 0.2
-    entropy_coef: float = 0.0
-    max_grad_norm: float = 1.0
-    gamma: float = 1.0  # masked_gae / vanilla_ppo
-    lam: float = 1.0
-    gamma_token: float = 1.0
-    lam_token: float = 1.0
-    gamma_turn: float = 0.95
-    lam_turn: float = 1.0
-    # bilevel_gae: the turn-end token's -kl_coef*KL stays on its own turn (own_turn) or joins that turn's
-    # turn-level reward and so reaches earlier turns discounted (turn_reward: VAGEN's code)
-    bilevel_kl_routing: Literal["own_turn", "turn_reward"] = "own_turn"
-    # grpo: divide (R - group mean) by the group's std (Argos Eq. 10) or not (verl's
-    # norm_adv_by_std_in_grpo=False, "Dr. GRPO"): then groups that differ only by shaping terms stay small
-    grpo_norm_by_std: bool = True
-    # DAPO's dynamic sampling: the learner trains only on GRPO groups (actor.n_samples_per_seed
-    # episodes of one level) whose episodes differ in task success, and drops the all-solved and
-    # all-failed ones (reason "uninformative"), giving their admission budget back so the actors
-    # play more levels instead (learner/data.py)
-    filter_groups: bool = False
-    # GRPO's baseline is the mean of a whole group. Actors push each episode when it ends (a solved
-    # one turns earlier than a failed one), so a batch cut from the stream in arrival order splits
-    # groups, and a fragment of only successes or only failures gets advantage 0. With whole_groups
-    # the learner holds each group's members until all are in (or known lost) and batches hold whole
-    # groups; only with estimator grpo and actor.n_samples_per_seed >= 2 (learner/data.py)
-    whole_groups: bool = True
-    whiten_advantages: bool = True
-    # how the policy loss averages over a PPO mini-batch (verl's loss_agg_mode): token-mean (every
-    # generated token weighs the same: VAGEN Alg. 1), seq-mean-token-mean (every trajectory weighs the
-    # same whatever its length), seq-mean-token-sum (Dr. GRPO: per-trajectory token sums, averaged)
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-    max_staleness: int = 4  # drop trajectories whose oldest turn is further behind than this
-    importance_weight_cap: float = 2.0  # truncation of pi_prox / pi_behaviour
-    wmact_rescale: bool = False  # WMAct Eq. 4: R * N_eff / N
-    anneal_max_turns: bool = False  # WMAct Eq. 5
-    anneal_every: int = 10  # tau
-    zero_stage: Literal[0, 1, 2, 3] = 0
-    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto = bf16 on GPU, fp32 on CPU
-    gradient_checkpointing: bool = False
-    checkpoint_every: int = 10
-    keep_checkpoints: int = 3
-    resume: bool = False
-    use_critic: bool = True  # false for grpo
-    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto = cuda:<LOCAL_RANK> when visible, else cpu
-    # KL to the frozen reference: -kl_coef * KL as a per-token reward (VAGEN), or a loss term
-    kl_in_reward: bool = True
-    kl_estimator: Literal["kl", "abs", "mse", "low_var_kl"] = "kl"
-    # stream entries are acked only after a checkpoint holds their update; when the payload bytes
-    # held pending pass this, the learner checkpoints early (see learner/data.py)
-    max_pending_mb: int = 1024
-    # held-out evaluation while training (worldloop/evaluator.py, started by `worldloop up`): every
-    # eval_every policy versions, eval_episodes seeds per env from eval.seed_start on; 0 = off
-    eval_every: int = 0
-    eval_episodes: int = 32
-    # after the last step the learner waits up to this long for a live evaluator's evaluation of
-    # the final version, so that TensorBoard/wandb get it too (no live evaluator: no wait); 0 = never
-    final_eval_wait_s: float = 300.0
-    # wall-clock budget of the learner's updates, in seconds from its first step (PyTorch Lightning's
-    # max_time): no update starts that would end past it (judged by the slowest of the last few
-    # updates), and the learner then finishes as after total_steps (final checkpoint, run stopped);
-    # null = none. A restarted learner counts from its restart. `worldloop up` sets it from up.time_limit_s
-    time_limit_s: float | None = None
-    # every sample_every steps the trackers get a few episodes of the batch (images, text, rewards
-    # per turn) and <run_dir>/samples.jsonl holds them (worldloop show); 0 = off
-    sample_every: int = 0
+class TrainerConfig(Section):
+    """The learner's PPO/GRPO updates, checkpoints and evaluation while training."""
+
+    estimator: Literal["masked_gae", "bilevel_gae", "turn_ppo", "grpo", "vanilla_ppo"] = Field(
+        "bilevel_gae", description="the advantage estimator (learner/advantages.py)")
+    total_steps: int = Field(100, ge=1, description="policy updates in the run")
+    train_batch_size: int = Field(128, ge=1, description="trajectories per update")
+    ppo_mini_batch_size: int = Field(32, ge=1, description="trajectories per optimizer step")
+    micro_batch_size: int = Field(4, ge=1, description="sequences per forward; gradient accumulation = mini / micro")
+    micro_batch_tokens: int = Field(0, ge=0, json_schema_extra={"note": "0 = micro_batch_size trajectories per micro-batch"},
+                                    description="> 0: micro-batches are formed by this token budget instead (rows x longest "
+                                                "incl. padding; rows sorted by length within each mini-batch, "
+                                                "learner/trainer.py); 0 = micro_batch_size rows")
+    ppo_epochs: int = Field(1, ge=1, description="passes over each batch")
+    actor_lr: Float = Field(1e-6, description="the policy's learning rate")
+    critic_lr: Float = Field(1e-5, description="the critic's learning rate")
+    kl_coef: Float = Field(0.001, description="weight of the KL to the frozen reference (see kl_in_reward)")
+    clip_ratio: Float = Field(0.2, gt=0, description="PPO's clip range of the probability ratio")
+    value_clip: Float = Field(0.2, description="clip range of the critic's value update")
+    entropy_coef: Float = Field(0.0, description="weight of the entropy bonus in the policy loss")
+    max_grad_norm: Float = Field(1.0, description="gradient clipping norm")
+    gamma: Float = Field(1.0, ge=0, le=1, description="discount (masked_gae, vanilla_ppo)")
+    lam: Float = Field(1.0, ge=0, le=1, description="GAE lambda (masked_gae, vanilla_ppo)")
+    gamma_token: Float = Field(1.0, ge=0, le=1, description="bilevel_gae / turn_ppo: discount between tokens of a turn")
+    lam_token: Float = Field(1.0, ge=0, le=1, description="bilevel_gae / turn_ppo: GAE lambda between tokens of a turn")
+    gamma_turn: Float = Field(0.95, ge=0, le=1, description="bilevel_gae / turn_ppo: discount between turns")
+    lam_turn: Float = Field(1.0, ge=0, le=1, description="bilevel_gae / turn_ppo: GAE lambda between turns")
+    bilevel_kl_routing: Literal["own_turn", "turn_reward"] = Field(
+        "own_turn", description="bilevel_gae: the turn-end token's -kl_coef*KL stays on its own turn (own_turn) or joins that "
+                                "turn's turn-level reward and so reaches earlier turns discounted (turn_reward: VAGEN's code)")
+    # false is verl's norm_adv_by_std_in_grpo=False, "Dr. GRPO"
+    grpo_norm_by_std: bool = Field(True, description="grpo: divide (R - group mean) by the group's std (Argos Eq. 10), or "
+                                                     "not: then groups that differ only by shaping terms stay small")
+    filter_groups: bool = Field(False, description="DAPO's dynamic sampling: train only on GRPO groups whose episodes differ "
+                                                   "in task success; all-solved and all-failed groups are dropped "
+                                                   "(\"uninformative\") and their admission budget is given back, so the "
+                                                   "actors play more levels instead (learner/data.py)")
+    # GRPO's baseline is the mean of a whole group. Actors push each episode when it ends (a solved one
+    # earlier than a failed one), so a batch cut from the stream in arrival order splits groups, and a
+    # fragment of only successes or only failures gets advantage 0.
+    whole_groups: bool = Field(True, description="the learner holds each GRPO group's members until all are in (or known "
+                                                 "lost) and batches hold whole groups; only with estimator grpo and "
+                                                 "actor.n_samples_per_seed >= 2 (learner/data.py)")
+    whiten_advantages: bool = Field(True, description="whiten advantages (mean 0, std 1 over the whole "
+                                                      "batch's generated tokens); never for grpo")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
+        "token-mean", description="how the policy loss averages over a mini-batch (verl's loss_agg_mode): token-mean (every "
+                                  "generated token weighs the same: VAGEN Alg. 1), seq-mean-token-mean (every trajectory "
+                                  "weighs the same whatever its length), seq-mean-token-sum (Dr. GRPO: per-trajectory token "
+                                  "sums, averaged)")
+    max_staleness: int = Field(4, ge=0, description="drop trajectories whose oldest turn is further behind the policy than "
+                                                    "this many versions")
+    importance_weight_cap: Float = Field(2.0, ge=1, description="truncation of pi_prox / pi_behaviour")
+    wmact_rescale: bool = Field(False, description="WMAct Eq. 4: positive env rewards x N_eff / N")
+    anneal_max_turns: bool = Field(False, description="WMAct Eq. 5: every anneal_every updates, max turns = ceil((mean + "
+                                                      "max turns of the recent episodes) / 2), never raised")
+    anneal_every: int = Field(10, ge=1, description="WMAct's tau: updates between max-turn annealings")
+    zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage")
+    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto = bf16 on GPU, fp32 on CPU")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass (less memory)")
+    checkpoint_every: int = Field(10, ge=1, description="updates between checkpoints")
+    keep_checkpoints: int = Field(3, ge=1, description="the newest checkpoints kept on disk")
+    resume: bool = Field(False, description="continue from the newest complete checkpoint in the run directory")
+    use_critic: bool = Field(True, description="train a critic (false for grpo: values are then 0)")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda:<LOCAL_RANK> when visible, else cpu")
+    kl_in_reward: bool = Field(True, description="KL to the frozen reference as a per-token reward -kl_coef * KL (VAGEN), "
+                                                 "or else as a loss term")
+    kl_estimator: Literal["kl", "abs", "mse", "low_var_kl"] = Field("kl", description="the KL estimator (k1, |k1|, k2, k3)")
+    # stream entries are acked only after a checkpoint holds their update (learner/data.py)
+    max_pending_mb: int = Field(1024, ge=1, description="when the payload bytes held pending (acked only after a "
+                                                        "checkpoint holds their update) pass this, the learner "
+                                                        "checkpoints early")
+    # worldloop/evaluator.py, started by `worldloop up`
+    eval_every: int = Field(0, ge=0, json_schema_extra={"note": "0 = no evaluation during training"},
+                            description="held-out evaluation while training: every eval_every policy versions, "
+                                        "eval_episodes seeds per env from eval.seed_start on; 0 = off")
+    eval_episodes: int = Field(32, ge=1, description="held-out episodes per env of each evaluation while training")
+    final_eval_wait_s: Float = Field(300.0, ge=0, json_schema_extra={"unit": "seconds", "note": "0 = do not wait"},
+                                     description="after the last step the learner waits up to this long for a live "
+                                                 "evaluator's evaluation of the final version, so that TensorBoard/wandb get "
+                                                 "it too (no live evaluator: no wait)")
+    # PyTorch Lightning's max_time; a restarted learner counts from its restart
+    time_limit_s: Float | None = Field(None, gt=0, json_schema_extra={"unit": "seconds", "note": "no limit"},
+                                       description="wall-clock budget of the updates from the first step: no update starts "
+                                                   "that would end past it (judged by the slowest recent update), then the "
+                                                   "learner finishes as after total_steps; `worldloop up` sets it from "
+                                                   "up.time_limit_s")
+    sample_every: int = Field(0, ge=0, json_schema_extra={"note": "0 = no sampled episodes"},
+                              description="every sample_every steps the trackers get a few episodes of the batch (images, "
+                                          "text, rewards per turn) and <run_dir>/samples.jsonl holds them (worldloop show)")
 
 
-@dataclass
-class SFTConfig:
-    # warm start on solver demonstrations, only when `worldloop up` has just made the embedded tiny
-    # model (a real checkpoint is never touched); the defaults are sized for that tiny model:
-    # 64 Sokoban episodes x 20 epochs take ~80 s on 2 CPU cores and reach 100% well-formed answers
-    enabled: bool = True
-    episodes: int = 64
-    epochs: int = 20
-    lr: float = 5e-3
-    batch_size: int = 8
-    # demonstrations (and the format probes after them) are played on seeds seed_start,
-    # seed_start+1, ...; this range must not overlap the RL seeds [actor.seed_start, actor.seed_end)
-    # nor the held-out eval seeds [eval.seed_start, eval.seed_start + eval.episodes)
-    seed_start: int = 5_000_000
-    # expert: the env's expert_response() as is; concise: the same answer with the observation and
-    # prediction cut to their first `observation_relations` sentences and an empty reasoning
-    answer_style: Literal["expert", "concise"] = "expert"
-    observation_relations: int = 2
-    # the concise reasoning: empty, or plan = the turn's actions (as the answer writes them) before the
-    # prediction, so the model picks its move right after reading the board and then predicts and
-    # answers from that choice (README "What the presets do": Sokoban)
-    concise_reasoning: Literal["empty", "plan"] = "empty"
-    # how much of its plan the demonstrator commits per turn: prefix = the first
-    # max_actions_per_step actions (the env's expert); distinct = up to the first repeated move, then it
-    # looks again (one step per direction: the answer follows from the observed relations)
-    turn_plan: Literal["prefix", "distinct"] = "prefix"
+class SFTConfig(Section):
+    """The warm start on solver demonstrations that `worldloop up` runs on a tiny model it has just
+    made (a real checkpoint is never touched); the defaults are sized for that tiny model: 64
+    Sokoban episodes x 20 epochs take ~80 s on 2 CPU cores and reach 100% well-formed answers."""
+
+    enabled: bool = Field(True, description="warm-start a newly made tiny model on demonstrations")
+    episodes: int = Field(64, ge=1, description="demonstration episodes")
+    epochs: int = Field(20, ge=0, description="passes over the demonstrations")
+    lr: Float = Field(5e-3, gt=0, description="learning rate")
+    batch_size: int = Field(8, ge=1, description="demonstrations per step")
+    seed_start: int = Field(5_000_000, ge=0, description="demonstrations (and the format probes after them) are played on "
+                                                         "seeds seed_start, seed_start+1, ... (disjoint from the RL and "
+                                                         "held-out eval seeds)")
+    answer_style: Literal["expert", "concise"] = Field(
+        "expert", description="expert: the env's expert_response() as is; concise: the same answer with the observation and "
+                              "prediction cut to their first observation_relations sentences and an empty reasoning")
+    observation_relations: int = Field(2, ge=1, description="concise: sentences kept of the observation and prediction")
+    # plan: the model picks its move right after reading the board, then predicts and answers from that choice
+    # (README "What the presets do": Sokoban)
+    concise_reasoning: Literal["empty", "plan"] = Field(
+        "empty", description="the concise reasoning: empty, or plan = the turn's actions (as the answer writes them) before "
+                             "the prediction")
+    turn_plan: Literal["prefix", "distinct"] = Field(
+        "prefix", description="how much of its plan the demonstrator commits per turn: prefix = the first "
+                              "max_actions_per_step actions (the env's expert); distinct = up to the first repeated move, "
+                              "then it looks again (one step per direction: the answer follows from the observed relations)")
 
 
-@dataclass
-class UpConfig:
-    num_actors: int = 2
-    num_judges: int = 1
-    # the whole `worldloop up` (model, grounding, SFT, RL, final evaluation) should end within this
-    # many seconds: after the model is ready, the learner gets trainer.time_limit_s = what is left
-    # minus up.final_reserve_s (the final held-out evaluation and shutdown), or less if the config
-    # asks for less; null = no budget (trainer.total_steps alone decides)
-    time_limit_s: float | None = None
-    final_reserve_s: float = 60.0
-    progress_interval_s: float = 2.0
+class UpConfig(Section):
+    """`worldloop up`: the processes it starts and its time budget."""
+
+    num_actors: int = Field(2, ge=0, description="actor processes")
+    num_judges: int = Field(1, ge=0, description="judge processes")
+    time_limit_s: Float | None = Field(None, gt=0, json_schema_extra={"unit": "seconds", "note": "no limit"},
+                                       description="the whole run (model, grounding, SFT, RL, final evaluation) should end "
+                                                   "within this: once the model is ready the learner gets trainer.time_limit_s "
+                                                   "= what is left minus up.final_reserve_s, or less if the config asks for "
+                                                   "less; null = trainer.total_steps alone decides")
+    final_reserve_s: Float = Field(60.0, ge=0, json_schema_extra={"unit": "seconds"},
+                                   description="time kept back from the learner for the final held-out evaluation and shutdown")
+    progress_interval_s: Float = Field(2.0, description="seconds between progress lines on the terminal")
 
 
-@dataclass
-class EvalConfig:
-    episodes: int = 32
-    seed_start: int = 10_000_000  # held-out seeds, disjoint from actor.seed_start..seed_end
-    concurrency: int = 8
-    max_tokens: int = 400  # Table 21: 150/400
-    temperature: float = 0.7
-    single_turn: bool = False  # WMAct protocol
-    output: str | None = None
-    # turns per episode; null = the paper's value per env (VAGEN Tables 7-15; actor.max_turns otherwise)
-    max_turns: int | None = None
-    top_p: float = 1.0  # the APIs' default; the same for local and remote models
-    # local models: "keyed" draws each turn's sampling noise from (run.seed, env, seed, turn) alone, so
-    # an episode does not depend on its batch and two models compared on the same seeds share their
-    # noise (common random numbers); "batch" seeds each batched call instead (before 2026-11-26)
-    sampling: Literal["keyed", "batch"] = "keyed"
-    prompt_format: str | None = None  # reasoning strategy; null = the env's default
-    state_format: str | None = None  # state representation; null = the env's default
-    render_mode: Literal["vision", "text"] = "vision"
-    timeout_s: float = 120.0  # per request to an OpenAI-compatible endpoint
-    max_retries: int = 4  # on 429 / 5xx / timeouts / connection errors, exponential backoff
-    backoff_s: float = 1.0
-    api_key_env: str = "OPENAI_API_KEY"  # the key is read from this variable, never logged
+class EvalConfig(Section):
+    """`worldloop eval` and the held-out seeds of every evaluation."""
+
+    episodes: int = Field(32, ge=1, description="episodes per env")
+    seed_start: int = Field(10_000_000, description="the first held-out seed (disjoint from actor.seed_start..seed_end)")
+    concurrency: int = Field(8, ge=1, description="episodes played (requests in flight) at once")
+    max_tokens: int = Field(400, ge=1, description="tokens per reply (Table 21: 150/400)")
+    temperature: Float = Field(0.7, ge=0, description="sampling temperature")
+    single_turn: bool = Field(False, description="WMAct protocol: one turn that may hold the whole plan")
+    output: str | None = Field(None, description="the results folder; null = runs/eval-<model>-<time>")
+    max_turns: int | None = Field(None, ge=1, description="turns per episode; null = the paper's value per env (VAGEN "
+                                                          "Tables 7-15; actor.max_turns otherwise)")
+    top_p: Float = Field(1.0, gt=0, le=1, description="nucleus sampling mass (the APIs' default; the same for local and "
+                                                      "remote models)")
+    # keyed: two models compared on the same seeds share their noise (common random numbers)
+    sampling: Literal["keyed", "batch"] = Field(
+        "keyed", description="local models: keyed draws each turn's sampling noise from (run.seed, env, seed, turn) alone, "
+                             "so an episode does not depend on its batch; batch seeds each batched call instead "
+                             "(before 2026-11-26)")
+    prompt_format: str | None = Field(None, description="reasoning strategy; null = the env's default")
+    state_format: str | None = Field(None, description="state representation; null = the env's default")
+    render_mode: Literal["vision", "text"] = Field("vision", description="observations as images or as text")
+    timeout_s: Float = Field(120.0, gt=0, description="per request to an OpenAI-compatible endpoint")
+    max_retries: int = Field(4, ge=0, description="retries on 429 / 5xx / timeouts / connection errors, exponential backoff")
+    backoff_s: Float = Field(1.0, ge=0, description="first backoff of a retry")
+    api_key_env: str = Field("OPENAI_API_KEY", description="the environment variable the API key is read from (never logged)")
 
 
-@dataclass
-class Config:
-    run: RunConfig = field(default_factory=RunConfig)
-    redis: RedisConfig = field(default_factory=RedisConfig)
-    weights: WeightsConfig = field(default_factory=WeightsConfig)
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    actor: ActorConfig = field(default_factory=ActorConfig)
-    judge: JudgeConfig = field(default_factory=JudgeConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    sft: SFTConfig = field(default_factory=SFTConfig)
-    up: UpConfig = field(default_factory=UpConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+class Config(Section):
+    """The whole tree: one section per role or concern."""
+
+    run: RunConfig = Field(default_factory=RunConfig, description="the run")
+    redis: RedisConfig = Field(default_factory=RedisConfig, description="Redis")
+    weights: WeightsConfig = Field(default_factory=WeightsConfig, description="the weight channel")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the model")
+    actor: ActorConfig = Field(default_factory=ActorConfig, description="the actors")
+    judge: JudgeConfig = Field(default_factory=JudgeConfig, description="the judges")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="the learner")
+    sft: SFTConfig = Field(default_factory=SFTConfig, description="the SFT warm start")
+    up: UpConfig = Field(default_factory=UpConfig, description="worldloop up")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="evaluation")
     # set by the loader: the file the config came from (not a key in YAML)
-    source: str | None = field(default=None, metadata={"internal": True})
+    _source: str | None = PrivateAttr(None)
 
+    @property
+    def source(self) -> str | None:
+        """The file the config was read from (a preset's path inside the package), or None."""
+        return self._source
 
-# --------------------------------------------------------------------------- checks
-
-# value checks beyond types: dotted key -> (predicate, reason)
-_CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
-    "redis.max_backlog": (lambda v: v >= 1, "must be >= 1"),
-    "redis.startup_timeout_s": (lambda v: v > 0, "must be > 0"),
-    "redis.url": (
-        lambda v: v is None or v.startswith(("redis://", "rediss://", "unix://")),
-        "must start with redis://, rediss:// or unix://",
-    ),
-    "weights.chunk_bytes": (lambda v: v >= 1024, "must be >= 1024"),
-    "weights.pub_port": (lambda v: 0 <= v < 65536, "must be a TCP port"),
-    "weights.fetch_port": (lambda v: 0 <= v < 65536, "must be a TCP port"),
-    "weights.fetch_timeout_s": (lambda v: v > 0, "must be > 0"),
-    "weights.max_bytes": (lambda v: v >= 0, "must be >= 0 (0 = derived from the model directory)"),
-    "metrics.port": (lambda v: 0 <= v < 65536, "must be a TCP port (0 = ephemeral)"),
-    "actor.num_envs": (lambda v: v >= 1, "must be >= 1"),
-    "trainer.eval_every": (lambda v: v >= 0, "must be >= 0 (0 = no evaluation during training)"),
-    "trainer.eval_episodes": (lambda v: v >= 1, "must be >= 1"),
-    "trainer.final_eval_wait_s": (lambda v: v >= 0, "must be >= 0 seconds (0 = do not wait)"),
-    "trainer.sample_every": (lambda v: v >= 0, "must be >= 0 (0 = no sampled episodes)"),
-    "trainer.time_limit_s": (lambda v: v is None or v > 0, "must be > 0 seconds or null (no limit)"),
-    "up.time_limit_s": (lambda v: v is None or v > 0, "must be > 0 seconds or null (no limit)"),
-    "up.final_reserve_s": (lambda v: v >= 0, "must be >= 0 seconds"),
-    "run.loggers": (lambda v: set(v) <= {"jsonl", "tensorboard", "wandb"} and len(set(v)) == len(v),
-                    "must list distinct names out of jsonl, tensorboard, wandb"),
-    "actor.admission_lease_s": (lambda v: v > 0, "must be > 0"),
-    "actor.envs": (lambda v: len(v) >= 1, "must list at least one env"),
-    "actor.max_turns": (lambda v: v >= 1, "must be >= 1"),
-    "actor.n_samples_per_seed": (lambda v: v >= 1, "must be >= 1"),
-    "actor.temperature": (lambda v: v >= 0, "must be >= 0"),
-    "actor.top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
-    "actor.max_new_tokens": (lambda v: v >= 1, "must be >= 1"),
-    "actor.vllm_kv_cache_gib": (lambda v: v is None or v > 0, "must be > 0 or null"),
-    "judge.concurrency": (lambda v: v >= 1, "must be >= 1"),
-    "judge.timeout_s": (lambda v: v > 0, "must be > 0"),
-    "judge.max_retries": (lambda v: v >= 0, "must be >= 0"),
-    "judge.backoff_s": (lambda v: v >= 0, "must be >= 0"),
-    "judge.cache_size": (lambda v: v >= 0, "must be >= 0 (0 = no cache)"),
-    "judge.batch_size": (lambda v: v >= 1, "must be >= 1"),
-    "judge.gate_threshold": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-    "judge.scorer_weights": (lambda v: all(k in ("rule", "llm", "hybrid") and w > 0 for k, w in v.items()),
-                             "keys must be rule/llm/hybrid with weights > 0"),
-    "judge.max_tokens": (lambda v: v >= 1, "must be >= 1"),
-    "judge.dedup_window_s": (lambda v: v > 0, "must be > 0"),
-    "judge.repetition_top_k": (lambda v: v >= 0, "must be >= 0 (0 = no repetition penalty)"),
-    "trainer.train_batch_size": (lambda v: v >= 1, "must be >= 1"),
-    "trainer.ppo_mini_batch_size": (lambda v: v >= 1, "must be >= 1"),
-    "trainer.micro_batch_size": (lambda v: v >= 1, "must be >= 1"),
-    "trainer.micro_batch_tokens": (lambda v: v >= 0, "must be >= 0 (0 = micro_batch_size trajectories per micro-batch)"),
-    "trainer.clip_ratio": (lambda v: v > 0, "must be > 0"),
-    "trainer.max_staleness": (lambda v: v >= 0, "must be >= 0"),
-    "trainer.importance_weight_cap": (lambda v: v >= 1.0, "must be >= 1"),
-    "trainer.gamma": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-    "trainer.lam": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-    "trainer.gamma_token": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-    "trainer.lam_token": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-    "trainer.gamma_turn": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-    "trainer.lam_turn": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-    "trainer.anneal_every": (lambda v: v >= 1, "must be >= 1"),
-    "trainer.checkpoint_every": (lambda v: v >= 1, "must be >= 1"),
-    "trainer.keep_checkpoints": (lambda v: v >= 1, "must be >= 1"),
-    "trainer.max_pending_mb": (lambda v: v >= 1, "must be >= 1"),
-    "trainer.total_steps": (lambda v: v >= 1, "must be >= 1"),
-    "trainer.ppo_epochs": (lambda v: v >= 1, "must be >= 1"),
-    "up.num_actors": (lambda v: v >= 0, "must be >= 0"),
-    "up.num_judges": (lambda v: v >= 0, "must be >= 0"),
-    "eval.episodes": (lambda v: v >= 1, "must be >= 1"),
-    "model.tiny_copy_pretrain_steps": (lambda v: v >= 0, "must be >= 0"),
-    "model.tiny_grounding_steps": (lambda v: v >= 0, "must be >= 0"),
-    "model.tiny_grounding_lr": (lambda v: v > 0, "must be > 0"),
-    "model.tiny_grounding_batch_size": (lambda v: v >= 1, "must be >= 1"),
-    "model.tiny_grounding_seed_start": (lambda v: v >= 0, "must be >= 0"),
-    "model.tiny_grounding_agent_every": (lambda v: v >= 0, "must be >= 0 (0 = never)"),
-    "model.tiny_grounding_agent_batch_size": (lambda v: v >= 1, "must be >= 1"),
-    "sft.episodes": (lambda v: v >= 1, "must be >= 1"),
-    "sft.epochs": (lambda v: v >= 0, "must be >= 0"),
-    "sft.lr": (lambda v: v > 0, "must be > 0"),
-    "sft.batch_size": (lambda v: v >= 1, "must be >= 1"),
-    "sft.seed_start": (lambda v: v >= 0, "must be >= 0"),
-    "sft.observation_relations": (lambda v: v >= 1, "must be >= 1"),
-    "eval.concurrency": (lambda v: v >= 1, "must be >= 1"),
-    "eval.max_tokens": (lambda v: v >= 1, "must be >= 1"),
-    "eval.temperature": (lambda v: v >= 0, "must be >= 0"),
-    "eval.top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
-    "eval.max_turns": (lambda v: v is None or v >= 1, "must be >= 1 or null"),
-    "eval.timeout_s": (lambda v: v > 0, "must be > 0"),
-    "eval.max_retries": (lambda v: v >= 0, "must be >= 0"),
-    "eval.backoff_s": (lambda v: v >= 0, "must be >= 0"),
-}
-
-
-def _cross_checks(cfg: Config) -> None:
-    t = cfg.trainer
-    if t.train_batch_size % t.ppo_mini_batch_size:
-        raise ConfigError(
-            "trainer.ppo_mini_batch_size",
-            f"must divide trainer.train_batch_size ({t.train_batch_size}), got {t.ppo_mini_batch_size}",
-        )
-    if t.ppo_mini_batch_size % t.micro_batch_size:
-        raise ConfigError(
-            "trainer.micro_batch_size",
-            f"must divide trainer.ppo_mini_batch_size ({t.ppo_mini_batch_size}), got {t.micro_batch_size}",
-        )
-    if t.filter_groups and cfg.actor.n_samples_per_seed < 2:
-        raise ConfigError("trainer.filter_groups", "needs groups: set actor.n_samples_per_seed >= 2 "
-                          f"(got {cfg.actor.n_samples_per_seed})")
-    size = held_group_size(cfg)
-    if size and t.train_batch_size % size:
-        key = "trainer.filter_groups" if t.filter_groups else "trainer.whole_groups"
-        raise ConfigError(key, f"trains whole groups: trainer.train_batch_size ({t.train_batch_size}) must be a "
-                          f"multiple of actor.n_samples_per_seed ({size})"
-                          + ("" if t.filter_groups else "; or set trainer.whole_groups: false"))
-    if not t.kl_in_reward and t.kl_coef > 0 and t.kl_estimator == "kl":
-        # E_pi[log pi - log ref] is the KL, but its gradient on fixed samples is grad log pi(a):
-        # minimising it lowers the probability of every sampled token (measured: a tiny run's KL
-        # term went to -20 and the policy collapsed to one repeated token)
-        raise ConfigError("trainer.kl_estimator", "the 'kl' (k1) estimator cannot be a loss term "
-                          "(trainer.kl_in_reward: false): its gradient lowers every sampled token's probability; "
-                          "use low_var_kl or mse, or keep the KL in the reward")
-    if cfg.actor.seed_end <= cfg.actor.seed_start:
-        raise ConfigError("actor.seed_end", "must be greater than actor.seed_start")
-    if cfg.actor.seed_start <= cfg.eval.seed_start < cfg.actor.seed_end:
-        raise ConfigError("eval.seed_start", "must lie outside the training seed range [actor.seed_start, actor.seed_end)")
-    _check_demonstration_seeds(cfg)
-    _check_grounding_seeds(cfg)
-    for name in cfg.judge.scorers.values():
-        for s in name:
-            if s not in ("rule", "llm", "hybrid"):
-                raise ConfigError("judge.scorers", f"unknown scorer '{s}' (known: rule, llm, hybrid)")
-    # CURVE: the learner holds the server's secret key file (and optionally the client keys it
-    # admits); an actor holds only the server's public key file (and optionally its own client key)
-    w = cfg.weights
-    if w.curve_client_secret and not w.curve_server_public:
-        raise ConfigError("weights.curve_server_public", "an actor's CURVE client key needs the server's public key file")
-    if w.curve_client_public and not w.curve_server_secret:
-        raise ConfigError("weights.curve_server_secret", "admitting CURVE client keys needs the server's secret key file")
-
-
-SFT_PROBE_SEEDS = 8  # format probes played after the demonstrations (worldloop/sft.py warm_start)
-
-
-def _rl_seeds(cfg: Config) -> tuple[str, int, int]:
-    return ("the RL seeds [actor.seed_start, actor.seed_end)", cfg.actor.seed_start, cfg.actor.seed_end)
-
-
-def _rl_and_eval_seeds(cfg: Config) -> list[tuple[str, int, int]]:
-    return [_rl_seeds(cfg),
-            ("the held-out eval seeds [eval.seed_start, eval.seed_start + eval.episodes)", cfg.eval.seed_start,
-             cfg.eval.seed_start + cfg.eval.episodes)]
-
-
-def _check_disjoint(key: str, label: str, lo: int, hi: int, others: list[tuple[str, int, int]]) -> None:
-    """ConfigError on ``key`` when the seed range [lo, hi) overlaps any of ``others`` (name, lo, hi)."""
-    for what, lo2, hi2 in others:
-        if lo < hi2 and lo2 < hi:
-            raise ConfigError(key, f"{label} [{lo}, {hi}) overlap {what} = [{lo2}, {hi2})")
-
-
-def _demonstration_seeds(cfg: Config) -> tuple[int, int]:
-    """[lo, hi) of the SFT demonstrations and the format probes played after them."""
-    return cfg.sft.seed_start, cfg.sft.seed_start + cfg.sft.episodes + SFT_PROBE_SEEDS
-
-
-def _check_demonstration_seeds(cfg: Config) -> None:
-    """SFT demonstrations must be played on seeds that RL and the held-out evaluation never see."""
-    if not cfg.sft.enabled:
-        return
-    _check_disjoint("sft.seed_start", "demonstration seeds", *_demonstration_seeds(cfg), _rl_and_eval_seeds(cfg))
-
-
-GROUNDING_EVAL_BOARDS = 128  # held-out boards of grounding pre-training (worldloop/grounding.py)
-
-
-def _grounding_seeds(cfg: Config) -> tuple[int, int]:
-    """[lo, hi) of the grounding pre-training levels and the boards it is evaluated on."""
-    m = cfg.model
-    return m.tiny_grounding_seed_start, (m.tiny_grounding_seed_start + m.tiny_grounding_steps * m.tiny_grounding_batch_size
-                                         + GROUNDING_EVAL_BOARDS)
-
-
-def _check_grounding_seeds(cfg: Config) -> None:
-    """The levels of grounding pre-training must be none of the RL, demonstration or held-out levels."""
-    if not cfg.model.tiny_grounding_steps:
-        return
-    others = _rl_and_eval_seeds(cfg)
-    if cfg.sft.enabled:
-        others.append(("the SFT demonstration seeds", *_demonstration_seeds(cfg)))
-    _check_disjoint("model.tiny_grounding_seed_start", "grounding pre-training seeds", *_grounding_seeds(cfg), others)
-
-
-def held_group_size(cfg: Config) -> int:
-    """The GRPO group size the learner's reader holds members for until a group is whole
-    (``trainer.filter_groups``, or ``trainer.whole_groups`` with estimator grpo), or 0 when it
-    batches in arrival order (no groups, or neither knob applies)."""
-    t, n = cfg.trainer, cfg.actor.n_samples_per_seed
-    grouped = t.filter_groups or (t.whole_groups and t.estimator == "grpo")
-    return n if grouped and n >= 2 else 0
-
-
-def training_seed_ranges(cfg: Config) -> list[tuple[str, int, int]]:
-    """(what, lo, hi) of every seed range a run trains on: RL, and the SFT demonstrations and
-    grounding pre-training levels where they are on. Held-out seeds must miss all of them."""
-    out = [_rl_seeds(cfg)]
-    if cfg.sft.enabled:
-        out.append(("the SFT demonstration seeds", *_demonstration_seeds(cfg)))
-    if cfg.model.tiny_grounding_steps:
-        out.append(("the grounding pre-training seeds", *_grounding_seeds(cfg)))
-    return out
-
-
-def check_held_out_seeds(cfg: Config, lo: int, n: int, key: str = "eval.seed_start") -> None:
-    """ConfigError on ``key`` when the held-out seeds [lo, lo + n) overlap a training range."""
-    _check_disjoint(key, "held-out seeds", lo, lo + n, training_seed_ranges(cfg))
-
-
-# --------------------------------------------------------------------------- coercion
-
-
-_FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _coerce(key: str, tp: Any, value: Any) -> Any:
-    """Check ``value`` against the annotation ``tp``; return the typed value."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(key, a, value)
-            except ConfigError as e:
-                errors.append(e.reason)
-        raise ConfigError(key, "; ".join(errors) if errors else f"got {value!r}")
-    if origin is Literal:
-        if value in args:
-            return value
-        raise ConfigError(key, f"must be one of {list(args)}, got {value!r}")
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(key, f"expected a list, got {type(value).__name__} {value!r}")
-        return [_coerce(f"{key}[{i}]", args[0], v) for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(key, f"expected a mapping, got {type(value).__name__} {value!r}")
-        return {_coerce(f"{key}.<key>", args[0], k): _coerce(f"{key}.{k}", args[1], v) for k, v in value.items()}
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, dict):
-            raise ConfigError(key, f"expected a mapping for section {tp.__name__}, got {value!r}")
-        return _build(tp, value, key)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(key, f"expected true/false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(key, f"expected an integer, got {type(value).__name__} {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):
-            return float(value)  # YAML 1.1 reads 1e-6 (no dot) as a string
-        raise ConfigError(key, f"expected a number, got {type(value).__name__} {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(key, f"expected a string, got {type(value).__name__} {value!r}")
-    raise ConfigError(key, f"unsupported type {_type_name(tp)}")
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _build(cls: type, data: dict, prefix: str = "") -> Any:
-    hints = _hints(cls)
-    known = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
-    kwargs = {}
-    for k, v in data.items():
-        dotted = f"{prefix}.{k}" if prefix else str(k)
-        if k not in known:
-            raise ConfigError(dotted, f"unknown key (known keys here: {', '.join(sorted(known))})")
-        kwargs[k] = _coerce(dotted, hints[k], v)
-        if dotted in _CHECKS:
-            ok, reason = _CHECKS[dotted]
-            if not ok(kwargs[k]):
-                raise ConfigError(dotted, f"{reason}, got {v!r}")
-    return cls(**kwargs)
-
-
-def _validate_defaults(cfg: Config) -> None:
-    """Run value checks on every key, including defaults and values set in code."""
-    for dotted, (ok, reason) in _CHECKS.items():
-        value = get_key(cfg, dotted)
-        if not ok(value):
-            raise ConfigError(dotted, f"{reason}, got {value!r}")
-    _cross_checks(cfg)
+    @source.setter
+    def source(self, value: str | None) -> None:
+        self._source = value
 
 
 # --------------------------------------------------------------------------- public API
 
 
 def get_key(cfg: Any, dotted: str) -> Any:
+    """The value at a dotted key: ``get_key(cfg, "trainer.actor_lr")``."""
     obj = cfg
     for part in dotted.split("."):
         obj = getattr(obj, part)
     return obj
 
 
-def parse_override(text: str) -> tuple[str, Any]:
-    if "=" not in text:
-        raise ConfigError(text, "an override must look like key.sub=value")
-    key, raw = text.split("=", 1)
-    key = key.strip()
-    if not key:
-        raise ConfigError(text, "an override must name a key before '='")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(key, f"value {raw!r} is not valid YAML: {e}") from None
-    return key, value
-
-
-def _set_dotted(tree: dict, key: str, value: Any) -> None:
-    parts = key.split(".")
-    node = tree
-    for i, p in enumerate(parts[:-1]):
-        nxt = node.get(p)
-        if nxt is None:
-            nxt = node[p] = {}
-        elif not isinstance(nxt, dict):
-            raise ConfigError(".".join(parts[: i + 1]), "is a value, not a section; cannot set a sub-key")
-        node = nxt
-    node[parts[-1]] = value
-
-
-# the envs whose prompt follows judge.rule_mode (their kwarg relation_prompt, envs/grid/grid_env.py)
-RELATION_PROMPT_ENVS = ("worldloop/Sokoban-v0", "worldloop/FrozenLake-v0")
-
-
-def _pass_rule_mode(cfg: Config) -> None:
-    """judge.rule_mode vagen: relation_prompt=vagen into the kwargs of the Sokoban/FrozenLake envs (the
-    actors, the SFT demonstrations and `worldloop eval` all build them from actor.envs); an explicit
-    relation_prompt that contradicts judge.rule_mode fails."""
-    want = "vagen" if cfg.judge.rule_mode == "vagen" else "default"
-    for i, spec in enumerate(cfg.actor.envs):
-        if spec.id not in RELATION_PROMPT_ENVS:
-            continue
-        have = spec.kwargs.get("relation_prompt", want)
-        if have != want:
-            raise ConfigError(f"actor.envs[{i}].kwargs.relation_prompt",
-                              f"is {have!r} but judge.rule_mode is {cfg.judge.rule_mode!r}: the prompt must ask for what "
-                              "the judge scores (set judge.rule_mode and leave relation_prompt out, the config passes it)")
-        if want == "vagen":
-            spec.kwargs["relation_prompt"] = "vagen"
-
-
 def config_from_dict(data: dict | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    tree: dict = dict(data or {})
-    if not isinstance(tree, dict):
-        raise ConfigError("<root>", "the config file must be a mapping of sections")
-    tree = _deep_copy(tree)
-    for ov in overrides:
-        k, v = parse_override(ov)
-        _set_dotted(tree, k, v)
-    cfg = _build(Config, tree)
-    _pass_rule_mode(cfg)
-    _validate_defaults(cfg)
+    """Validate a config tree (with overrides applied) against the schema, then the cross-field rules."""
+    try:
+        cfg = Config.model_validate(with_overrides(data, overrides))
+    except ValidationError as e:
+        raise config_error(e, Config) from None
+    pass_rule_mode(cfg)
+    cross_check(cfg)
     return cfg
 
 
-def _deep_copy(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {k: _deep_copy(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_deep_copy(v) for v in x]
-    return x
-
-
-def preset_names() -> list[str]:
-    """The presets shipped in the package (``worldloop.configs``), without ``.yaml``."""
-    return sorted(f.name[: -len(".yaml")] for f in resources.files("worldloop.configs").iterdir() if f.name.endswith(".yaml"))
-
-
-def resolve_config_path(path: str | os.PathLike) -> Path:
-    """A config file: ``path`` itself when it exists, else the shipped preset of that name
-    (``tiny-sokoban`` or ``tiny-sokoban.yaml``), so presets work from a non-editable install."""
-    p = Path(path)
-    if p.exists():
-        return p
-    name = p.name[: -len(".yaml")] if p.name.endswith(".yaml") else p.name
-    if str(p) in (name, name + ".yaml", f"configs/{name}.yaml"):
-        preset = resources.files("worldloop.configs") / f"{name}.yaml"
-        if preset.is_file():
-            return Path(str(preset))
-    raise ConfigError("<file>", f"config file {str(p)!r} does not exist and is not a preset (presets: {', '.join(preset_names())})")
-
-
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Load a YAML file (or only defaults when ``path`` is None) and apply overrides."""
-    data: dict = {}
-    p = None
-    if path is not None:
-        p = resolve_config_path(path)
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError("<file>", f"{p} is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError("<root>", f"{p} must hold a mapping of sections, got {type(data).__name__}")
+    """Load a YAML file or preset (or only defaults when ``path`` is None) and apply overrides."""
+    data, p = read_config_file(path) if path is not None else ({}, None)
     cfg = config_from_dict(data, overrides)
-    cfg.source = str(p) if p is not None else None  # the file read (a preset's path inside the package)
+    cfg.source = str(p) if p is not None else None
     return cfg
 
 
 def to_dict(cfg: Any) -> dict:
-    """The config as plain data (for logs, the run directory and child processes)."""
-    out = dataclasses.asdict(cfg)
-    out.pop("source", None)
-    return out
+    """The config (or a section) as plain data, for logs, the run directory and child processes."""
+    return cfg.model_dump()
 
 
 def env_label(spec: EnvSpec) -> str:

@@ -139,3 +139,72 @@ def test_file_errors(tmp_path: Path) -> None:
     scalar.write_text("just a string\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(scalar)
+
+
+@pytest.mark.parametrize("override,key,words", [
+    # a live judge refreshes its entries every claim_idle_ms / 3: below 1 s judges steal each other's live work
+    ("redis.claim_idle_ms=10", "redis.claim_idle_ms", "must be >= 1000 ms (a live judge refreshes"),
+    ("redis.claim_idle_ms=999", "redis.claim_idle_ms", "must be >= 1000 ms"),
+    ("redis.block_ms=0", "redis.block_ms", "must be >= 1 ms (0 would block forever)"),
+    ("redis.socket_timeout_s=0", "redis.socket_timeout_s", "must be > 0 seconds (0 would make the socket non-blocking"),
+    ("redis.reconnect_max_s=0", "redis.reconnect_max_s", "must be > 0 seconds"),
+    ("actor.envs=[{id: x, weight: -1}]", "actor.envs[0].weight", "must be >= 0, got -1"),
+    ("actor.envs=[{id: x, weight: 0}, {id: y, weight: 0.0}]", "actor.envs", "positive sum"),
+    ("actor.vllm_gpu_memory_utilization=0", "actor.vllm_gpu_memory_utilization", "must be in (0, 1]"),
+])
+def test_new_bounds_are_named(override: str, key: str, words: str) -> None:
+    e = _error(overrides=(override,))
+    assert e.key == key and words in e.reason, e
+
+
+def test_the_lowest_accepted_redis_timings_and_the_presets_values() -> None:
+    cfg = load_config(None, ["redis.claim_idle_ms=1000", "redis.block_ms=1", "redis.socket_timeout_s=0.1"])
+    assert (cfg.redis.claim_idle_ms, cfg.redis.block_ms, cfg.redis.socket_timeout_s) == (1000, 1, 0.1)
+    assert load_config("tiny-sokoban").redis.claim_idle_ms == 20_000
+    # code may still set a key directly (as the learner's reclaim test does); only loading checks
+    cfg.redis.claim_idle_ms = 1
+    assert cfg.redis.claim_idle_ms == 1
+
+
+@pytest.mark.parametrize("override,key,reason", [
+    ("judge.scorer_weights={rule: 1, llm: [2]}", "judge.scorer_weights.llm", "expected a number, got list [2]"),
+    ("judge.scorers={1: [rule]}", "judge.scorers.<key>", "expected a string, got int 1"),
+    ("actor.envs=[{id: x}, {id: y, kwargs: {size: 3}, nope: 1}]", "actor.envs[1].nope",
+     "unknown key (known keys here: id, kwargs, name, train_kwargs, weight)"),
+    ("actor.envs=[{id: x}, 7]", "actor.envs[1]", "expected a mapping for section EnvSpec, got 7"),
+    ("trainer=[1]", "trainer", "expected a mapping for section TrainerConfig, got [1]"),
+    ("trainer.loss_agg_mode=mean", "trainer.loss_agg_mode",
+     "must be one of ['token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum'], got 'mean'"),
+    ("trainer.zero_stage='1'", "trainer.zero_stage", "must be one of [0, 1, 2, 3], got '1'"),
+    ("judge.enabled='yes'", "judge.enabled", "expected true/false, got 'yes'"),
+    ("judge.enabled=0", "judge.enabled", "expected true/false, got 0"),
+    ("trainer.use_critic=1.0", "trainer.use_critic", "expected true/false, got 1.0"),
+    ("actor.max_turns=true", "actor.max_turns", "expected an integer, got bool True"),
+    ("actor.max_turns=2.0", "actor.max_turns", "expected an integer, got float 2.0"),
+    ("trainer.actor_lr=false", "trainer.actor_lr", "expected a number, got bool False"),
+    ("run.name=3", "run.name", "expected a string, got int 3"),
+    ("judge.scorers={default: [magic]}", "judge.scorers", "must name scorers out of rule, llm, hybrid, got {'default': ['magic']}"),
+    ("source=x.yaml", "source", "unknown key (known keys here: actor, eval, judge, metrics, model, redis, run, sft, trainer, up, weights)"),
+])
+def test_each_kind_of_error_names_the_dotted_key_and_the_reason(override: str, key: str, reason: str) -> None:
+    e = _error(overrides=(override,))
+    assert (e.key, e.reason) == (key, reason)
+    assert str(e) == f"config key '{key}': {reason}"
+
+
+def test_number_text_is_a_number_everywhere_a_float_goes() -> None:
+    cfg = config_from_dict({"judge": {"scorer_weights": {"rule": "1e-3", "llm": 2}}, "trainer": {"critic_lr": "+2E-5"},
+                            "up": {"time_limit_s": "3e2"}})
+    assert cfg.judge.scorer_weights == {"rule": 1e-3, "llm": 2.0} and isinstance(cfg.judge.scorer_weights["llm"], float)
+    assert (cfg.trainer.critic_lr, cfg.up.time_limit_s) == (2e-5, 300.0)
+    assert _error({"trainer": {"critic_lr": "inf"}}).key == "trainer.critic_lr"  # only number text, not words
+
+
+def test_the_resolved_config_round_trips_through_plain_data() -> None:
+    cfg = load_config("tiny-sokoban", ["judge.rule_mode=vagen", "trainer.total_steps=7"])
+    data = to_dict(cfg)
+    assert "source" not in data and data["actor"]["envs"][0]["kwargs"]["relation_prompt"] == "vagen"
+    again = config_from_dict(data)
+    assert to_dict(again) == data and again.source is None and cfg.source.endswith("tiny-sokoban.yaml")
+    cfg.trainer.total_steps = 9  # attributes stay assignable
+    assert to_dict(cfg)["trainer"]["total_steps"] == 9 and data["trainer"]["total_steps"] == 7

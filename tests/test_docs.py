@@ -101,11 +101,7 @@ def test_readme_is_at_most_300_lines() -> None:
 
 
 def test_every_relative_link_in_readme_and_docs_resolves() -> None:
-    allow: set[str] = set()
-    if not (ROOT / "docs" / "configuration.md").exists():
-        # docs/configuration.md is generated in branch p29-config
-        allow.add("docs/configuration.md")
-    problems = [p for f in doc_files() for p in broken_links(f, allow_missing=frozenset(allow))]
+    problems = [p for f in doc_files() for p in broken_links(f)]
     assert not problems, "broken links:\n" + "\n".join(problems)
 
 

@@ -6,7 +6,8 @@
 
 Layers, lowest first (``worldloop/__init__.py`` says what each holds):
 
-    contracts    worldloop.common.{config, schemas, keys, modeling}
+    contracts    worldloop.common.{config (+ config_fields, config_checks, config_load), schemas, keys,
+                 modeling}
     machinery    the rest of worldloop.common
     envs         worldloop.envs
     roles        worldloop.actor, worldloop.judge, worldloop.learner
@@ -39,7 +40,8 @@ PACKAGE_DIRS = {
     "learner": "worldloop.learner",
     "envs": "worldloop.envs",
 }
-CONTRACTS = {"worldloop.common.config", "worldloop.common.schemas", "worldloop.common.keys", "worldloop.common.modeling"}
+CONTRACTS = {"worldloop.common.config", "worldloop.common.config_fields", "worldloop.common.config_checks",
+             "worldloop.common.config_load", "worldloop.common.schemas", "worldloop.common.keys", "worldloop.common.modeling"}
 ROLES = ("worldloop.actor", "worldloop.judge", "worldloop.learner")
 RANK = {"contracts": 0, "machinery": 1, "envs": 1, "roles": 2, "apps": 3}
 

@@ -11,7 +11,8 @@ roles           ``worldloop.actor``, ``worldloop.judge``, ``worldloop.learner``:
 envs            ``worldloop.envs``: gymnasium environments, used by actors and applications only
 machinery       ``worldloop.common.{redis_link, streams, weights, process, control, metrics, redis_local,
                 openai_retry}``: Redis links, streams, the ZeroMQ weight channel, the process scaffold
-contracts       ``worldloop.common.{config, schemas, keys, modeling}``: what crosses a process
+contracts       ``worldloop.common.{config, schemas, keys, modeling}`` (``config`` with its
+                ``config_fields``, ``config_checks``, ``config_load``): what crosses a process
                 boundary (config, message types, Redis key names, token layout); no machinery
 ==============  ==========================================================================
 
