@@ -150,7 +150,7 @@ def main() -> int:
     ap.add_argument("--freeze-vision", action="store_true")
     ap.add_argument("--out", default="runs/bench-perception")
     args = ap.parse_args()
-    from worldloop.tiny_model import make_tiny_model
+    from worldloop.bootstrap.tiny_model import make_tiny_model
 
     if args.tint:
         install_tint(args.tint)

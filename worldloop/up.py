@@ -6,9 +6,10 @@ Steps, each logged:
    ``versions.json`` (Python's and the learning-relevant packages' versions, :func:`worldloop.common.versions.package_versions`);
 2. Redis: ``redis.url`` when given, else a private ``redis-server`` (system or bundled) whose data
    lives in the run directory;
-3. model: when ``model.path`` does not exist and ``model.make_tiny_if_missing``, the embedded tiny
-   Qwen2.5-VL model is made on the spot and, with ``sft.enabled``, warm-started by SFT on solver
-   demonstrations (observation/prediction fields included);
+3. model: :func:`worldloop.bootstrap.pipeline.prepare_model`: when ``model.path`` does not exist and
+   ``model.make_tiny_if_missing``, the embedded tiny Qwen2.5-VL model is made on the spot, grounded
+   and, with ``sft.enabled``, warm-started by SFT on solver demonstrations (observation/prediction
+   fields included), writing ``grounding.json`` and ``sft.json``;
 4. time budget: with ``up.time_limit_s``, what is left of it after the model is made, less
    ``up.final_reserve_s``, becomes the learner's ``trainer.time_limit_s`` (it stops before an update
    that would end past it), so the whole run ends within the budget on a slower machine too;
@@ -30,7 +31,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -42,6 +42,7 @@ from pathlib import Path
 
 import yaml
 
+from worldloop.bootstrap.pipeline import prepare_model
 from worldloop.common.config import Config, to_dict
 from worldloop.common.control import list_processes, read_control, write_control
 from worldloop.common.keys import Keys
@@ -140,40 +141,6 @@ class Progress:
 def default_run_dir(cfg: Config) -> Path:
     stem = Path(cfg.source).stem if cfg.source else cfg.run.name
     return Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def _prepare_model(cfg: Config, run_dir: Path) -> None:
-    path = Path(cfg.model.path)
-    if (path / "config.json").exists():
-        log.info("model: %s", path)
-        return
-    if not cfg.model.make_tiny_if_missing:
-        raise FileNotFoundError(f"model.path {str(path)!r} has no config.json and model.make_tiny_if_missing is false")
-    from worldloop.tiny_model import make_tiny_model
-
-    # made, grounded and warm-started beside model.path, moved there only when whole: a run stopped
-    # half-way (Ctrl-C in grounding) leaves no model.path that a later run would take as finished
-    # and train without its grounding or warm start
-    work = path.with_name(path.name + ".partial")
-    if work.exists():
-        log.info("model: removing %s, left by a run stopped while it prepared the model", work)
-        shutil.rmtree(work)
-    log.info("model: making the embedded tiny model in %s", path)
-    make_tiny_model(work, seed=cfg.run.seed, copy_pretrain_steps=cfg.model.tiny_copy_pretrain_steps)
-    if cfg.model.tiny_grounding_steps:
-        from worldloop.grounding import ground_for_run
-
-        report = ground_for_run(cfg, work)
-        (run_dir / "grounding.json").write_text(json.dumps(report, indent=2))
-    if cfg.sft.enabled:
-        from worldloop.sft import warm_start
-
-        log.info("model: SFT warm start on %d solver demonstrations", cfg.sft.episodes)
-        report = warm_start(cfg, work)
-        (run_dir / "sft.json").write_text(json.dumps(report, indent=2))
-        log.info("model: SFT done: %s", report)
-    work.rename(path)
-    log.info("model: ready at %s", path)
 
 
 def _children(cfg: Config, config_path: Path, run_dir: Path) -> list[Child]:
@@ -399,7 +366,7 @@ def run(cfg: Config, args) -> int:
     progress = Progress()
     rc = 0
     try:
-        _prepare_model(cfg, run_dir)
+        prepare_model(cfg, run_dir)
         stop["preparing"] = False
         learner_time_budget(cfg, time.monotonic() - started)
         config_path = run_dir / "config.yaml"

@@ -8,11 +8,11 @@ Public API::
     grounding_pretrain(model_dir, env_specs, steps, *, seed_start, max_image_side, batch_size=32,
                        lr=3e-3, seed=0, freeze_vision=True, eval_boards=128, progress=None,
                        agent_every=0, agent_batch_size=8, prompt="image") -> dict
-    ground_for_run(cfg, model_dir) -> dict      # what ``worldloop up`` runs before SFT
 
 A pretrained vision-language model arrives able to say what is where in an image; the tiny model
 made on the spot does not, and a few hundred SFT demonstrations do not teach it (README,
 "Why the tiny model could not see"). So before SFT, ``worldloop up`` trains the newly made model
+(:func:`worldloop.bootstrap.pipeline.ground` reads the config and calls :func:`grounding_pretrain`)
 on the cheapest grounding task the run's own envs give for free: the first-turn image of a fresh
 level followed by the answer prefix ``<think><observation>{the true state, as the env describes
 it}</observation>``: exactly the text an ``<observation>`` is judged against. Loss on those answer
@@ -35,7 +35,6 @@ the goal in FrozenLake, the box in Sokoban), ``exact`` (the whole description ri
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,8 +44,6 @@ import torch
 
 from worldloop.common.modeling import ChatCodec, SequenceLayout, collate, freeze_vision_tower, load_policy, model_inputs
 from worldloop.envs.base import observation_parts
-
-log = logging.getLogger(__name__)
 
 PROMPT = "<image>"  # the image alone: the user turn of a pretraining example
 
@@ -233,32 +230,3 @@ def grounding_pretrain(
     return {"steps": steps, "batch_size": batch_size, "lr": lr, "seconds": time.monotonic() - start,
             "before": before, "after": after, "before_agent": before_agent, "after_agent": after_agent,
             "loss": loss_value}
-
-
-def ground_for_run(cfg: Any, model_dir: str | Path) -> dict:
-    """``worldloop up``: grounding pre-training of a newly made tiny model on the run's own envs
-    (``cfg.actor.envs``, in the render mode and state format the actors use), with the
-    ``model.tiny_grounding_*`` settings; logs progress ten times and the accuracy before/after."""
-    m = cfg.model
-    specs = [{"id": e.id, "kwargs": dict(e.kwargs)} for e in cfg.actor.envs]
-    every = max(1, m.tiny_grounding_steps // 10)
-    log.info("model: grounding pre-training, %d steps of %d levels (seeds %d on)", m.tiny_grounding_steps,
-             m.tiny_grounding_batch_size, m.tiny_grounding_seed_start)
-
-    def progress(p: dict) -> None:
-        if p["step"] % every == 0:
-            log.info("grounding: step %d/%d loss %.3f", p["step"], p["steps"], p["loss"])
-
-    from worldloop.common.config import GROUNDING_EVAL_BOARDS
-
-    report = grounding_pretrain(model_dir, specs, m.tiny_grounding_steps, seed_start=m.tiny_grounding_seed_start,
-                                max_image_side=m.max_image_side, batch_size=m.tiny_grounding_batch_size,
-                                lr=m.tiny_grounding_lr, seed=cfg.run.seed, freeze_vision=m.freeze_vision,
-                                eval_boards=GROUNDING_EVAL_BOARDS, progress=progress, prompt="observation",
-                                agent_every=m.tiny_grounding_agent_every,
-                                agent_batch_size=m.tiny_grounding_agent_batch_size)
-    log.info("model: grounding done in %.0fs: in the actors' first turn, the first relation is right on %.0f%% of "
-             "held-out boards (before %.0f%%) and the whole description on %.0f%%", report["seconds"],
-             100 * report["after_agent"]["first"], 100 * report["before_agent"]["first"],
-             100 * report["after_agent"]["exact"])
-    return report
