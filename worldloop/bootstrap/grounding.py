@@ -192,10 +192,41 @@ def grounding_pretrain(
         freeze_vision_tower(model)
     start = time.monotonic()
     envs: dict = {}
-    held_out = grounding_examples(env_specs, eval_boards, seed_start + steps * batch_size, codec, envs, prompt=prompt)
-    held_agent = grounding_examples(env_specs, eval_boards, seed_start + steps * batch_size, codec, envs, prompt="agent")
-    before = grounding_accuracy(model, held_out, codec)
-    before_agent = grounding_accuracy(model, held_agent, codec, batch_size=16)
+
+    def examples(n: int, first_seed: int, form: str) -> list[GroundingExample]:
+        return grounding_examples(env_specs, n, first_seed, codec, envs, prompt=form)
+
+    def batch(step: int) -> list[GroundingExample]:
+        if agent_every and step % agent_every == agent_every - 1:
+            return examples(agent_batch_size, seed_start + step * batch_size, "agent")
+        return examples(batch_size, seed_start + step * batch_size, prompt)
+
+    try:
+        eval_seed = seed_start + steps * batch_size
+        held = (examples(eval_boards, eval_seed, prompt), examples(eval_boards, eval_seed, "agent"))
+        before, before_agent = _held_out_accuracy(model, held, codec)
+        loss_value = _fit(model, batch, codec, steps, lr, seed, progress)
+    finally:
+        for env in envs.values():
+            env.close()
+    after, after_agent = _held_out_accuracy(model, held, codec)
+    model.save_pretrained(str(model_dir), safe_serialization=True)
+    return {"steps": steps, "batch_size": batch_size, "lr": lr, "seconds": time.monotonic() - start,
+            "before": before, "after": after, "before_agent": before_agent, "after_agent": after_agent,
+            "loss": loss_value}
+
+
+def _held_out_accuracy(model: torch.nn.Module, held: tuple[list, list], codec: ChatCodec) -> tuple[dict, dict]:
+    """:func:`grounding_accuracy` on the held-out boards in the trained prompt form and in the actors'
+    "agent" form (long prompts: smaller batches)."""
+    return grounding_accuracy(model, held[0], codec), grounding_accuracy(model, held[1], codec, batch_size=16)
+
+
+def _fit(model: torch.nn.Module, batch: Callable[[int], list[GroundingExample]], codec: ChatCodec, steps: int,
+         lr: float, seed: int, progress: Callable[[dict], None] | None) -> float:
+    """``steps`` AdamW steps on :func:`answer_loss` of ``batch(step)`` (50 warm-up steps, gradient
+    norm clipped at 1) of the trainable parameters; leaves the model in eval mode and returns the
+    last step's loss."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     warmup = min(50, steps)
@@ -203,30 +234,15 @@ def grounding_pretrain(
     torch.manual_seed(seed)
     model.train()
     loss_value = float("nan")
-    try:
-        for step in range(steps):
-            if agent_every and step % agent_every == agent_every - 1:
-                chunk = grounding_examples(env_specs, agent_batch_size, seed_start + step * batch_size, codec, envs,
-                                           prompt="agent")
-            else:
-                chunk = grounding_examples(env_specs, batch_size, seed_start + step * batch_size, codec, envs,
-                                           prompt=prompt)
-            loss = answer_loss(model, chunk, codec)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
-            loss_value = float(loss.detach())
-            if progress is not None:
-                progress({"step": step + 1, "steps": steps, "loss": loss_value})
-    finally:
-        for env in envs.values():
-            env.close()
+    for step in range(steps):
+        loss = answer_loss(model, batch(step), codec)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        loss_value = float(loss.detach())
+        if progress is not None:
+            progress({"step": step + 1, "steps": steps, "loss": loss_value})
     model.eval()
-    after = grounding_accuracy(model, held_out, codec)
-    after_agent = grounding_accuracy(model, held_agent, codec, batch_size=16)
-    model.save_pretrained(str(model_dir), safe_serialization=True)
-    return {"steps": steps, "batch_size": batch_size, "lr": lr, "seconds": time.monotonic() - start,
-            "before": before, "after": after, "before_agent": before_agent, "after_agent": after_agent,
-            "loss": loss_value}
+    return loss_value
