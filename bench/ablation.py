@@ -107,10 +107,8 @@ def _stage(target: Path, build) -> None:
 def prepare_model(cfg: dict, grounded: Path, warm: Path) -> None:
     """The arm's warm start in ``warm``: the tiny model made and grounding pre-trained once per (env,
     seed) in ``grounded`` (in the Grounding-WorldModeling first turn), then SFT in the arm's format."""
+    from worldloop.bootstrap.pipeline import ground, make_tiny, warm_start
     from worldloop.common.config import config_from_dict
-    from worldloop.grounding import ground_for_run
-    from worldloop.sft import warm_start
-    from worldloop.tiny_model import make_tiny_model
 
     arm = config_from_dict(cfg)
     base = config_from_dict(cfg)
@@ -118,8 +116,8 @@ def prepare_model(cfg: dict, grounded: Path, warm: Path) -> None:
         e.kwargs["prompt_format"] = GWM
 
     def ground(work: Path) -> None:
-        make_tiny_model(work, seed=base.run.seed, copy_pretrain_steps=base.model.tiny_copy_pretrain_steps)
-        report = ground_for_run(base, work) if base.model.tiny_grounding_steps else {}
+        make_tiny(base, work)
+        report = ground(base, work) if base.model.tiny_grounding_steps else {}
         (work / "grounding.json").write_text(json.dumps(report, indent=2))
 
     def sft(work: Path) -> None:

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def _model(path: Path) -> Path:
-    import worldloop.tiny_model as tiny
+    import worldloop.bootstrap.tiny_model as tiny
 
     return tiny.make_tiny_model(path, seed=0, max_image_side=112)
 

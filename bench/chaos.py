@@ -230,7 +230,7 @@ class Chaos:
         from worldloop.common.metrics import free_port
         from worldloop.common.redis_local import LocalRedis
         from worldloop.common.streams import connect
-        from worldloop.tiny_model import make_tiny_model
+        from worldloop.bootstrap.tiny_model import make_tiny_model
 
         for d in (self.out, self.run_dir / "logs", self.produced_dir):
             d.mkdir(parents=True, exist_ok=True)

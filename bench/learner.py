@@ -233,7 +233,7 @@ def run_variant(size: str, engine: str, steps: int, out: Path, lengths: str = "f
                 batch_sizes: str = "") -> dict:
     from worldloop.common.config import config_from_dict
     from worldloop.common.modeling import ChatCodec
-    from worldloop.tiny_model import make_tiny_model
+    from worldloop.bootstrap.tiny_model import make_tiny_model
     from worldloop.common.weights import WeightPublisher
     from worldloop.learner.engine import DistInfo, assemble_models, gather_policy_weights, init_distributed
     from worldloop.learner.synthetic import synthetic_trajectory

@@ -110,7 +110,7 @@ def probes(model_dir: Path, boards: int) -> dict[str, tuple[float, float]]:
 
 
 def swap_test(model_dir: Path, episodes: int, epochs: int, lr: float, freeze_vision: bool) -> dict:
-    from worldloop import sft
+    from worldloop.bootstrap import sft
 
     cfg = load_config(str(ROOT / "configs" / "tiny-frozenlake.yaml"), [])
     codec = ChatCodec(model_dir, max_image_side=112)
@@ -150,7 +150,7 @@ def main() -> int:
     ap.add_argument("--freeze-vision", action="store_true")
     ap.add_argument("--out", default="runs/bench-perception")
     args = ap.parse_args()
-    from worldloop.tiny_model import make_tiny_model
+    from worldloop.bootstrap.tiny_model import make_tiny_model
 
     if args.tint:
         install_tint(args.tint)

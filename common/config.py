@@ -133,7 +133,7 @@ class ModelConfig(Section):
                                                                "tiny model before SFT (0: none)")
     tiny_grounding_steps: int = Field(0, ge=0, description="steps of grounding pre-training of a newly made tiny model "
                                                            "before SFT (first-turn image of a fresh level -> the true state "
-                                                           "description, worldloop/grounding.py; 0: none)")
+                                                           "description, worldloop/bootstrap/grounding.py; 0: none)")
     tiny_grounding_lr: Float = Field(3e-3, gt=0, description="grounding pre-training: learning rate")
     tiny_grounding_batch_size: int = Field(32, ge=1, description="grounding pre-training: levels per step")
     tiny_grounding_seed_start: int = Field(30_000_000, ge=0, description="grounding pre-training: the first seed of "

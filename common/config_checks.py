@@ -18,8 +18,8 @@ from typing import Any, Callable
 
 from worldloop.common.config_fields import ConfigError
 
-SFT_PROBE_SEEDS = 8  # format probes played after the demonstrations (worldloop/sft.py warm_start)
-GROUNDING_EVAL_BOARDS = 128  # held-out boards of grounding pre-training (worldloop/grounding.py)
+SFT_PROBE_SEEDS = 8  # format probes played after the demonstrations (worldloop/bootstrap/pipeline.py warm_start)
+GROUNDING_EVAL_BOARDS = 128  # held-out boards of grounding pre-training (worldloop/bootstrap/grounding.py)
 # the envs whose prompt follows judge.rule_mode (their kwarg relation_prompt, envs/grid/grid_env.py)
 RELATION_PROMPT_ENVS = ("worldloop/Sokoban-v0", "worldloop/FrozenLake-v0")
 

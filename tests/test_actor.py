@@ -28,13 +28,13 @@ from transformers import AutoTokenizer
 
 from worldloop import envs  # noqa: F401  (registers the env ids)
 from worldloop.actor.process import run
+from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.common.config import config_from_dict
 from worldloop.common.control import list_processes, write_control
 from worldloop.common.keys import Keys, SCORED_GROUP
 from worldloop.common.modeling import IMAGE_PLACEHOLDER, ChatCodec, build_sequence, collate, load_policy, token_logprobs
 from worldloop.common.schemas import decode_trajectory
 from worldloop.common.streams import StreamConsumer
-from worldloop.tiny_model import make_tiny_model
 from procs import Child, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,9 +11,9 @@ from worldloop import envs  # noqa: F401  (registers the env ids)
 from worldloop.actor.hf_backend import HFBackend
 from worldloop.actor.rollout import (EpisodeSpec, RolloutEngine, Sampling, SeedSchedule, env_name, episode_sample_key,
                                      play_episodes)
+from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.common.config import EnvSpec
 from worldloop.common.schemas import Trajectory, decode_trajectory, encode_trajectory
-from worldloop.tiny_model import make_tiny_model
 from worldloop.envs.grid.frozenlake import FrozenLakeEnv
 
 SIDE = 112

@@ -177,7 +177,7 @@ def test_supervisord_runs_every_program_and_each_serves_metrics(tmp_path):
     stopped as process groups, the learner's stopwaitsecs from the env file."""
     import redis
 
-    from worldloop.tiny_model import make_tiny_model
+    from worldloop.bootstrap.tiny_model import make_tiny_model
 
     model_dir = tmp_path / "model"
     make_tiny_model(model_dir, seed=0)

@@ -10,10 +10,10 @@ import pytest
 import torch
 import yaml
 
-from worldloop.eval.model import ModelNotFound, resolve_model
+from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.common.config import load_config
 from worldloop.common.modeling import load_policy
-from worldloop.tiny_model import make_tiny_model
+from worldloop.eval.model import ModelNotFound, resolve_model
 
 
 @pytest.fixture(scope="module")

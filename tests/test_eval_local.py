@@ -11,10 +11,10 @@ import gymnasium
 import pytest
 
 from worldloop import envs  # noqa: F401
-from worldloop.eval.stats import wilson_interval
+from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.cli import main
-from worldloop.tiny_model import make_tiny_model
 from worldloop.envs.presets import resolve
+from worldloop.eval.stats import wilson_interval
 
 SEED0 = 10_000_000
 

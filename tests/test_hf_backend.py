@@ -11,11 +11,11 @@ import torch
 from worldloop.actor.backends import make_backend
 from worldloop.actor.generation import GenerationBackend, GenRequest, WeightUpdateError, keyed_gumbel_scores
 from worldloop.actor.hf_backend import HFBackend
+from worldloop.bootstrap.sft import run_sft
+from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.common.config import Config
 from worldloop.common.modeling import ChatCodec, build_sequence, collate, load_policy, token_logprobs
 from worldloop.testing.trajectories import one_turn_trajectory
-from worldloop.tiny_model import make_tiny_model
-from worldloop.sft import run_sft
 
 ANSWER = "<answer>Up</answer>"
 

@@ -17,7 +17,7 @@ from worldloop.common.keys import Keys, SCORED_GROUP
 from worldloop.common.modeling import ChatCodec, build_sequence, collate
 from worldloop.common.schemas import Trajectory, decode_deadletter, encode_trajectory
 from worldloop.common.streams import StreamProducer, connect
-from worldloop.tiny_model import make_tiny_model
+from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.learner.data import (
     DedupWindow,
     ScoredSource,

@@ -22,7 +22,7 @@ from worldloop.common.keys import Keys, SCORED_GROUP
 from worldloop.common.modeling import ChatCodec
 from worldloop.common.schemas import decode_trajectory, encode_trajectory
 from worldloop.common.streams import StreamProducer, connect
-from worldloop.tiny_model import make_tiny_model
+from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.learner import checkpoint
 from worldloop.learner.synthetic import synthetic_trajectory, tiny_learner_config
 

@@ -22,7 +22,7 @@ from worldloop.common.modeling import ChatCodec, build_sequence, collate, load_p
 from worldloop.common.redis_local import LocalRedis
 from worldloop.common.schemas import encode_trajectory
 from worldloop.common.streams import StreamProducer, connect
-from worldloop.tiny_model import make_tiny_model
+from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.common.weights import WeightSubscriber
 from worldloop.learner import checkpoint
 from worldloop.learner.engine import init_distributed

@@ -151,7 +151,7 @@ def assert_same_update(a: tuple, b: tuple) -> None:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from worldloop.tiny_model import make_tiny_model
+    from worldloop.bootstrap.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "vl", max_image_side=112)
 

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from worldloop.common.modeling import ChatCodec, build_sequence, collate, load_policy, target_size, token_logprobs
 from worldloop.common.schemas import Trajectory, Turn
 from worldloop.testing.trajectories import make_trajectory, make_turn
-from worldloop.tiny_model import IMAGE_MEAN, IMAGE_STD, make_tiny_model
+from worldloop.bootstrap.tiny_model import IMAGE_MEAN, IMAGE_STD, make_tiny_model
 
 SYSTEM = "You are a Sokoban solver."
 

@@ -55,7 +55,7 @@ from worldloop.common.metrics import free_port
 from worldloop.common.redis_local import LocalRedis
 from worldloop.common.schemas import decode_deadletter, decode_trajectory
 from worldloop.common.streams import connect
-from worldloop.tiny_model import make_tiny_model
+from worldloop.bootstrap.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 _ON_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")

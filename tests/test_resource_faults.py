@@ -35,7 +35,7 @@ from worldloop.common.schemas import encode_trajectory
 from worldloop.common.streams import StreamProducer, connect
 from worldloop.learner import checkpoint
 from worldloop.learner.synthetic import synthetic_trajectory, tiny_learner_config
-from worldloop.tiny_model import make_tiny_model
+from worldloop.bootstrap.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")

@@ -23,7 +23,7 @@ from worldloop.common.control import list_processes
 from worldloop.common.keys import Keys
 from worldloop.common.metrics import free_port
 from worldloop.common.redis_local import LocalRedis
-from worldloop.tiny_model import make_tiny_model
+from worldloop.bootstrap.tiny_model import make_tiny_model
 from procs import Child, wait_for
 
 ENV = {"id": "worldloop/FrozenLake-v0",

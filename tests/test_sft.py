@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from worldloop.common.modeling import ChatCodec, build_sequence, collate
-from worldloop.tiny_model import fallback_corpus, make_tiny_model
-from worldloop.sft import answer_format_ok, format_ok_rate, make_demonstrations, run_sft
+from worldloop.bootstrap.tiny_model import fallback_corpus, make_tiny_model
+from worldloop.bootstrap.sft import answer_format_ok, format_ok_rate, make_demonstrations, run_sft
 
 ENV_ID = "worldloop-test/Corridor-v0"
 
@@ -170,7 +170,7 @@ def test_demonstrations_from_sokoban(codec: ChatCodec) -> None:
 
 
 def test_concise_response_keeps_answer_and_first_relations() -> None:
-    from worldloop.sft import concise_response
+    from worldloop.bootstrap.sft import concise_response
 
     full = ("<think><observation>goal is above and on the right side of the player. hole0 is below and at the same "
             "column as the player.</observation><reasoning>The shortest solution takes 3 more action(s); I will do "

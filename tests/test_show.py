@@ -30,7 +30,7 @@ from worldloop.cli import main
 from worldloop.common.schemas import TRAJECTORY_SCHEMA, State, Trajectory, Turn
 from worldloop.envs.parsing import parse_response
 from worldloop.judge.rule import rule_score
-from worldloop.tiny_model import make_tiny_model
+from worldloop.bootstrap.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 ERROR_WORDS = ("Traceback", "could not re-play", "re-play differs", "re-play ended", "episode error",

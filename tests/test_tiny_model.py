@@ -16,7 +16,7 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
 )
 
-from worldloop.tiny_model import SPECIAL_TOKENS, copy_accuracy, make_tiny_model
+from worldloop.bootstrap.tiny_model import SPECIAL_TOKENS, copy_accuracy, make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -399,7 +399,7 @@ def test_a_real_learner_step_reaches_tensorboard_wandb_and_samples(tmp_path, off
     from worldloop.common.modeling import ChatCodec
     from worldloop.common.redis_local import LocalRedis
     from worldloop.learner.synthetic import synthetic_trajectory, tiny_learner_config, train_until_stopped
-    from worldloop.tiny_model import make_tiny_model
+    from worldloop.bootstrap.tiny_model import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "vl", max_image_side=112)
     codec = ChatCodec(model_dir, max_image_side=112)

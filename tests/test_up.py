@@ -189,7 +189,7 @@ def test_a_signal_during_grounding_stops_up_at_once_and_leaves_no_half_made_mode
 
 
 def test_a_partial_model_left_by_a_stopped_run_is_made_again(tmp_path):
-    from worldloop.up import _prepare_model
+    from worldloop.bootstrap.pipeline import prepare_model
 
     model = tmp_path / "model"
     stale = tmp_path / "model.partial"
@@ -197,7 +197,7 @@ def test_a_partial_model_left_by_a_stopped_run_is_made_again(tmp_path):
     (stale / "config.json").write_text("{}")  # what a run stopped mid-grounding left
     cfg = load_config(None, [f"model.path={model}", "model.make_tiny_if_missing=true", "model.max_image_side=56",
                              "model.tiny_grounding_steps=0", "sft.enabled=false"])
-    _prepare_model(cfg, tmp_path)
+    assert prepare_model(cfg, tmp_path) == model
     assert not stale.exists()
     made = json.loads((model / "config.json").read_text())
     assert made.get("model_type") == "qwen2_5_vl"

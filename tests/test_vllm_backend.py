@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import worldloop.tiny_model as tiny
+import worldloop.bootstrap.tiny_model as tiny
 from worldloop.actor.backends import make_backend
 from worldloop.actor.generation import GenerationBackend, GenRequest, WeightUpdateError
 from worldloop.common.config import Config

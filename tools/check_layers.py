@@ -11,7 +11,7 @@ Layers, lowest first (``worldloop/__init__.py`` says what each holds):
     machinery    the rest of worldloop.common
     envs         worldloop.envs
     roles        worldloop.actor, worldloop.judge, worldloop.learner
-    apps         worldloop (cli, up, status, sft, tiny_model, eval, testing)
+    apps         worldloop (cli, up, plot, status, bootstrap, eval, testing)
 
 Rules: a module imports only its own layer or lower ones; a role never imports another role;
 only actors and applications import envs; contracts import no machinery; envs import only

@@ -4,8 +4,8 @@ world-model reasoning.
 One import root, four layers; imports only run downwards (``python tools/check_layers.py``):
 
 ==============  ==========================================================================
-applications    ``worldloop.cli``, ``worldloop.up``, ``worldloop.status``, ``worldloop.sft``,
-                ``worldloop.tiny_model``, ``worldloop.eval``: what a user runs
+applications    ``worldloop.cli``, ``worldloop.up``, ``worldloop.status``, ``worldloop.bootstrap``
+                (the model a run starts from), ``worldloop.eval``: what a user runs
 roles           ``worldloop.actor``, ``worldloop.judge``, ``worldloop.learner``: the three
                 processes; they never import each other
 envs            ``worldloop.envs``: gymnasium environments, used by actors and applications only

@@ -115,12 +115,7 @@ def write_record(run_dir: Path, rec: dict) -> None:
 
 
 def run(cfg: Config, args: argparse.Namespace | None = None) -> int:
-    if cfg.trainer.eval_every <= 0:
-        raise ConfigError("trainer.eval_every", "the evaluator needs eval_every > 0 (evaluate every N versions)")
-    if not cfg.redis.url:
-        raise ConfigError("redis.url", "the evaluator needs the run's Redis (worldloop up sets it)")
-    if not (Path(cfg.model.path) / "config.json").exists():
-        raise ConfigError("model.path", f"no model directory at {cfg.model.path!r} (no config.json)")
+    _check_config(cfg)
     from worldloop.common.weights import subscriber_from_config
     from worldloop.learner.process import run_dir_of
 
@@ -138,53 +133,7 @@ def run(cfg: Config, args: argparse.Namespace | None = None) -> int:
             fetcher = WeightFetcher(subscriber, fetch_stop, have=backend.version)
             fetcher.start()
             proc.ready()
-            done: int | None = None
-            final: int | None = None  # the learner's version when the run stopped
-            final_by = 0.0
-            from_disk = False  # tried the final checkpoint already
-            seen = None  # the control record's version at the last look
-            while True:
-                got = fetcher.take()
-                if got is not None and (final is None or got[0] >= final):  # stopping: only the final version
-                    backend.update_weights(got[1], got[0])
-                learner = int(proc.control.get("policy_version") or 0)
-                if seen is not None and learner < seen:
-                    # the learner restarted from an older checkpoint and reuses version numbers:
-                    # take what it publishes now (as actors do)
-                    fetcher.resync()
-                    done = None if done is None else min(done, learner)
-                seen = learner
-                if final is None and proc.should_stop():
-                    final = int(proc.control.get("policy_version") or backend.version)
-                    final_by = time.monotonic() + FINAL_FETCH_S
-                if final is not None and backend.version < final and not from_disk:
-                    from_disk = True
-                    proc.set_phase(f"loading the final version v{final} from its checkpoint")
-                    got = checkpoint_weights(cfg, run_dir, final)
-                    if got is not None:
-                        backend.update_weights(got, final)
-                        log.info("took the final version v%d from the run's checkpoint", final)
-                        continue
-                if final is not None and backend.version < final and time.monotonic() < final_by:
-                    proc.set_phase(f"fetching the final version v{final}")
-                    time.sleep(POLL_S)
-                    continue
-                due = done is None or backend.version >= done + cfg.trainer.eval_every
-                if due or (final is not None and done != backend.version):
-                    v = backend.version
-                    proc.set_phase(f"evaluating v{v} on {len(specs)} held-out episodes")
-                    t0 = time.monotonic()
-                    rec = summarize(evaluate(backend, cfg, specs), v, time.monotonic() - t0)
-                    write_record(run_dir, rec)
-                    done = v
-                    log.info("v%d held-out success %s (n=%d, %.0fs)", v,
-                             {k: round(x, 3) for k, x in rec["success_rate"].items() if x is not None},
-                             rec["episodes"]["all"], rec["seconds"])
-                    continue
-                if final is not None:
-                    break
-                proc.set_phase(f"waiting for version {done + cfg.trainer.eval_every}")
-                time.sleep(POLL_S)
+            _evaluate_until_final(cfg, proc, backend, fetcher, specs, run_dir)
         finally:
             fetch_stop.set()
             if fetcher is not None:
@@ -196,3 +145,69 @@ def run(cfg: Config, args: argparse.Namespace | None = None) -> int:
                     except Exception as e:  # best-effort teardown
                         log.warning("closing %s: %s", type(obj).__name__, e)
     return 0
+
+
+def _check_config(cfg: Config) -> None:
+    if cfg.trainer.eval_every <= 0:
+        raise ConfigError("trainer.eval_every", "the evaluator needs eval_every > 0 (evaluate every N versions)")
+    if not cfg.redis.url:
+        raise ConfigError("redis.url", "the evaluator needs the run's Redis (worldloop up sets it)")
+    if not (Path(cfg.model.path) / "config.json").exists():
+        raise ConfigError("model.path", f"no model directory at {cfg.model.path!r} (no config.json)")
+
+
+def _evaluate_until_final(cfg: Config, proc, backend, fetcher, specs: list[EpisodeSpec], run_dir: Path) -> None:
+    """Evaluate every ``trainer.eval_every`` versions as the weights arrive; once the run stops,
+    evaluate the learner's final version (from the channel or its checkpoint) and return."""
+    done: int | None = None
+    final: int | None = None  # the learner's version when the run stopped
+    final_by = 0.0
+    from_disk = False  # tried the final checkpoint already
+    seen = None  # the control record's version at the last look
+    while True:
+        got = fetcher.take()
+        if got is not None and (final is None or got[0] >= final):  # stopping: only the final version
+            backend.update_weights(got[1], got[0])
+        learner = int(proc.control.get("policy_version") or 0)
+        if seen is not None and learner < seen:
+            # the learner restarted from an older checkpoint and reuses version numbers:
+            # take what it publishes now (as actors do)
+            fetcher.resync()
+            done = None if done is None else min(done, learner)
+        seen = learner
+        if final is None and proc.should_stop():
+            final = int(proc.control.get("policy_version") or backend.version)
+            final_by = time.monotonic() + FINAL_FETCH_S
+        if final is not None and backend.version < final and not from_disk:
+            from_disk = True
+            proc.set_phase(f"loading the final version v{final} from its checkpoint")
+            got = checkpoint_weights(cfg, run_dir, final)
+            if got is not None:
+                backend.update_weights(got, final)
+                log.info("took the final version v%d from the run's checkpoint", final)
+                continue
+        if final is not None and backend.version < final and time.monotonic() < final_by:
+            proc.set_phase(f"fetching the final version v{final}")
+            time.sleep(POLL_S)
+            continue
+        due = done is None or backend.version >= done + cfg.trainer.eval_every
+        if due or (final is not None and done != backend.version):
+            done = _evaluate_now(cfg, proc, backend, specs, run_dir)
+            continue
+        if final is not None:
+            return
+        proc.set_phase(f"waiting for version {done + cfg.trainer.eval_every}")
+        time.sleep(POLL_S)
+
+
+def _evaluate_now(cfg: Config, proc, backend, specs: list[EpisodeSpec], run_dir: Path) -> int:
+    """One evaluation of the backend's version, recorded; returns that version."""
+    v = backend.version
+    proc.set_phase(f"evaluating v{v} on {len(specs)} held-out episodes")
+    t0 = time.monotonic()
+    rec = summarize(evaluate(backend, cfg, specs), v, time.monotonic() - t0)
+    write_record(run_dir, rec)
+    log.info("v%d held-out success %s (n=%d, %.0fs)", v,
+             {k: round(x, 3) for k, x in rec["success_rate"].items() if x is not None},
+             rec["episodes"]["all"], rec["seconds"])
+    return v

@@ -294,48 +294,11 @@ def episode_view(rec: dict, base_dir: Path, n: int, replay: bool = True) -> Epis
             ep.notes.append(why)
     total = 0.0
     for i, t in enumerate(turns_in):
-        tv = TurnView(index=int(t["index"]) if isinstance(t.get("index"), int) else i, response=responses[i])
-        tv.prompt = _text(t.get("prompt"))
-        parsed = _parse(responses[i], prompt_format) if any(t.get(k) is None for k in
-                                                            ("observation", "prediction", "reasoning")) else {}
-        for k in ("observation", "reasoning", "prediction"):
-            setattr(tv, k, _text(t.get(k)) if t.get(k) is not None else parsed.get(k))
-        tv.actions = [str(a) for a in t.get("actions") or []]
-        tv.format_ok = t.get("format_ok") if isinstance(t.get("format_ok"), bool) else None
-        tv.reason = _text(t.get("reason"))
-        tv.done, tv.success = bool(t.get("done")), bool(t.get("success"))
         rp = played[i] if i < len(played) else None
-        images = [u for u in (image_url(x, base_dir) for x in (t.get("images") if isinstance(t.get("images"), list)
-                                                                 else [t.get("image")])) if u]
-        if not images and rp is not None and rp["image"] is not None:
-            url = array_url(rp["image"])
-            images = [url] if url else []
-        tv.images = images
-        sb = t.get("state_before") if isinstance(t.get("state_before"), dict) else (rp or {}).get("state_before")
-        sa = t.get("state_after") if isinstance(t.get("state_after"), dict) else (rp or {}).get("state_after")
-        tv.state_before, tv.state_after = describe(sb, state_format, env), describe(sa, state_format, env)
-        env_r, fmt_r, judge_r = _num(t.get("env_reward")), _num(t.get("format_reward")), _num(t.get("reasoning_reward"))
-        turn_total = _num(t.get("reward"))
-        if turn_total is None:
-            turn_total = sum(x for x in (env_r, fmt_r, judge_r) if x is not None)
-        tv.rewards = {k: v for k, v in (("env", env_r), ("format", fmt_r), ("judge", judge_r), ("total", turn_total))
-                      if v is not None}
-        total += turn_total
-        judge = t.get("judge") if isinstance(t.get("judge"), dict) else None
-        for name, key in (("grounding", "grounding_score"), ("world model", "worldmodeling_score")):
-            v = _num(t.get(key))
-            if v is not None:
-                tv.scores[name] = v
-        tv.judge = judge or None
-        if rp is not None:
-            rec_r = _num(t.get("reward"))
-            if rec_r is not None and abs(rec_r - rp["reward"]) > 1e-6 or (t.get("actions") is not None
-                                                                         and tv.actions != rp["actions"]):
-                tv.notes.append(f"re-play differs from the record at this turn (re-played reward {rp['reward']:g}, "
-                                f"actions {', '.join(rp['actions']) or 'none'}): images and true states after it "
-                                "may not be what the agent saw")
-        elif replay and needs[i] and played:
+        tv = _turn_view(t, i, responses[i], prompt_format, state_format, base_dir, rp, env)
+        if rp is None and replay and needs[i] and played:
             tv.notes.append("the re-play ended before this turn")
+        total += tv.rewards["total"]
         ep.turns.append(tv)
     if ep.policy_version is None:  # a trajectory records the version per turn
         versions = sorted({t["policy_version"] for t in turns_in if isinstance(t.get("policy_version"), int)})
@@ -344,6 +307,56 @@ def episode_view(rec: dict, base_dir: Path, n: int, replay: bool = True) -> Epis
     rec_total = _num(rec.get("total_reward"))
     ep.total_reward = rec_total if rec_total is not None else round(total, 6)
     return ep
+
+
+def _turn_view(t: dict, i: int, response: str, prompt_format: str | None, state_format: str, base_dir: Path,
+               rp: dict | None, env: Any) -> TurnView:
+    """One recorded turn, its missing images and true states taken from the re-played turn ``rp``
+    (None: not re-played)."""
+    tv = TurnView(index=int(t["index"]) if isinstance(t.get("index"), int) else i, response=response)
+    tv.prompt = _text(t.get("prompt"))
+    parsed = _parse(response, prompt_format) if any(t.get(k) is None for k in
+                                                    ("observation", "prediction", "reasoning")) else {}
+    for k in ("observation", "reasoning", "prediction"):
+        setattr(tv, k, _text(t.get(k)) if t.get(k) is not None else parsed.get(k))
+    tv.actions = [str(a) for a in t.get("actions") or []]
+    tv.format_ok = t.get("format_ok") if isinstance(t.get("format_ok"), bool) else None
+    tv.reason = _text(t.get("reason"))
+    tv.done, tv.success = bool(t.get("done")), bool(t.get("success"))
+    images = [u for u in (image_url(x, base_dir) for x in (t.get("images") if isinstance(t.get("images"), list)
+                                                             else [t.get("image")])) if u]
+    if not images and rp is not None and rp["image"] is not None:
+        url = array_url(rp["image"])
+        images = [url] if url else []
+    tv.images = images
+    sb = t.get("state_before") if isinstance(t.get("state_before"), dict) else (rp or {}).get("state_before")
+    sa = t.get("state_after") if isinstance(t.get("state_after"), dict) else (rp or {}).get("state_after")
+    tv.state_before, tv.state_after = describe(sb, state_format, env), describe(sa, state_format, env)
+    tv.rewards = _turn_rewards(t)
+    for name, key in (("grounding", "grounding_score"), ("world model", "worldmodeling_score")):
+        v = _num(t.get(key))
+        if v is not None:
+            tv.scores[name] = v
+    judge = t.get("judge") if isinstance(t.get("judge"), dict) else None
+    tv.judge = judge or None
+    if rp is not None:
+        rec_r = _num(t.get("reward"))
+        if rec_r is not None and abs(rec_r - rp["reward"]) > 1e-6 or (t.get("actions") is not None
+                                                                     and tv.actions != rp["actions"]):
+            tv.notes.append(f"re-play differs from the record at this turn (re-played reward {rp['reward']:g}, "
+                            f"actions {', '.join(rp['actions']) or 'none'}): images and true states after it "
+                            "may not be what the agent saw")
+    return tv
+
+
+def _turn_rewards(t: dict) -> dict[str, float]:
+    """The turn's reward components as recorded, and its total (recorded, or their sum)."""
+    env_r, fmt_r, judge_r = _num(t.get("env_reward")), _num(t.get("format_reward")), _num(t.get("reasoning_reward"))
+    turn_total = _num(t.get("reward"))
+    if turn_total is None:
+        turn_total = sum(x for x in (env_r, fmt_r, judge_r) if x is not None)
+    return {k: v for k, v in (("env", env_r), ("format", fmt_r), ("judge", judge_r), ("total", turn_total))
+            if v is not None}
 
 
 # --------------------------------------------------------------------------- HTML

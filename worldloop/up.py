@@ -6,9 +6,10 @@ Steps, each logged:
    ``versions.json`` (Python's and the learning-relevant packages' versions, :func:`worldloop.common.versions.package_versions`);
 2. Redis: ``redis.url`` when given, else a private ``redis-server`` (system or bundled) whose data
    lives in the run directory;
-3. model: when ``model.path`` does not exist and ``model.make_tiny_if_missing``, the embedded tiny
-   Qwen2.5-VL model is made on the spot and, with ``sft.enabled``, warm-started by SFT on solver
-   demonstrations (observation/prediction fields included);
+3. model: :func:`worldloop.bootstrap.pipeline.prepare_model`: when ``model.path`` does not exist and
+   ``model.make_tiny_if_missing``, the embedded tiny Qwen2.5-VL model is made on the spot, grounded
+   and, with ``sft.enabled``, warm-started by SFT on solver demonstrations (observation/prediction
+   fields included), writing ``grounding.json`` and ``sft.json``;
 4. time budget: with ``up.time_limit_s``, what is left of it after the model is made, less
    ``up.final_reserve_s``, becomes the learner's ``trainer.time_limit_s`` (it stops before an update
    that would end past it), so the whole run ends within the budget on a slower machine too;
@@ -21,7 +22,7 @@ Steps, each logged:
    heartbeats in Redis);
 7. the end: after ``trainer.total_steps`` or the time limit (the learner exits 0) or on Ctrl-C/SIGTERM the control
    record says ``stopped``, children get SIGTERM (then SIGKILL), ``training.png`` is drawn from
-   ``metrics.jsonl``, ``scrapes.json`` records which processes were scraped and
+   ``metrics.jsonl`` (:mod:`worldloop.plot`), ``scrapes.json`` records which processes were scraped and
    ``process_metrics.json`` the last scrape of each (its metric sums: idle seconds, episodes, ...).
 """
 
@@ -30,7 +31,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -39,13 +39,19 @@ import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
+from worldloop.bootstrap.pipeline import prepare_model
 from worldloop.common.config import Config, to_dict
 from worldloop.common.control import list_processes, read_control, write_control
 from worldloop.common.keys import Keys
 from worldloop.common.versions import write_versions
+from worldloop.plot import plot_metrics
+
+if TYPE_CHECKING:
+    from worldloop.common.redis_local import LocalRedis
 
 log = logging.getLogger("worldloop.up")
 
@@ -140,40 +146,6 @@ class Progress:
 def default_run_dir(cfg: Config) -> Path:
     stem = Path(cfg.source).stem if cfg.source else cfg.run.name
     return Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def _prepare_model(cfg: Config, run_dir: Path) -> None:
-    path = Path(cfg.model.path)
-    if (path / "config.json").exists():
-        log.info("model: %s", path)
-        return
-    if not cfg.model.make_tiny_if_missing:
-        raise FileNotFoundError(f"model.path {str(path)!r} has no config.json and model.make_tiny_if_missing is false")
-    from worldloop.tiny_model import make_tiny_model
-
-    # made, grounded and warm-started beside model.path, moved there only when whole: a run stopped
-    # half-way (Ctrl-C in grounding) leaves no model.path that a later run would take as finished
-    # and train without its grounding or warm start
-    work = path.with_name(path.name + ".partial")
-    if work.exists():
-        log.info("model: removing %s, left by a run stopped while it prepared the model", work)
-        shutil.rmtree(work)
-    log.info("model: making the embedded tiny model in %s", path)
-    make_tiny_model(work, seed=cfg.run.seed, copy_pretrain_steps=cfg.model.tiny_copy_pretrain_steps)
-    if cfg.model.tiny_grounding_steps:
-        from worldloop.grounding import ground_for_run
-
-        report = ground_for_run(cfg, work)
-        (run_dir / "grounding.json").write_text(json.dumps(report, indent=2))
-    if cfg.sft.enabled:
-        from worldloop.sft import warm_start
-
-        log.info("model: SFT warm start on %d solver demonstrations", cfg.sft.episodes)
-        report = warm_start(cfg, work)
-        (run_dir / "sft.json").write_text(json.dumps(report, indent=2))
-        log.info("model: SFT done: %s", report)
-    work.rename(path)
-    log.info("model: ready at %s", path)
 
 
 def _children(cfg: Config, config_path: Path, run_dir: Path) -> list[Child]:
@@ -286,222 +258,219 @@ def _refresh(progress: Progress, r, keys: Keys, run_dir: Path) -> None:
     progress.episodes = max(progress.episodes, episodes)
 
 
-def plot_metrics(metrics_path: Path, out_png: Path, window: int = 5) -> bool:
-    """Draw ``training.png`` from metrics.jsonl: held-out success over policy versions with 95%
-    intervals (the evaluator's ``eval`` lines) beside the moving average (``window`` steps) of the
-    training-batch success rate, and the mean reward by component. False when nothing to draw."""
-    rows, evals = [], []
-    if metrics_path.exists():
-        for line in metrics_path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if "eval" in rec:
-                evals.append(rec["eval"])
-            elif "step" in rec:
-                rows.append(rec)
-    try:
-        import matplotlib
-    except ImportError:
-        log.warning("training.png not drawn: matplotlib is not installed (pip install 'worldloop[plot]')")
-        return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [r["step"] for r in rows]
-
-    def series(key: str, sub: str) -> list[float]:
-        vals = []
-        for r in rows:
-            v = r.get(key)
-            v = v.get(sub) if isinstance(v, dict) else v
-            vals.append(float("nan") if v is None else float(v))
-        return vals
-
-    def moving(xs: list[float]) -> list[float]:
-        out = []
-        for i in range(len(xs)):
-            w = [x for x in xs[max(0, i - window + 1) : i + 1] if x == x]
-            out.append(sum(w) / len(w) if w else float("nan"))
-        return out
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    ax = axes[0]
-    train = series("success_rate", "all")
-    ax.plot(steps, train, ".", color="0.7", label="training batch")
-    ax.plot(steps, moving(train), "-", color="0.35", label=f"training batch, moving mean of {window}")
-    if evals:
-        vs = [e["policy_version"] for e in evals]
-        rate = [e["success_rate"].get("all") for e in evals]
-        lo = [e["ci95"]["all"][0] for e in evals]
-        hi = [e["ci95"]["all"][1] for e in evals]
-        n = evals[-1]["episodes"].get("all")
-        ax.errorbar(vs, rate, yerr=[[r - a for r, a in zip(rate, lo)], [b - r for r, b in zip(rate, hi)]],
-                    fmt="o-", color="C0", capsize=3, label=f"held-out ({n} episodes, 95% CI)")
-    ax.set_title("success rate")
-    ax.set_xlabel("learner step = policy version")
-    ax.set_ylim(-0.02, 1.02)
-    ax.legend(fontsize=8, loc="upper left")
-    for comp in ("total", "env", "format", "reasoning"):
-        axes[1].plot(steps, series("reward", comp), marker=".", label=comp)
-    axes[1].set_title("mean trajectory reward by component (training batches)")
-    axes[1].set_xlabel("learner step")
-    axes[1].legend(fontsize=8)
-    if not rows and not evals:
-        for a_ in axes:
-            a_.text(0.5, 0.5, "no learner steps recorded", ha="center", va="center", transform=a_.transAxes)
-    fig.tight_layout()
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=100)
-    plt.close(fig)
-    return bool(rows or evals)
-
-
 def run(cfg: Config, args) -> int:
-    import redis
-
-    from worldloop.common.redis_local import LocalRedis
     from worldloop.common.streams import connect
 
     started = time.monotonic()
-    run_dir = Path(cfg.run.run_dir) if cfg.run.run_dir else default_run_dir(cfg)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    cfg.run.run_dir = str(run_dir)
-    print(f"worldloop up: run directory {run_dir}", flush=True)
-    write_versions(run_dir)
-
-    local_redis = None
-    if cfg.redis.url is None:
-        local_redis = LocalRedis(data_dir=str(run_dir / "redis")).start()
-        cfg.redis.url = local_redis.url
-        print(f"worldloop up: started a local redis-server at {cfg.redis.url}", flush=True)
-    # ports left at 0 are chosen here, so several local runs can share a machine
-    from worldloop.common.metrics import free_port
-
-    if cfg.weights.pub_port == 0:
-        cfg.weights.pub_port = free_port()
-    if cfg.weights.fetch_port == 0:
-        cfg.weights.fetch_port = free_port()
+    run_dir = _open_run_dir(cfg)
+    local_redis = _local_services(cfg, run_dir)
     children: list[Child] = []
     stop = {"flag": False, "preparing": True}
-
-    def on_signal(signum, _frame):
-        stop["flag"] = True
-        if stop["preparing"]:
-            stop["preparing"] = False  # a second signal during the clean-up below only sets the flag
-            # grounding and SFT run here, in this process, for minutes, and look at no flag: stop now
-            raise KeyboardInterrupt(f"signal {signum} while preparing the model")
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, _signal_handler(stop)) for s in (signal.SIGINT, signal.SIGTERM)}
     r = connect(cfg.redis.url, cfg.redis.socket_timeout_s)
     keys = Keys(cfg.redis.namespace)
     progress = Progress()
     rc = 0
     try:
-        _prepare_model(cfg, run_dir)
+        prepare_model(cfg, run_dir)
         stop["preparing"] = False
         learner_time_budget(cfg, time.monotonic() - started)
         config_path = run_dir / "config.yaml"
         config_path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         write_control(r, keys, run_state="running")
-        env = dict(os.environ)
-        env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.cwd() / ".torch_extensions"))
-        env["PYTHONUNBUFFERED"] = "1"
         children = _children(cfg, config_path, run_dir)
-        # one machine's cores shared by every child: torch's default (a thread per core in each
-        # process) oversubscribes them, measured 10-20x slower per step on 2 cores; a user's own
-        # OMP_NUM_THREADS wins
-        env.setdefault("OMP_NUM_THREADS", str(child_threads(len(children))))
+        env = _child_env(len(children))
         for c in children:
             c.start(env)
         rc = _supervise(cfg, children, env, r, keys, run_dir, progress, stop)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        try:
-            write_control(r, keys, run_state="stopped")
-        except redis.RedisError:
-            pass
-        _stop_children(children)
-        (run_dir / "scrapes.json").write_text(json.dumps(progress.scraped, indent=2))
-        (run_dir / "process_metrics.json").write_text(json.dumps(progress.last_values, indent=1))
-        drew = plot_metrics(run_dir / "metrics.jsonl", run_dir / "training.png")
-        print(f"\nworldloop up: {'plot' if drew else 'empty plot'} in {run_dir / 'training.png'}", flush=True)
+        _finish(r, keys, children, progress, run_dir)
         if local_redis is not None:
             local_redis.close()
     return rc
 
 
+def _open_run_dir(cfg: Config) -> Path:
+    """``run.run_dir`` (or :func:`default_run_dir`) with ``logs/`` and ``versions.json``; the config
+    then names it."""
+    run_dir = Path(cfg.run.run_dir) if cfg.run.run_dir else default_run_dir(cfg)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    cfg.run.run_dir = str(run_dir)
+    print(f"worldloop up: run directory {run_dir}", flush=True)
+    write_versions(run_dir)
+    return run_dir
+
+
+def _local_services(cfg: Config, run_dir: Path) -> LocalRedis | None:
+    """A private redis-server when ``redis.url`` is null (returned, to close at the end; else None)
+    and free ports for the weight channel's ports left at 0, so several local runs can share a
+    machine; the config is updated to name them."""
+    from worldloop.common.metrics import free_port
+    from worldloop.common.redis_local import LocalRedis
+
+    local_redis = None
+    if cfg.redis.url is None:
+        local_redis = LocalRedis(data_dir=str(run_dir / "redis")).start()
+        cfg.redis.url = local_redis.url
+        print(f"worldloop up: started a local redis-server at {cfg.redis.url}", flush=True)
+    if cfg.weights.pub_port == 0:
+        cfg.weights.pub_port = free_port()
+    if cfg.weights.fetch_port == 0:
+        cfg.weights.fetch_port = free_port()
+    return local_redis
+
+
+def _signal_handler(stop: dict):
+    """SIGINT/SIGTERM: set ``stop["flag"]``; while the model is prepared (``stop["preparing"]``),
+    interrupt at once."""
+
+    def on_signal(signum, _frame):
+        stop["flag"] = True
+        if stop["preparing"]:
+            stop["preparing"] = False  # a second signal during the clean-up only sets the flag
+            # grounding and SFT run here, in this process, for minutes, and look at no flag: stop now
+            raise KeyboardInterrupt(f"signal {signum} while preparing the model")
+
+    return on_signal
+
+
+def _child_env(n_children: int) -> dict:
+    """The environment of every child: this one, unbuffered output, DeepSpeed's op cache and a
+    thread count that shares the machine's cores between the children."""
+    env = dict(os.environ)
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.cwd() / ".torch_extensions"))
+    env["PYTHONUNBUFFERED"] = "1"
+    # one machine's cores shared by every child: torch's default (a thread per core in each
+    # process) oversubscribes them, measured 10-20x slower per step on 2 cores; a user's own
+    # OMP_NUM_THREADS wins
+    env.setdefault("OMP_NUM_THREADS", str(child_threads(n_children)))
+    return env
+
+
+def _finish(r, keys: Keys, children: list[Child], progress: Progress, run_dir: Path) -> None:
+    """The end of every run: the control record says stopped, the children are stopped, and the
+    run directory gets scrapes.json, process_metrics.json and training.png."""
+    import redis
+
+    try:
+        write_control(r, keys, run_state="stopped")
+    except redis.RedisError:
+        pass
+    _stop_children(children)
+    (run_dir / "scrapes.json").write_text(json.dumps(progress.scraped, indent=2))
+    (run_dir / "process_metrics.json").write_text(json.dumps(progress.last_values, indent=1))
+    drew = plot_metrics(run_dir / "metrics.jsonl", run_dir / "training.png")
+    print(f"\nworldloop up: {'plot' if drew else 'empty plot'} in {run_dir / 'training.png'}", flush=True)
+
+
+@dataclass
+class _LinePrinter:
+    """Prints the progress line every ``up.progress_interval_s``: in place on a terminal; to a log
+    file once per learner step, and otherwise once every QUIET_PRINT_S."""
+
+    interval_s: float
+    total_steps: int
+    tty: bool = field(default_factory=lambda: sys.stdout.isatty())
+    last_print: float = 0.0
+    last_shown: float = 0.0
+    shown: str = ""
+
+    def tick(self, progress: Progress, r, keys: Keys, run_dir: Path) -> None:
+        if time.monotonic() - self.last_print < self.interval_s:
+            return
+        self.last_print = time.monotonic()
+        try:
+            _refresh(progress, r, keys, run_dir)
+        except Exception as e:  # progress display must never end the run
+            log.debug("progress refresh failed: %s", e)
+        line = progress.line(self.total_steps)
+        if self.tty:
+            print("\r" + line, end="", flush=True)
+        elif line.split(" | ")[0] != self.shown.split(" | ")[0] or self.last_print - self.last_shown >= QUIET_PRINT_S:
+            print(line, flush=True)
+            self.shown, self.last_shown = line, self.last_print
+
+
 def _supervise(cfg, children, env, r, keys, run_dir, progress, stop) -> int:
-    tty = sys.stdout.isatty()
-    last_print = last_shown = 0.0
-    shown = ""
+    """Watch the children until the learner finishes (0), gives up (its exit code), another child
+    gives up (1) or a signal stops the run (130); crashed children are restarted."""
+    printer = _LinePrinter(cfg.up.progress_interval_s, cfg.trainer.total_steps)
     learner = children[0]
     while not stop["flag"]:
         time.sleep(0.5)
         code = learner.poll()
         if code == 0:
-            _refresh(progress, r, keys, run_dir)
-            print(("\r" if tty else "") + progress.line(cfg.trainer.total_steps), flush=True)
-            final = _final_version(run_dir)
-            if final is not None and final < cfg.trainer.total_steps:
-                print(f"worldloop up: learner stopped at trainer.time_limit_s after {final} of "
-                      f"{cfg.trainer.total_steps} updates", flush=True)
-            else:
-                print("worldloop up: learner finished trainer.total_steps", flush=True)
-            evaluator = next((c for c in children if c.role == "evaluator"), None)
-            if evaluator is not None:
-                _wait_final_eval(evaluator, run_dir, stop)
+            _learner_finished(cfg, children, r, keys, run_dir, progress, stop, printer.tty)
             return 0
         if code is not None and not stop["flag"]:
-            # a crashed learner continues from its newest checkpoint, like any other child within
-            # the restart budget: what it had not checkpointed is still pending and is trained again
-            learner.close()
-            if learner.restarts >= MAX_RESTARTS:
-                print(f"\nworldloop up: learner exited with {code} {learner.restarts} times; giving up; see "
-                      f"{learner.log_path}", flush=True)
+            if not _restart_learner(learner, code, env, progress):
                 return code
-            learner.restarts += 1
-            progress.learner_restarts = learner.restarts
-            if "--resume" not in learner.argv:
-                learner.argv = learner.argv + ["--resume"]
-            print(f"\nworldloop up: learner exited with {code}; restarting with --resume "
-                  f"({learner.restarts}/{MAX_RESTARTS}); see {learner.log_path}", flush=True)
-            learner.start(env)
             continue
-        for c in children[1:]:
-            code = c.poll()
-            if code is not None and not stop["flag"] and not c.finished:
-                if code == 0 and _run_stopped(r, keys):
-                    # the learner finished and said stopped: actors and judges exit cleanly while it
-                    # waits for the final evaluation; the run is over, nothing to restart
-                    print(f"\nworldloop up: {c.name} finished (run_state stopped)", flush=True)
-                    c.close()
-                    c.finished = True
-                    continue
-                c.close()
-                if c.restarts >= MAX_RESTARTS:
-                    print(f"\nworldloop up: {c.name} exited with {code} {c.restarts} times; giving up", flush=True)
-                    return 1
-                c.restarts += 1
-                print(f"\nworldloop up: {c.name} exited with {code}; restarting ({c.restarts}/{MAX_RESTARTS})", flush=True)
-                c.start(env)
-        if time.monotonic() - last_print >= cfg.up.progress_interval_s:
-            last_print = time.monotonic()
-            try:
-                _refresh(progress, r, keys, run_dir)
-            except Exception as e:  # progress display must never end the run
-                log.debug("progress refresh failed: %s", e)
-            line = progress.line(cfg.trainer.total_steps)
-            if tty:
-                print("\r" + line, end="", flush=True)
-            elif line.split(" | ")[0] != shown.split(" | ")[0] or last_print - last_shown >= QUIET_PRINT_S:
-                # a log file gets a line per learner step, and otherwise one every QUIET_PRINT_S
-                print(line, flush=True)
-                shown, last_shown = line, last_print
+        if not _restart_crashed(children[1:], env, r, keys, stop):
+            return 1
+        printer.tick(progress, r, keys, run_dir)
     print("\nworldloop up: stopping", flush=True)
     return 130
+
+
+def _learner_finished(cfg, children, r, keys, run_dir, progress, stop, tty: bool) -> None:
+    """The learner exited 0: the last progress line, why it stopped, the final evaluation."""
+    _refresh(progress, r, keys, run_dir)
+    print(("\r" if tty else "") + progress.line(cfg.trainer.total_steps), flush=True)
+    final = _final_version(run_dir)
+    if final is not None and final < cfg.trainer.total_steps:
+        print(f"worldloop up: learner stopped at trainer.time_limit_s after {final} of "
+              f"{cfg.trainer.total_steps} updates", flush=True)
+    else:
+        print("worldloop up: learner finished trainer.total_steps", flush=True)
+    evaluator = next((c for c in children if c.role == "evaluator"), None)
+    if evaluator is not None:
+        _wait_final_eval(evaluator, run_dir, stop)
+
+
+def _restart_learner(learner: Child, code: int, env: dict, progress: Progress) -> bool:
+    """A crashed learner continues from its newest checkpoint (``--resume``), like any other child
+    within the restart budget: what it had not checkpointed is still pending and is trained again.
+    False when the budget is spent."""
+    learner.close()
+    if learner.restarts >= MAX_RESTARTS:
+        print(f"\nworldloop up: learner exited with {code} {learner.restarts} times; giving up; see "
+              f"{learner.log_path}", flush=True)
+        return False
+    learner.restarts += 1
+    progress.learner_restarts = learner.restarts
+    if "--resume" not in learner.argv:
+        learner.argv = learner.argv + ["--resume"]
+    print(f"\nworldloop up: learner exited with {code}; restarting with --resume "
+          f"({learner.restarts}/{MAX_RESTARTS}); see {learner.log_path}", flush=True)
+    learner.start(env)
+    return True
+
+
+def _restart_crashed(children: list[Child], env: dict, r, keys: Keys, stop: dict) -> bool:
+    """Restart every exited actor, judge and evaluator within its restart budget; one that exits
+    cleanly after the run was stopped is left finished. False when a budget is spent."""
+    for c in children:
+        code = c.poll()
+        if code is None or stop["flag"] or c.finished:
+            continue
+        if code == 0 and _run_stopped(r, keys):
+            # the learner finished and said stopped: actors and judges exit cleanly while it
+            # waits for the final evaluation; the run is over, nothing to restart
+            print(f"\nworldloop up: {c.name} finished (run_state stopped)", flush=True)
+            c.close()
+            c.finished = True
+            continue
+        c.close()
+        if c.restarts >= MAX_RESTARTS:
+            print(f"\nworldloop up: {c.name} exited with {code} {c.restarts} times; giving up", flush=True)
+            return False
+        c.restarts += 1
+        print(f"\nworldloop up: {c.name} exited with {code}; restarting ({c.restarts}/{MAX_RESTARTS})", flush=True)
+        c.start(env)
+    return True
 
 
 def _run_stopped(r, keys: Keys) -> bool:

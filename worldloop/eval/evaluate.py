@@ -72,7 +72,7 @@ import os
 import re
 import sys
 import time
-
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -381,16 +381,28 @@ def write_results(out: Path, table: Table, title: str, model: str) -> None:
     (out / "results.csv").write_text(table.render_csv(model), encoding="utf-8")
 
 
-def run(cfg: Config, args: argparse.Namespace) -> int:
+@dataclass
+class _Options:
+    """What the command line asks for, resolved against ``cfg.eval`` and checked."""
+
+    episodes: int
+    max_turns: int | None
+    concurrency: int
+    prompt_format: str | None
+    state_format: str | None
+    settings: dict  # part of every episode's key: max_tokens, temperature, top_p, single_turn, render_mode
+    names: list[str] | None  # env names (suites expanded); None: the config's actor.envs
+    out: Path
+
+
+def _options(cfg: Config, args: argparse.Namespace) -> _Options:
+    """The command line's flags over ``cfg.eval``; a bad value raises ConfigError naming the flag."""
     e = cfg.eval
-    for noisy in ("httpx", "httpx2", "openai"):  # one INFO line per request otherwise
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     pick = lambda name, default: default if getattr(args, name, None) is None else getattr(args, name)  # noqa: E731
     episodes = pick("episodes", e.episodes)
     single_turn = bool(getattr(args, "single_turn", False) or e.single_turn)
     max_turns = pick("max_turns", e.max_turns)
     concurrency = pick("concurrency", e.concurrency)
-    base_url = getattr(args, "base_url", None)
     for flag, value in (("--episodes", episodes), ("--max-tokens", pick("max_tokens", e.max_tokens)),
                         ("--concurrency", concurrency), ("--max-turns", max_turns or 1)):
         if value < 1:
@@ -408,24 +420,34 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     if names is not None and not names:
         raise ConfigError("--envs", "names no env")
     out = Path(pick("output", e.output) or Path("runs") / f"eval-{_slug(args.model or cfg.model.path)}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return _Options(episodes, max_turns, concurrency, pick("prompt_format", e.prompt_format),
+                    pick("state_format", e.state_format), settings, names, out)
+
+
+def run(cfg: Config, args: argparse.Namespace) -> int:
+    e = cfg.eval
+    for noisy in ("httpx", "httpx2", "openai"):  # one INFO line per request otherwise
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+    o = _options(cfg, args)
+    settings, out = o.settings, o.out
+    base_url = getattr(args, "base_url", None)
     try:
         model = resolve_model(getattr(args, "model", None), base_url=base_url, cfg=cfg, scratch=out)
     except ModelNotFound as err:
         print(f"worldloop eval: {err}", file=sys.stderr)
         return 2
-    plans = plan_envs(cfg, names, single_turn=single_turn, max_turns=max_turns,
-                      prompt_format=pick("prompt_format", e.prompt_format), state_format=pick("state_format", e.state_format),
-                      render_mode=settings["render_mode"])
+    plans = plan_envs(cfg, o.names, single_turn=settings["single_turn"], max_turns=o.max_turns,
+                      prompt_format=o.prompt_format, state_format=o.state_format, render_mode=settings["render_mode"])
     backend = "openai" if model.kind == "remote" else (getattr(args, "backend", None) or cfg.actor.backend)
     if backend != "openai" and e.sampling == "keyed":
         # part of every episode's key, so a rerun in the other mode does not resume these episodes
         # (batch-mode keys are those of the evaluations made before the mode existed)
         settings["sampling"] = "keyed"
-    all_eps = plan_episodes(plans, model.name, episodes, e.seed_start, settings)
+    all_eps = plan_episodes(plans, model.name, o.episodes, e.seed_start, settings)
     out.mkdir(parents=True, exist_ok=True)
     store = EpisodeStore(out / "episodes.jsonl")
     todo = [ep for ep in all_eps if not store.done(ep.key)]
-    print(f"worldloop eval: {model.source}; {len(plans)} env(s) x {episodes} episode(s), {len(all_eps) - len(todo)} "
+    print(f"worldloop eval: {model.source}; {len(plans)} env(s) x {o.episodes} episode(s), {len(all_eps) - len(todo)} "
           f"already recorded; output {out} (rerun with --output {out} to resume)", file=sys.stderr, flush=True)
     bar = ProgressBar(len(all_eps), done=len(all_eps) - len(todo),
                       successes=sum(1 for ep in all_eps if store.done(ep.key) and store.records[ep.key]["success"]))
@@ -434,26 +456,38 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         store.append(rec)
         bar.update(rec["success"], error=bool(rec["error"]))
 
-    if todo:
-        bar.draw(force=True)
-        try:
-            if model.kind == "remote":
-                run_remote(todo, model, settings, cfg, base_url, concurrency, on_record)
-            else:
-                run_local(todo, model, settings, cfg, backend, concurrency, on_record)
-        except Exception as err:
-            from worldloop.eval.remote import EndpointError
-
-            if isinstance(err, EndpointError):
-                bar.close()
-                print(f"\nworldloop eval: {err}", file=sys.stderr)
-                return 1
-            raise
+    if todo and not _play(todo, model, settings, cfg, backend, base_url, o.concurrency, on_record, bar):
+        return 1
     bar.close()
     records = [store.records[ep.key] for ep in all_eps if ep.key in store.records]
+    return _report(records, out, _title(model, plans, settings, (e.seed_start, e.seed_start + o.episodes)), model.name)
+
+
+def _play(todo: list[Episode], model: ModelRef, settings: dict, cfg: Config, backend: str, base_url: str | None,
+          concurrency: int, on_record: Callable[[dict], None], bar: ProgressBar) -> bool:
+    """Play ``todo`` on the endpoint or locally; False (after saying why) when the endpoint cannot
+    be reached at all."""
+    bar.draw(force=True)
+    try:
+        if model.kind == "remote":
+            run_remote(todo, model, settings, cfg, base_url, concurrency, on_record)
+        else:
+            run_local(todo, model, settings, cfg, backend, concurrency, on_record)
+    except Exception as err:
+        from worldloop.eval.remote import EndpointError
+
+        if isinstance(err, EndpointError):
+            bar.close()
+            print(f"\nworldloop eval: {err}", file=sys.stderr)
+            return False
+        raise
+    return True
+
+
+def _report(records: list[dict], out: Path, title: str, model_name: str) -> int:
+    """The table of ``records``: written to ``out`` and printed; 1 when some episode ended with an error."""
     table = build_table(records)
-    title = _title(model, plans, settings, (e.seed_start, e.seed_start + episodes))
-    write_results(out, table, title, model.name)
+    write_results(out, table, title, model_name)
     print(table.render_text(title), flush=True)
     failed = sum(1 for r in records if r.get("error"))
     if failed:

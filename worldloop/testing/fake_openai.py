@@ -170,73 +170,78 @@ class FakeOpenAI:
         chunks.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
         return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
 
-    def _handler_class(self):
-        fake = self
+    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
+        return type("Handler", (_Handler,), {"fake": self})
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            disable_nagle_algorithm = True  # headers and body leave at once (no 40 ms delayed-ACK stall)
 
-            def log_message(self, fmt: str, *args: Any) -> None:  # quiet
-                pass
+class _Handler(BaseHTTPRequestHandler):
+    """One HTTP request to ``fake`` (a class attribute: FakeOpenAI makes a subclass per server)."""
 
-            def _send(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
-                try:
-                    self.send_response(status)
-                    hdrs = {"Content-Type": "application/json", **(headers or {})}
-                    for k, v in hdrs.items():
-                        self.send_header(k, v)
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
-                except (BrokenPipeError, ConnectionResetError):  # the client gave up (timeout)
-                    self.close_connection = True
+    fake: FakeOpenAI
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body leave at once (no 40 ms delayed-ACK stall)
 
-            def _record(self, body: Any) -> None:
-                with fake._lock:
-                    fake.requests.append({"path": self.path, "headers": dict(self.headers), "json": body,
-                                          "time": time.time()})
+    def log_message(self, fmt: str, *args: Any) -> None:  # quiet
+        pass
 
-            def do_GET(self) -> None:
-                self._record(None)
-                if self.path.rstrip("/").endswith("/models"):
-                    body = {"object": "list", "data": [{"id": fake.model, "object": "model", "created": 0,
-                                                        "owned_by": "fake"}]}
-                    self._send(200, json.dumps(body).encode())
-                else:
-                    self._send(404, _error_body(f"no route {self.path}", "not_found"))
+    def _send(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+        try:
+            self.send_response(status)
+            hdrs = {"Content-Type": "application/json", **(headers or {})}
+            for k, v in hdrs.items():
+                self.send_header(k, v)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):  # the client gave up (timeout)
+            self.close_connection = True
 
-            def do_POST(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                raw = self.rfile.read(length) if length else b""
-                try:
-                    body = json.loads(raw or b"null")
-                except ValueError:
-                    body = None
-                self._record(body)
-                if not self.path.rstrip("/").endswith("/chat/completions"):
-                    self._send(404, _error_body(f"no route {self.path}", "not_found"))
-                    return
-                if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-                    self._send(400, _error_body("body must be a JSON object with 'messages'", "invalid_request_error"))
-                    return
-                with fake._lock:
-                    fake._active += 1
-                    fake.max_concurrent = max(fake.max_concurrent, fake._active)
-                try:
-                    while fake.hang and not fake._closed.wait(0.05):
-                        pass  # no answer, no close: the client's own timeout must end it
-                    if fake.hang:  # closed while hanging: drop the connection unanswered
-                        return
-                    status, headers, payload, delay = fake._answer_chat(body)
-                    if delay > 0:
-                        time.sleep(delay)
-                    self._send(status, payload, headers)
-                finally:
-                    with fake._lock:
-                        fake._active -= 1
+    def _record(self, body: Any) -> None:
+        fake = self.fake
+        with fake._lock:
+            fake.requests.append({"path": self.path, "headers": dict(self.headers), "json": body,
+                                  "time": time.time()})
 
-        return Handler
+    def do_GET(self) -> None:
+        fake = self.fake
+        self._record(None)
+        if self.path.rstrip("/").endswith("/models"):
+            body = {"object": "list", "data": [{"id": fake.model, "object": "model", "created": 0,
+                                                "owned_by": "fake"}]}
+            self._send(200, json.dumps(body).encode())
+        else:
+            self._send(404, _error_body(f"no route {self.path}", "not_found"))
+
+    def do_POST(self) -> None:
+        fake = self.fake
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        try:
+            body = json.loads(raw or b"null")
+        except ValueError:
+            body = None
+        self._record(body)
+        if not self.path.rstrip("/").endswith("/chat/completions"):
+            self._send(404, _error_body(f"no route {self.path}", "not_found"))
+            return
+        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+            self._send(400, _error_body("body must be a JSON object with 'messages'", "invalid_request_error"))
+            return
+        with fake._lock:
+            fake._active += 1
+            fake.max_concurrent = max(fake.max_concurrent, fake._active)
+        try:
+            while fake.hang and not fake._closed.wait(0.05):
+                pass  # no answer, no close: the client's own timeout must end it
+            if fake.hang:  # closed while hanging: drop the connection unanswered
+                return
+            status, headers, payload, delay = fake._answer_chat(body)
+            if delay > 0:
+                time.sleep(delay)
+            self._send(status, payload, headers)
+        finally:
+            with fake._lock:
+                fake._active -= 1
 
 
 class _Server(ThreadingHTTPServer):

@@ -1,4 +1,5 @@
-"""Supervised warm start on expert demonstrations (issue 7: used by ``worldloop up`` on a fresh model).
+"""Supervised warm start on expert demonstrations: the last step of making a fresh model
+(:func:`worldloop.bootstrap.pipeline.warm_start` reads the config and calls what is here).
 
 Public API::
 
@@ -8,7 +9,6 @@ Public API::
     sequence_loss(model, demos, codec, batch_size=8) -> float
     answer_format_ok(text, prompt_format=None) -> bool
     format_ok_rate(model_dir, demos, *, temperature=0.7, top_p=1.0, max_new_tokens=96, seed=0) -> float
-    warm_start(cfg, model_dir) -> dict    # worldloop up: SFT of a fresh model on the run's envs
 
 Demonstrations are played with ``env.unwrapped.expert_response()`` as the response of every turn
 (the env contract: ``gymnasium.make(id, **kwargs)``, ``obs = {"text", "image"}``,
@@ -37,7 +37,6 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from worldloop.common.config import SFT_PROBE_SEEDS
 from worldloop.common.modeling import ChatCodec, build_sequence, collate, freeze_vision_tower, load_policy, token_logprobs
 from worldloop.common.schemas import TRAJECTORY_SCHEMA, Trajectory, Turn, state_from_info
 from worldloop.envs.base import observation_parts
@@ -300,54 +299,3 @@ def format_ok_rate(
     finally:
         backend.close()
     return float(np.mean([answer_format_ok(r.text, d.prompt_format) for r, d in zip(results, demos)])) if results else 0.0
-
-
-# --------------------------------------------------------------------------- worldloop up
-
-
-def warm_start(cfg: Any, model_dir: str | Path, *, probe_prompts: int = SFT_PROBE_SEEDS) -> dict:
-    """SFT of a freshly made model on solver demonstrations of the run's own envs (``worldloop up``).
-
-    ``cfg.sft.episodes`` expert episodes cycle over ``cfg.actor.envs`` with seeds ``sft.seed_start``
-    onwards (a range the config loader checks is disjoint from the RL seeds and the held-out eval
-    seeds), ``actor.max_turns`` turns each, in the envs' own prompt format, so the
-    ``<observation>``/``<prediction>`` fields hold the true states (cut short with
-    ``sft.answer_style: concise``). Trains in place; returns ``run_sft``'s report plus
-    ``format_ok_before``/``format_ok_after``: the share of well-formed answers sampled (at the
-    actor's temperature) for the first-turn prompts of ``probe_prompts`` further demonstration-range seeds.
-    """
-    model_dir = Path(model_dir)
-    s, a = cfg.sft, cfg.actor
-    codec = ChatCodec(model_dir, max_image_side=cfg.model.max_image_side)
-    specs = [{"id": e.id, "kwargs": dict(e.kwargs)} for e in a.envs]
-    start = time.monotonic()
-    style = demonstration_style(s)
-    demos = make_demonstrations(specs, s.episodes, s.seed_start, codec, a.max_turns,
-                                distinct_moves=s.turn_plan == "distinct", **style)
-    probes = make_demonstrations(specs, probe_prompts, s.seed_start + s.episodes, codec, 1, **style)
-    log.info("sft: %d demonstrations (%d turns) in %.1fs", len(demos), sum(len(d.turns) for d in demos),
-             time.monotonic() - start)
-    lengths = [len(t.response_ids) for d in demos for t in d.turns]
-    too_long = sum(n > a.max_new_tokens for n in lengths)
-    if too_long:
-        log.warning("sft: %d of %d demonstration answers are longer than actor.max_new_tokens=%d (longest %d): "
-                    "sampled answers will be cut off before </answer>; raise actor.max_new_tokens",
-                    too_long, len(lengths), a.max_new_tokens, max(lengths))
-
-    def rate() -> float:
-        return format_ok_rate(model_dir, probes, temperature=a.temperature, top_p=a.top_p,
-                              max_new_tokens=a.max_new_tokens, seed=cfg.run.seed)
-
-    before = rate()
-    every = max(1, (s.epochs * -(-len(demos) // s.batch_size)) // 10)
-
-    def progress(p: dict) -> None:
-        if p["step"] % every == 0:
-            log.info("sft: epoch %d step %d loss %.3f", p["epoch"] + 1, p["step"], p["loss"])
-
-    report = run_sft(model_dir, demos, s.epochs, s.lr, s.batch_size, seed=cfg.run.seed, codec=codec, progress=progress,
-                     freeze_vision=cfg.model.freeze_vision)
-    report.update(format_ok_before=before, format_ok_after=rate(), demonstrations=len(demos),
-                  success_rate_of_demonstrations=float(np.mean([d.success for d in demos])),
-                  answer_tokens_max=max(lengths), answers_longer_than_max_new_tokens=too_long)
-    return report

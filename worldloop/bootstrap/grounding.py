@@ -8,11 +8,11 @@ Public API::
     grounding_pretrain(model_dir, env_specs, steps, *, seed_start, max_image_side, batch_size=32,
                        lr=3e-3, seed=0, freeze_vision=True, eval_boards=128, progress=None,
                        agent_every=0, agent_batch_size=8, prompt="image") -> dict
-    ground_for_run(cfg, model_dir) -> dict      # what ``worldloop up`` runs before SFT
 
 A pretrained vision-language model arrives able to say what is where in an image; the tiny model
 made on the spot does not, and a few hundred SFT demonstrations do not teach it (README,
 "Why the tiny model could not see"). So before SFT, ``worldloop up`` trains the newly made model
+(:func:`worldloop.bootstrap.pipeline.ground` reads the config and calls :func:`grounding_pretrain`)
 on the cheapest grounding task the run's own envs give for free: the first-turn image of a fresh
 level followed by the answer prefix ``<think><observation>{the true state, as the env describes
 it}</observation>``: exactly the text an ``<observation>`` is judged against. Loss on those answer
@@ -35,7 +35,6 @@ the goal in FrozenLake, the box in Sokoban), ``exact`` (the whole description ri
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,8 +44,6 @@ import torch
 
 from worldloop.common.modeling import ChatCodec, SequenceLayout, collate, freeze_vision_tower, load_policy, model_inputs
 from worldloop.envs.base import observation_parts
-
-log = logging.getLogger(__name__)
 
 PROMPT = "<image>"  # the image alone: the user turn of a pretraining example
 
@@ -195,10 +192,41 @@ def grounding_pretrain(
         freeze_vision_tower(model)
     start = time.monotonic()
     envs: dict = {}
-    held_out = grounding_examples(env_specs, eval_boards, seed_start + steps * batch_size, codec, envs, prompt=prompt)
-    held_agent = grounding_examples(env_specs, eval_boards, seed_start + steps * batch_size, codec, envs, prompt="agent")
-    before = grounding_accuracy(model, held_out, codec)
-    before_agent = grounding_accuracy(model, held_agent, codec, batch_size=16)
+
+    def examples(n: int, first_seed: int, form: str) -> list[GroundingExample]:
+        return grounding_examples(env_specs, n, first_seed, codec, envs, prompt=form)
+
+    def batch(step: int) -> list[GroundingExample]:
+        if agent_every and step % agent_every == agent_every - 1:
+            return examples(agent_batch_size, seed_start + step * batch_size, "agent")
+        return examples(batch_size, seed_start + step * batch_size, prompt)
+
+    try:
+        eval_seed = seed_start + steps * batch_size
+        held = (examples(eval_boards, eval_seed, prompt), examples(eval_boards, eval_seed, "agent"))
+        before, before_agent = _held_out_accuracy(model, held, codec)
+        loss_value = _fit(model, batch, codec, steps, lr, seed, progress)
+    finally:
+        for env in envs.values():
+            env.close()
+    after, after_agent = _held_out_accuracy(model, held, codec)
+    model.save_pretrained(str(model_dir), safe_serialization=True)
+    return {"steps": steps, "batch_size": batch_size, "lr": lr, "seconds": time.monotonic() - start,
+            "before": before, "after": after, "before_agent": before_agent, "after_agent": after_agent,
+            "loss": loss_value}
+
+
+def _held_out_accuracy(model: torch.nn.Module, held: tuple[list, list], codec: ChatCodec) -> tuple[dict, dict]:
+    """:func:`grounding_accuracy` on the held-out boards in the trained prompt form and in the actors'
+    "agent" form (long prompts: smaller batches)."""
+    return grounding_accuracy(model, held[0], codec), grounding_accuracy(model, held[1], codec, batch_size=16)
+
+
+def _fit(model: torch.nn.Module, batch: Callable[[int], list[GroundingExample]], codec: ChatCodec, steps: int,
+         lr: float, seed: int, progress: Callable[[dict], None] | None) -> float:
+    """``steps`` AdamW steps on :func:`answer_loss` of ``batch(step)`` (50 warm-up steps, gradient
+    norm clipped at 1) of the trainable parameters; leaves the model in eval mode and returns the
+    last step's loss."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     warmup = min(50, steps)
@@ -206,59 +234,15 @@ def grounding_pretrain(
     torch.manual_seed(seed)
     model.train()
     loss_value = float("nan")
-    try:
-        for step in range(steps):
-            if agent_every and step % agent_every == agent_every - 1:
-                chunk = grounding_examples(env_specs, agent_batch_size, seed_start + step * batch_size, codec, envs,
-                                           prompt="agent")
-            else:
-                chunk = grounding_examples(env_specs, batch_size, seed_start + step * batch_size, codec, envs,
-                                           prompt=prompt)
-            loss = answer_loss(model, chunk, codec)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
-            loss_value = float(loss.detach())
-            if progress is not None:
-                progress({"step": step + 1, "steps": steps, "loss": loss_value})
-    finally:
-        for env in envs.values():
-            env.close()
+    for step in range(steps):
+        loss = answer_loss(model, batch(step), codec)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        loss_value = float(loss.detach())
+        if progress is not None:
+            progress({"step": step + 1, "steps": steps, "loss": loss_value})
     model.eval()
-    after = grounding_accuracy(model, held_out, codec)
-    after_agent = grounding_accuracy(model, held_agent, codec, batch_size=16)
-    model.save_pretrained(str(model_dir), safe_serialization=True)
-    return {"steps": steps, "batch_size": batch_size, "lr": lr, "seconds": time.monotonic() - start,
-            "before": before, "after": after, "before_agent": before_agent, "after_agent": after_agent,
-            "loss": loss_value}
-
-
-def ground_for_run(cfg: Any, model_dir: str | Path) -> dict:
-    """``worldloop up``: grounding pre-training of a newly made tiny model on the run's own envs
-    (``cfg.actor.envs``, in the render mode and state format the actors use), with the
-    ``model.tiny_grounding_*`` settings; logs progress ten times and the accuracy before/after."""
-    m = cfg.model
-    specs = [{"id": e.id, "kwargs": dict(e.kwargs)} for e in cfg.actor.envs]
-    every = max(1, m.tiny_grounding_steps // 10)
-    log.info("model: grounding pre-training, %d steps of %d levels (seeds %d on)", m.tiny_grounding_steps,
-             m.tiny_grounding_batch_size, m.tiny_grounding_seed_start)
-
-    def progress(p: dict) -> None:
-        if p["step"] % every == 0:
-            log.info("grounding: step %d/%d loss %.3f", p["step"], p["steps"], p["loss"])
-
-    from worldloop.common.config import GROUNDING_EVAL_BOARDS
-
-    report = grounding_pretrain(model_dir, specs, m.tiny_grounding_steps, seed_start=m.tiny_grounding_seed_start,
-                                max_image_side=m.max_image_side, batch_size=m.tiny_grounding_batch_size,
-                                lr=m.tiny_grounding_lr, seed=cfg.run.seed, freeze_vision=m.freeze_vision,
-                                eval_boards=GROUNDING_EVAL_BOARDS, progress=progress, prompt="observation",
-                                agent_every=m.tiny_grounding_agent_every,
-                                agent_batch_size=m.tiny_grounding_agent_batch_size)
-    log.info("model: grounding done in %.0fs: in the actors' first turn, the first relation is right on %.0f%% of "
-             "held-out boards (before %.0f%%) and the whole description on %.0f%%", report["seconds"],
-             100 * report["after_agent"]["first"], 100 * report["before_agent"]["first"],
-             100 * report["after_agent"]["exact"])
-    return report
+    return loss_value
