@@ -208,8 +208,20 @@ class TrainerConfig:
     ppo_mini_batch_size: int = 32
     micro_batch_size: int = 4  # sequences per forward; accumulation = mini / micro
     # > 0: micro-batches are formed by this token budget instead (rows x longest incl. padding;
-    # rows sorted by length within each mini-batch, learner/trainer.py); 0 = micro_batch_size rows
-    micro_batch_tokens: int = 0
+    # rows sorted by length within each mini-batch, learner/trainer.py); 0 = micro_batch_size rows;
+    # auto: on CUDA the budget that the GPU's free memory holds by the memory model
+    # (learner/memory.py), on CPU micro_batch_size x the update's longest trajectory
+    micro_batch_tokens: int | Literal["auto"] = 0
+    # every micro-batch is right-padded to a multiple of this many tokens, so that its shapes repeat
+    # (kernels and attention plans are reused from update to update); auto = 128 on CUDA, 8 on CPU
+    pad_to_multiple: int | Literal["auto"] = "auto"
+    # the LM head and its log-softmax run on this many loss tokens at a time, forward and backward,
+    # so no micro-batch ever holds full-vocabulary logits (common/logprobs.py)
+    logprob_chunk_tokens: int = 512
+    # Liger Kernel (the `gpu` extra): fused RMSNorm, RoPE, SwiGLU and the fused linear log-prob on
+    # Qwen2 / Qwen2.5-VL. auto = on when the learner runs on CUDA and liger_kernel imports; true (YAML's
+    # `on`) fails at start without either; false (`off`): the plain path, as CPU runs (learner/kernels.py)
+    liger: bool | Literal["auto"] = "auto"
     ppo_epochs: int = 1
     actor_lr: float = 1e-6
     critic_lr: float = 1e-5
@@ -414,7 +426,10 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "trainer.train_batch_size": (lambda v: v >= 1, "must be >= 1"),
     "trainer.ppo_mini_batch_size": (lambda v: v >= 1, "must be >= 1"),
     "trainer.micro_batch_size": (lambda v: v >= 1, "must be >= 1"),
-    "trainer.micro_batch_tokens": (lambda v: v >= 0, "must be >= 0 (0 = micro_batch_size trajectories per micro-batch)"),
+    "trainer.micro_batch_tokens": (lambda v: v == "auto" or v >= 0,
+                                   "must be auto or >= 0 (0 = micro_batch_size trajectories per micro-batch)"),
+    "trainer.pad_to_multiple": (lambda v: v == "auto" or 1 <= v <= 4096, "must be auto or an integer in [1, 4096]"),
+    "trainer.logprob_chunk_tokens": (lambda v: 1 <= v <= 1 << 20, "must be in [1, 1048576]"),
     "trainer.clip_ratio": (lambda v: v > 0, "must be > 0"),
     "trainer.max_staleness": (lambda v: v >= 0, "must be >= 0"),
     "trainer.importance_weight_cap": (lambda v: v >= 1.0, "must be >= 1"),
