@@ -6,7 +6,7 @@
 
 Layers, lowest first (``worldloop/__init__.py`` says what each holds):
 
-    contracts    worldloop.common.{config, schemas, keys, modeling}
+    contracts    worldloop.common.{config, schemas, keys, modeling, logprobs}
     machinery    the rest of worldloop.common
     envs         worldloop.envs
     roles        worldloop.actor, worldloop.judge, worldloop.learner
@@ -39,7 +39,8 @@ PACKAGE_DIRS = {
     "learner": "worldloop.learner",
     "envs": "worldloop.envs",
 }
-CONTRACTS = {"worldloop.common.config", "worldloop.common.schemas", "worldloop.common.keys", "worldloop.common.modeling"}
+CONTRACTS = {"worldloop.common.config", "worldloop.common.schemas", "worldloop.common.keys", "worldloop.common.modeling",
+             "worldloop.common.logprobs"}
 ROLES = ("worldloop.actor", "worldloop.judge", "worldloop.learner")
 RANK = {"contracts": 0, "machinery": 1, "envs": 1, "roles": 2, "apps": 3}
 

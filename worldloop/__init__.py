@@ -11,8 +11,9 @@ roles           ``worldloop.actor``, ``worldloop.judge``, ``worldloop.learner``:
 envs            ``worldloop.envs``: gymnasium environments, used by actors and applications only
 machinery       ``worldloop.common.{streams, weights, process, control, metrics, redis_local,
                 openai_retry}``: Redis streams, the ZeroMQ weight channel, the process scaffold
-contracts       ``worldloop.common.{config, schemas, keys, modeling}``: what crosses a process
-                boundary (config, message types, Redis key names, token layout); no machinery
+contracts       ``worldloop.common.{config, schemas, keys, modeling, logprobs}``: what crosses a
+                process boundary (config, message types, Redis key names, token layout and the
+                log-prob convention); no machinery
 ==============  ==========================================================================
 
 In the source tree each subpackage is a top-level folder of the repository (``actor/``,
