@@ -62,12 +62,16 @@ def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, dtype: to
 
 
 def _chunk_logp(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float):
-    """fp32 log-softmax of one chunk's logits / T (the logits tensor reused in place) and its softmax."""
+    """fp32 log-softmax of one chunk's logits / T and its softmax: two [chunk, V] tensors, the logits
+    reused in place (``torch.logsumexp`` would allocate a third, its exp, for the sum)."""
     logp = F.linear(hidden, weight, bias).float()
     if temperature != 1.0:
         logp.div_(temperature)
-    logp.sub_(torch.logsumexp(logp, dim=-1, keepdim=True))
-    return logp, logp.exp()
+    logp.sub_(logp.amax(dim=-1, keepdim=True))
+    p = logp.exp()
+    total = p.sum(dim=-1, keepdim=True)
+    logp.sub_(total.log())
+    return logp, p.div_(total)
 
 
 class ChunkedLinearLogprob(torch.autograd.Function):
@@ -83,7 +87,7 @@ class ChunkedLinearLogprob(torch.autograd.Function):
             logp, p = _chunk_logp(hidden[s : s + chunk], weight, bias, temperature)
             lp[s : s + chunk] = logp.gather(-1, targets[s : s + chunk, None]).squeeze(-1)
             if entropy:
-                ent[s : s + chunk] = -(p * logp).sum(-1)
+                ent[s : s + chunk] = -p.mul_(logp).sum(-1)  # in place: no third [chunk, V] tensor
             del logp, p
         ctx.save_for_backward(hidden, weight, bias, targets, ent)
         ctx.temperature, ctx.chunk, ctx.entropy = float(temperature), int(chunk), bool(entropy)
@@ -96,30 +100,36 @@ class ChunkedLinearLogprob(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros_like(weight) if want_w else None
         grad_b = torch.zeros_like(bias) if want_b and bias is not None else None
-        use_ent = ctx.entropy and g_ent is not None
+        g_lp = g_lp if g_lp is not None else torch.zeros_like(ent)
+        g_ent = g_ent if ctx.entropy and g_ent is not None else None
         for s in range(0, hidden.shape[0], ctx.chunk):
-            h = hidden[s : s + ctx.chunk]
-            logp, p = _chunk_logp(h, weight, bias, ctx.temperature)
-            gl = (g_lp[s : s + ctx.chunk] if g_lp is not None else torch.zeros_like(ent[s : s + ctx.chunk]))[:, None]
-            # dL/dz = gl * (onehot - p) + ge * (-p * (logp + H)), built in place in logp and p
-            if use_ent:
-                coef = logp.add_(ent[s : s + ctx.chunk, None]).mul_(-g_ent[s : s + ctx.chunk, None]).sub_(gl)
-                grad_z = p.mul_(coef)
-            else:
-                grad_z = p.mul_(-gl)
-            del logp
-            grad_z.scatter_add_(-1, targets[s : s + ctx.chunk, None], gl)
-            if ctx.temperature != 1.0:
-                grad_z.div_(ctx.temperature)
-            g = grad_z.to(weight.dtype)
-            del grad_z, p
+            sl = slice(s, s + ctx.chunk)
+            g = _chunk_grad_logits(hidden[sl], weight, bias, targets[sl], ent[sl], g_lp[sl],
+                                   g_ent[sl] if g_ent is not None else None, ctx.temperature)
             if grad_h is not None:
-                grad_h[s : s + ctx.chunk] = (g @ weight).to(hidden.dtype)
+                grad_h[sl] = (g @ weight).to(hidden.dtype)
             if grad_w is not None:
-                grad_w.addmm_(g.t(), h.to(weight.dtype))
+                grad_w.addmm_(g.t(), hidden[sl].to(weight.dtype))
             if grad_b is not None:
                 grad_b += g.sum(0).to(bias.dtype)
+            del g  # before the next chunk's logits: one chunk's tensors alive at a time
         return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def _chunk_grad_logits(hidden, weight, bias, targets, ent, g_lp, g_ent, temperature: float) -> torch.Tensor:
+    """d loss / d logits of one chunk, in the weight's dtype: ``g_lp * (onehot - p) / T`` plus
+    ``g_ent * (-p * (log p + H)) / T``, built in place in the recomputed log-softmax and softmax."""
+    logp, p = _chunk_logp(hidden, weight, bias, temperature)
+    gl = g_lp[:, None]
+    if g_ent is not None:
+        grad_z = p.mul_(logp.add_(ent[:, None]).mul_(-g_ent[:, None]).sub_(gl))
+    else:
+        grad_z = p.mul_(-gl)
+    del logp
+    grad_z.scatter_add_(-1, targets[:, None], gl)
+    if temperature != 1.0:
+        grad_z.div_(temperature)
+    return grad_z.to(weight.dtype)
 
 
 # --------------------------------------------------------------------------- dispatch
