@@ -42,8 +42,9 @@ keeps its input and 1/rms (d h), its SwiGLU gate and up, recomputing SiLU (3 d I
 product). With gradient checkpointing a layer keeps only its input (d h) and one layer at a time
 is recomputed in the backward. The LM head's share is :func:`logits_bytes`: the full computation
 keeps the head output, its fp32 copy, the log-softmax and the softmax for every loss token
-(d + 16 bytes x V; measured 20 x V in fp32 on CPU), the chunked one about 10 bytes x V per row of
-one chunk. A 10 % allowance covers the backward's transient gradients.
+(d + 16 bytes x V; measured on CPU in fp32: 16 x V in the learner's update, 20 x V with an entropy
+term in the loss), the chunked one two fp32 [chunk, V] tensors in either pass (8 bytes x V per
+row of one chunk; 10 counted). A 10 % allowance covers the backward's transient gradients.
 """
 
 from __future__ import annotations
