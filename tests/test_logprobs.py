@@ -206,3 +206,27 @@ def test_chunked_function_under_no_grad_keeps_no_graph():
         lp, ent = ChunkedLinearLogprob.apply(torch.randn(5, 8), head.weight, head.bias, torch.zeros(5, dtype=torch.long),
                                              1.0, 2, True)
     assert not lp.requires_grad and lp.grad_fn is None and bool((ent > 0).all())
+
+
+def test_the_learners_policy_module_and_critic_on_the_tiny_model(tiny):
+    """PolicyModule as the engine calls it (the batch's logprob_mask, the sampling temperature, a
+    small chunk) gives the full logits' log-probs on the mask and 0 elsewhere; the critic, which
+    never goes through the LM head, reads the value of position i from the hidden state at i - 1."""
+    from worldloop.learner.engine import CriticModule, PolicyModule, load_backbone
+
+    path, batch = tiny
+    mask = batch["response_mask"]
+    hf = load_policy(path)
+    with torch.no_grad():
+        lp, ent = PolicyModule(hf, chunk_size=5)({**batch, "logprob_mask": mask}, temperature=0.7, return_entropy=True)
+        full_lp, full_ent = _full_model_logprobs(hf, batch, 0.7)
+    chosen = mask.bool()
+    assert torch.allclose(lp[chosen], full_lp[chosen], atol=1e-5) and torch.allclose(ent[chosen], full_ent[chosen], atol=1e-5)
+    assert (lp[~chosen] == 0).all()
+    critic = CriticModule(load_backbone(path))
+    with torch.no_grad():
+        torch.nn.init.normal_(critic.value_head.weight)
+        values = critic(batch)
+        hidden = critic.backbone(**model_inputs(batch, torch.device("cpu"), torch.float32)).last_hidden_state
+    expected = (hidden @ critic.value_head.weight[0] + critic.value_head.bias[0])[:, :-1]
+    assert (values[:, 0] == 0).all() and torch.allclose(values[:, 1:], expected, atol=1e-5)
