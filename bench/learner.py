@@ -37,7 +37,8 @@ fraction of the token slots computed (all forwards of the update) that are paddi
 the micro-batches per update (training passes), ``cpu s`` the process's CPU time per update
 (less disturbed than wall time when other work shares the cores), ``peak GB`` the CUDA peak on
 a GPU and the process's peak RSS on CPU (``rss_growth_mb``: its growth from before the first
-update: gradients, optimizer state, activations, logits). ``--batch`` overrides the size's train / PPO mini / micro batch sizes.
+update: gradients, optimizer state, activations, logits). ``--batch`` overrides the size's
+train / PPO mini / micro batch sizes.
 
 Measured on CPU (2 shared cores, one torch thread; other work ran beside it, so wall times are
 noisy and cpu s is the steadier number), tiny model with images, ZeRO-2 fp32, 32 trajectories of
@@ -66,7 +67,10 @@ Models: randomly initialised from the architecture's config, built in memory on 
   151936), bilevel_gae with critic and reference, micro-batch 4;
 * ``3b``: Qwen2.5-VL-3B shape (text hidden 2048, 36 layers, 16/2 heads; vision tower depth 32),
   text-only trajectories, GRPO (no critic: policy and critic with full fp32 Adam states would not
-  fit next to each other on one GPU), reference on, gradient checkpointing, micro-batch 2.
+  fit next to each other on one GPU), reference on, gradient checkpointing, micro-batch 2, the
+  vision tower frozen (it gets no gradient from text; frozen it has no optimizer state: the
+  memory model puts ZeRO-2 at 72 GB so, 84 GB with the tower trained, where the H200 measured
+  a 87.9 GB peak; the tables below were measured with it trained).
 
 Engines, each in its own subprocess (clean memory, one failure does not end the table):
 ``torch`` = the baseline, the same trainer with a plain-torch engine (bf16 parameters, fused
@@ -139,9 +143,11 @@ SIZES = {
                  turns=2, filler=0, response=24, images=True),
     "0.5b": dict(trainer=dict(train_batch_size=16, ppo_mini_batch_size=8, micro_batch_size=4, estimator="bilevel_gae"),
                  turns=3, filler=220, response=110, images=False),
+    # the trajectories are text-only, so the vision tower gets no gradient: frozen, its 0.67 B
+    # parameters carry no optimizer state (ZeRO-2: 10.7 GB less; model.freeze_vision)
     "3b": dict(trainer=dict(train_batch_size=16, ppo_mini_batch_size=8, micro_batch_size=2, estimator="grpo",
                             use_critic=False, gradient_checkpointing=True),
-               turns=3, filler=220, response=110, images=False),
+               turns=3, filler=220, response=110, images=False, model=dict(freeze_vision=True)),
     # the tiny model's body (hidden 64, 2 layers, tied head) with Qwen's 151,936-token vocabulary:
     # long responses and 2 rows per micro-batch (about 1,800 loss tokens), so the LM head's logits
     # are most of an update's memory on CPU; GRPO without a critic, reference on
@@ -245,12 +251,16 @@ def _models_for(size: str, tiny_dir: Path, device: torch.device, dtype: torch.dt
 def model_estimate(size: str, engine: str, cfg, tiny_dir: Path, lengths: list[int], response: int, cuda: bool, full: bool):
     """The memory model's Estimate of a variant (learner/memory.py), from shapes on the meta device:
     its largest micro-batch is micro_batch_size rows of the longest trajectory (or the token budget)."""
+    from worldloop.common.modeling import freeze_vision_tower
     from worldloop.learner.kernels import use_liger
     from worldloop.learner.memory import estimate, shape_of
 
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     policy, backbone, reference = _models_for(size, tiny_dir, torch.device("meta") if size != "tiny" else device,
                                               torch.bfloat16 if cuda else torch.float32)
+    for m in (policy, backbone) if cfg.model.freeze_vision else ():
+        if m is not None:
+            freeze_vision_tower(m)
     t = cfg.trainer
     slots = t.micro_batch_size * (-(-max(lengths) // 8) * 8)
     tokens = min(slots, t.micro_batch_tokens) if isinstance(t.micro_batch_tokens, int) and t.micro_batch_tokens > 0 else slots
@@ -365,7 +375,8 @@ def run_variant(size: str, engine: str, steps: int, out: Path, lengths: str = "f
     trainer = dict(spec["trainer"], zero_stage=3 if engine == "zero3" else 2 if engine == "zero2" else 0,
                    total_steps=steps, kl_coef=0.001, device="cuda" if cuda else "cpu", micro_batch_tokens=budget,
                    **({"logprob_chunk_tokens": chunk} if chunk else {}))
-    cfg = config_from_dict({"model": {"path": str(tiny_dir), "max_image_side": 112, "max_model_len": 8192},
+    cfg = config_from_dict({"model": {"path": str(tiny_dir), "max_image_side": 112, "max_model_len": 8192,
+                                      **spec.get("model", {})},
                             "trainer": trainer})
     first = [sum(len(t.obs_ids) + len(t.response_ids) for t in x.turns) for x in batches[0]]
     est = model_estimate(size, engine, cfg, tiny_dir, first, sum(len(t.response_ids) for x in batches[0] for t in x.turns),
