@@ -70,18 +70,25 @@ NEEDS_GPU_AND_LIGER = pytest.mark.skipif(not torch.cuda.is_available() or not HA
                                          reason="needs CUDA and liger-kernel (the gpu extra)")
 
 
-def _keep_module_globals(monkeypatch):
-    """Liger patches functions and classes of transformers' modules: put them back after the test."""
+@pytest.fixture
+def transformers_restored():
+    """Liger patches functions and classes of transformers' modules (and adds names to them): put
+    every module global back as it was after the test."""
     from transformers.models.qwen2 import modeling_qwen2
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
 
-    for mod in (modeling_qwen2, modeling_qwen2_5_vl):
-        for name in ("apply_rotary_pos_emb", "apply_multimodal_rotary_pos_emb", "Qwen2RMSNorm", "Qwen2MLP",
-                     "Qwen2_5_VLRMSNorm", "CrossEntropyLoss"):
-            monkeypatch.setattr(mod, name, getattr(mod, name, None), raising=False)
-        for cls in ("Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration"):
-            if hasattr(mod, cls):
-                monkeypatch.setattr(getattr(mod, cls), "forward", getattr(mod, cls).forward)
+    mods = (modeling_qwen2, modeling_qwen2_5_vl)
+    before = [(m, dict(vars(m))) for m in mods]
+    forwards = [(c, c.forward) for m in mods for c in vars(m).values() if isinstance(c, type) and hasattr(c, "forward")]
+    yield
+    for m, names in before:
+        for k in set(vars(m)) - set(names):
+            delattr(m, k)
+        for k, v in names.items():
+            if vars(m).get(k) is not v:
+                setattr(m, k, v)
+    for c, f in forwards:
+        c.forward = f
 
 
 def _run(model, batch, mask, entropy: bool, fused: bool):
@@ -101,14 +108,13 @@ def _run(model, batch, mask, entropy: bool, fused: bool):
 @NEEDS_GPU_AND_LIGER
 @pytest.mark.parametrize("arch", ["qwen2", "qwen2_5_vl"])
 @pytest.mark.parametrize("entropy", [False, True])
-def test_liger_gives_the_plain_path_log_probs_entropies_and_gradients(tmp_path, monkeypatch, arch, entropy):
+def test_liger_gives_the_plain_path_log_probs_entropies_and_gradients(tmp_path, transformers_restored, arch, entropy):
     """The tiny model (fp32 on CUDA) with Liger's RMSNorm, RoPE and SwiGLU, and its fused linear
     log-prob where no entropy is asked for, against the plain modules and the chunked head."""
     from worldloop.common.modeling import ChatCodec, build_sequence, collate, load_policy
     from worldloop.learner.synthetic import synthetic_trajectory
     from worldloop.tiny_model import make_tiny_model
 
-    _keep_module_globals(monkeypatch)
     model_dir = make_tiny_model(tmp_path / arch, arch=arch, max_image_side=112)
     codec = ChatCodec(model_dir, max_image_side=112)
     trajs = [synthetic_trajectory(codec, trajectory_id=f"g{i}", seed=i, turns=2, response_tokens=9 + 5 * i) for i in range(2)]
