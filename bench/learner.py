@@ -4,20 +4,41 @@
     python bench/learner.py --size 0.5b --size 3b             # on a GPU (bf16)
         [--engines torch,zero2,zero3] [--steps 3] [--peak-tflops 989] [--json out.json]
         [--lengths fixed|varied] [--micro-tokens 0,auto,4096] [--batch TRAIN,MINI,MICRO]
+        [--logprobs chunked,full] [--logprob-chunk 512]
+    python bench/learner.py --size tiny-bigvocab --engines torch --logprobs chunked,full --steps 1   # CPU, 3 min
+
+Memory (issue 30). Each variant first asks the memory model (``worldloop.learner.memory``) for
+its peak: parameters, gradients, AdamW state, the activations of its largest micro-batch
+(micro_batch_size rows of the longest trajectory, or the token budget), the LM head's logits
+(chunked or full), the reference's weights and the critic's state, from the shapes of models
+built on the meta device. A variant that the model says does not fit (the GPU's memory; on CPU
+the machine's available memory) is skipped before any model is built, with ``does not fit:
+model says X GB > Y GB``; the others print the estimate as ``model GB`` beside the measured peak
+(on CPU also its growth part: gradients, optimizer state, activations and logits, what
+``rss_growth_mb`` measures). ``--logprobs full`` is the counterfactual of the chunked LM head:
+the whole [N, V] logits, log-softmax and entropy with autograd, as before ``common/logprobs.py``
+(patched into the variant's process only). ``tiny-bigvocab`` is the tiny model's body (hidden 64,
+2 layers) with Qwen's 151,936-token vocabulary and about 1,800 loss tokens per micro-batch, so
+that the logits are most of an update's memory on CPU; its table is in
+docs/benchmarks-learner.md. The peak RSS counts from after the models are built (the kernel's
+VmHWM is reset there), and the weight publisher reserves its buffers before the first update,
+as the learner does at start, so ``publish s`` is a steady-state hand-over.
 
 Micro-batching (``trainer.micro_batch_tokens``, issue 13 item 3): ``--micro-tokens`` runs every
 engine once per value: 0 = today's fixed count (``micro_batch_size`` trajectories per
 micro-batch, padded to the longest), N = micro-batches filled longest-first up to N token slots
 (rows x padded longest), ``auto`` = N = micro_batch_size x the batch's longest trajectory
-(rounded up to 8), i.e. no micro-batch larger than the fixed count's worst case.
+(rounded up to 8), i.e. no micro-batch larger than the fixed count's worst case; on a GPU
+``auto`` is the trainer's: the budget the free memory holds by the memory model.
 ``--lengths varied`` draws each trajectory's turns (1 to the size's turns, x2.5 for tiny) and
 response length (1/4 to 1x the size's) from a seeded RNG, so lengths vary several-fold as in
 multi-turn RL; the batch is the same for every variant. The table's ``pad`` column is the
 fraction of the token slots computed (all forwards of the update) that are padding, ``micro``
 the micro-batches per update (training passes), ``cpu s`` the process's CPU time per update
 (less disturbed than wall time when other work shares the cores), ``peak GB`` the CUDA peak on
-a GPU and the process's peak RSS on CPU (``+MB``: its growth from before the first update, the
-activations). ``--batch`` overrides the size's train / PPO mini / micro batch sizes.
+a GPU and the process's peak RSS on CPU (``rss_growth_mb``: its growth from before the first
+update: gradients, optimizer state, activations, logits). ``--batch`` overrides the size's
+train / PPO mini / micro batch sizes.
 
 Measured on CPU (2 shared cores, one torch thread; other work ran beside it, so wall times are
 noisy and cpu s is the steadier number), tiny model with images, ZeRO-2 fp32, 32 trajectories of
@@ -46,7 +67,10 @@ Models: randomly initialised from the architecture's config, built in memory on 
   151936), bilevel_gae with critic and reference, micro-batch 4;
 * ``3b``: Qwen2.5-VL-3B shape (text hidden 2048, 36 layers, 16/2 heads; vision tower depth 32),
   text-only trajectories, GRPO (no critic: policy and critic with full fp32 Adam states would not
-  fit next to each other on one GPU), reference on, gradient checkpointing, micro-batch 2.
+  fit next to each other on one GPU), reference on, gradient checkpointing, micro-batch 2, the
+  vision tower frozen (it gets no gradient from text; frozen it has no optimizer state: the
+  memory model puts ZeRO-2 at 72 GB so, 84 GB with the tower trained, where the H200 measured
+  a 87.9 GB peak; the tables below were measured with it trained).
 
 Engines, each in its own subprocess (clean memory, one failure does not end the table):
 ``torch`` = the baseline, the same trainer with a plain-torch engine (bf16 parameters, fused
@@ -119,9 +143,17 @@ SIZES = {
                  turns=2, filler=0, response=24, images=True),
     "0.5b": dict(trainer=dict(train_batch_size=16, ppo_mini_batch_size=8, micro_batch_size=4, estimator="bilevel_gae"),
                  turns=3, filler=220, response=110, images=False),
+    # the trajectories are text-only, so the vision tower gets no gradient: frozen, its 0.67 B
+    # parameters carry no optimizer state (ZeRO-2: 10.7 GB less; model.freeze_vision)
     "3b": dict(trainer=dict(train_batch_size=16, ppo_mini_batch_size=8, micro_batch_size=2, estimator="grpo",
                             use_critic=False, gradient_checkpointing=True),
-               turns=3, filler=220, response=110, images=False),
+               turns=3, filler=220, response=110, images=False, model=dict(freeze_vision=True)),
+    # the tiny model's body (hidden 64, 2 layers, tied head) with Qwen's 151,936-token vocabulary:
+    # long responses and 2 rows per micro-batch (about 1,800 loss tokens), so the LM head's logits
+    # are most of an update's memory on CPU; GRPO without a critic, reference on
+    "tiny-bigvocab": dict(trainer=dict(train_batch_size=4, ppo_mini_batch_size=4, micro_batch_size=2, estimator="grpo",
+                                       use_critic=False),
+                          turns=3, filler=0, response=300, images=False, vocab=151936),
 }
 
 
@@ -135,6 +167,7 @@ class TorchEngine:
         self.module = module.to(device=device, dtype=dtype)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.0, fused=device.type == "cuda")
+        self.optimizer = self.opt  # where the memory model looks for the optimizer's state
         self.gas = int(conf["gradient_accumulation_steps"])
         self.clip = float(conf["gradient_clipping"])
         self.micro = 0
@@ -170,16 +203,15 @@ class TorchEngine:
 # --------------------------------------------------------------------------- one variant
 
 
-def _models_for(size: str, tiny_dir: Path, device: torch.device, dtype: torch.dtype):
-    """(policy, critic backbone, reference) built in memory, and the parameter counts for FLOPs."""
-    from transformers import AutoModel, Qwen2_5_VLConfig, Qwen2Config
+def _config_for(size: str, tiny_dir: Path):
+    """(model class, config) of a size's randomly initialised model (every size but "tiny")."""
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen2_5_VLConfig, Qwen2Config
 
-    from worldloop.common.modeling import load_policy
-    from worldloop.learner.engine import load_backbone
-
-    if size == "tiny":
-        return load_policy(tiny_dir, dtype=dtype), load_backbone(tiny_dir), load_policy(tiny_dir, dtype=dtype)
-    if size == "0.5b":
+    if size == "tiny-bigvocab":
+        config = AutoConfig.from_pretrained(str(tiny_dir), local_files_only=True)
+        config.vocab_size = SIZES[size]["vocab"]
+        cls = AutoModelForCausalLM
+    elif size == "0.5b":
         config = Qwen2Config(**QWEN25_05B, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
         from transformers import Qwen2ForCausalLM as cls
     else:
@@ -190,12 +222,75 @@ def _models_for(size: str, tiny_dir: Path, device: torch.device, dtype: torch.dt
                                   tie_word_embeddings=True)
         from transformers import Qwen2_5_VLForConditionalGeneration as cls
     config._attn_implementation = "sdpa"
+    return cls, config
+
+
+def _build(cls, config, dtype: torch.dtype):
+    return cls.from_config(config, dtype=dtype) if hasattr(cls, "from_config") else cls._from_config(config, dtype=dtype)
+
+
+def _models_for(size: str, tiny_dir: Path, device: torch.device, dtype: torch.dtype):
+    """(policy, critic backbone or None, reference) built in memory (on the meta device: shapes only)."""
+    from transformers import AutoModel
+
+    from worldloop.common.modeling import load_policy
+    from worldloop.learner.engine import load_backbone
+
+    if size == "tiny":
+        return load_policy(tiny_dir, dtype=dtype), load_backbone(tiny_dir), load_policy(tiny_dir, dtype=dtype)
+    cls, config = _config_for(size, tiny_dir)
     with torch.device(device):
         torch.manual_seed(0)
-        policy = cls._from_config(config, dtype=dtype)
-        reference = cls._from_config(config, dtype=dtype)
-        backbone = AutoModel.from_config(config, dtype=dtype) if SIZES[size]["trainer"].get("use_critic", True) else None
+        policy = _build(cls, config, dtype)
+        reference = _build(cls, config, dtype)
+        critic = SIZES[size]["trainer"].get("use_critic", True)
+        backbone = AutoModel.from_config(config, dtype=dtype) if critic else None
     return policy, backbone, reference
+
+
+def model_estimate(size: str, engine: str, cfg, tiny_dir: Path, lengths: list[int], response: int, cuda: bool, full: bool):
+    """The memory model's Estimate of a variant (learner/memory.py), from shapes on the meta device:
+    its largest micro-batch is micro_batch_size rows of the longest trajectory (or the token budget)."""
+    from worldloop.common.modeling import freeze_vision_tower
+    from worldloop.learner.kernels import use_liger
+    from worldloop.learner.memory import estimate, shape_of
+
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    policy, backbone, reference = _models_for(size, tiny_dir, torch.device("meta") if size != "tiny" else device,
+                                              torch.bfloat16 if cuda else torch.float32)
+    for m in (policy, backbone) if cfg.model.freeze_vision else ():
+        if m is not None:
+            freeze_vision_tower(m)
+    t = cfg.trainer
+    slots = t.micro_batch_size * (-(-max(lengths) // 8) * 8)
+    tokens = min(slots, t.micro_batch_tokens) if isinstance(t.micro_batch_tokens, int) and t.micro_batch_tokens > 0 else slots
+    loss_tokens = int(tokens * response / max(sum(lengths), 1))
+    return estimate(shape_of(policy), "torch" if engine == "torch" else engine, bf16=cuda, tokens=tokens,
+                    loss_tokens=loss_tokens, checkpointing=t.gradient_checkpointing,
+                    chunk=None if full else t.logprob_chunk_tokens, liger=use_liger(cfg, device),
+                    reference=shape_of(reference) if reference is not None else None,
+                    critic=shape_of(backbone) if backbone is not None else None)
+
+
+def _memory_limit(cuda: bool) -> float:
+    """Bytes a variant may use: the GPU's memory, or the machine's available memory on CPU."""
+    if cuda:
+        return float(torch.cuda.mem_get_info()[1])
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return float(fields["MemAvailable"].split()[0]) * 1024
+
+
+def use_full_logprobs() -> None:
+    """The counterfactual of ``--logprobs full``: the LM head's log-probs and entropies computed over
+    the whole [N, V] logits with autograd (as before chunking), in this process only."""
+    import worldloop.common.logprobs as lp
+
+    def full(hidden, head, targets, temperature=1.0, chunk_size=512, return_entropy=False, fused=False):
+        logp, ent = lp.full_linear_logprobs(hidden, head, targets, temperature)
+        return logp, (ent if return_entropy else None)
+
+    lp.linear_logprobs = full
 
 
 def _text_params(model: torch.nn.Module) -> tuple[int, int, int, int]:
@@ -218,6 +313,23 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _reset_peak_rss() -> None:
+    """Restart the kernel's peak-RSS count (VmHWM) here, so model building's transients do not count."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def _shapes(size: str, lengths: str, step: int, n: int) -> list[tuple[int, int, int]]:
     """(turns, response tokens, filler tokens) of each trajectory of update ``step``."""
     spec = SIZES[size]
@@ -230,7 +342,7 @@ def _shapes(size: str, lengths: str, step: int, n: int) -> list[tuple[int, int, 
 
 
 def run_variant(size: str, engine: str, steps: int, out: Path, lengths: str = "fixed", micro_tokens: str = "0",
-                batch_sizes: str = "") -> dict:
+                batch_sizes: str = "", logprobs: str = "chunked", chunk: int = 0) -> dict:
     from worldloop.common.config import config_from_dict
     from worldloop.common.modeling import ChatCodec
     from worldloop.bootstrap.tiny_model import make_tiny_model
@@ -259,12 +371,25 @@ def run_variant(size: str, engine: str, steps: int, out: Path, lengths: str = "f
                 for i, (turns, response, filler) in enumerate(_shapes(size, lengths, step, batch_size))]
 
     batches = [batch(step) for step in range(steps + 1)]
-    longest = max(sum(len(t.obs_ids) + len(t.response_ids) for t in x.turns) for b in batches for x in b)
-    budget = spec["trainer"]["micro_batch_size"] * (-(-longest // 8) * 8) if micro_tokens == "auto" else int(micro_tokens)
+    budget = micro_tokens if micro_tokens == "auto" else int(micro_tokens)
     trainer = dict(spec["trainer"], zero_stage=3 if engine == "zero3" else 2 if engine == "zero2" else 0,
-                   total_steps=steps, kl_coef=0.001, device="cuda" if cuda else "cpu", micro_batch_tokens=budget)
-    cfg = config_from_dict({"model": {"path": str(tiny_dir), "max_image_side": 112, "max_model_len": 8192},
+                   total_steps=steps, kl_coef=0.001, device="cuda" if cuda else "cpu", micro_batch_tokens=budget,
+                   **({"logprob_chunk_tokens": chunk} if chunk else {}))
+    cfg = config_from_dict({"model": {"path": str(tiny_dir), "max_image_side": 112, "max_model_len": 8192,
+                                      **spec.get("model", {})},
                             "trainer": trainer})
+    first = [sum(len(t.obs_ids) + len(t.response_ids) for t in x.turns) for x in batches[0]]
+    est = model_estimate(size, engine, cfg, tiny_dir, first, sum(len(t.response_ids) for x in batches[0] for t in x.turns),
+                         cuda, logprobs == "full")
+    limit = _memory_limit(cuda)
+    head = {"size": size, "engine": engine, "budget": micro_tokens, "logprobs": logprobs, "model": est.rows()}
+    if est.total > limit:  # before any model is built
+        row = dict(head, skipped=f"does not fit: model says {est.total / 1e9:.1f} GB > {limit / 1e9:.1f} GB")
+        print(f"  {size} {engine} {logprobs} log-probs: {row['skipped']}", flush=True)
+        out.write_text(json.dumps(row))
+        return row
+    if logprobs == "full":
+        use_full_logprobs()
     if engine == "torch":
         dist = DistInfo(0, 1, 0, device, "none")
         make = lambda module, lr, conf: TorchEngine(module, lr, conf, device, dtype)  # noqa: E731
@@ -277,8 +402,11 @@ def run_variant(size: str, engine: str, steps: int, out: Path, lengths: str = "f
         torch.cuda.reset_peak_memory_stats()
     models = assemble_models(cfg, dist, codec, policy, backbone, reference, engine_fn=make)
     ppo = PPOTrainer(cfg, models, seed=0)
+    pub = WeightPublisher("127.0.0.1", 0, 0)
+    pub.reserve(gather_policy_weights(models))  # as the learner does at start: no publish allocates
     results = []
     rss0 = _rss_bytes()
+    _reset_peak_rss()
     for step in range(steps + 1):  # the first update warms up (allocator, kernels) and is not counted
         trajs = batches[step]
         lengths = [sum(len(t.obs_ids) + len(t.response_ids) for t in x.turns) for x in trajs]
@@ -293,21 +421,22 @@ def run_variant(size: str, engine: str, steps: int, out: Path, lengths: str = "f
         results.append({"seconds": dt, "tokens": sum(lengths), "flops": flops, "forward": stats["forward_seconds"],
                         "backward": stats["backward_seconds"], "loss": stats.get("policy_loss"),
                         "pad": stats["padding_fraction"], "micro": stats["micro_batches"], "cpu": cpu_s})
-        print(f"  {size} {engine} micro_batch_tokens={budget} update {step}: {dt:.2f}s ({cpu_s:.1f} cpu s), "
+        print(f"  {size} {engine} {logprobs} micro_batch_tokens={budget} update {step}: {dt:.2f}s ({cpu_s:.1f} cpu s), "
               f"{sum(lengths) / dt:,.0f} tok/s, "
               f"padding {stats['padding_fraction']:.3f}, {stats['micro_batches']} micro-batches, "
               f"policy loss {stats.get('policy_loss')}", flush=True)
-    pub = WeightPublisher("127.0.0.1", 0, 0)
+    peak_rss = _peak_rss_bytes()
     t0 = time.perf_counter()
     weights = gather_policy_weights(models)
     pub.publish(weights, 1)
     publish_s = time.perf_counter() - t0
     pub.close()
     timed = results[1:]
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     row = {
-        "size": size, "engine": engine, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-        "lengths": lengths, "micro_batch_tokens": budget, "micro_batch_size": cfg.trainer.micro_batch_size,
+        **head, "device": torch.cuda.get_device_name(0) if cuda else "cpu", "lengths": lengths,
+        "micro_batch_tokens": ppo._budget(lengths), "micro_batch_size": cfg.trainer.micro_batch_size,
+        "logprob_chunk": cfg.trainer.logprob_chunk_tokens, "liger": models.liger,
+        "model_growth_mb": (est.grads + est.optimizer + est.activations + est.logits) / 2**20,
         "padding_fraction": statistics.median(r["pad"] for r in timed),
         "micro_batches": statistics.median(r["micro"] for r in timed),
         "cpu_s": statistics.median(r["cpu"] for r in timed),
@@ -341,6 +470,51 @@ def peak_flops(arg: float | None) -> float | None:
     return None
 
 
+def _cells(r: dict, rows: list[dict], peak: float | None) -> str:
+    """One measured row of the table."""
+    def same(b, **kw):
+        return (b.get("size") == r["size"] and "seconds" in b and b.get("logprobs") == r.get("logprobs")
+                and all(b.get(k) == v for k, v in kw.items()))
+
+    base = next((b for b in rows if same(b, engine="torch", micro_batch_tokens=r["micro_batch_tokens"])), None)
+    fixed = next((b for b in rows if same(b, engine=r["engine"], micro_batch_tokens=0)), None)
+    ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
+    vs_fixed = f"{r['tokens_per_s'] / fixed['tokens_per_s']:.2f}" if fixed else "-"
+    mfu = f"{r['flops_per_s'] / peak:.3f}" if peak else "-"
+    if r.get("peak_gb") is not None:
+        peak_gb = f"{r['peak_gb']:.1f}"
+        model = f"{r['model']['total']:.1f}"
+    else:
+        peak_gb = f"{r['peak_rss_gb']:.2f} RSS (rss_growth_mb {r['rss_growth_mb']:,.0f})"
+        model = f"{r['model']['total']:.2f} (growth {r['model_growth_mb']:,.0f} MB)"
+    how = f"<= {r['micro_batch_tokens']:,} tok" if r["micro_batch_tokens"] else f"{r['micro_batch_size']} rows"
+    if r.get("budget") == "auto":
+        how = f"auto: {how}"
+    lp = r.get("logprobs", "chunked") + (f" ({r['logprob_chunk']})" if r.get("logprobs") != "full" else "")
+    return (f"| {r['size']} | {r['engine']} | {lp} | {how} | {r['micro_batches']:g} | {r['padding_fraction']:.3f} | "
+            f"{r['tokens_per_update']:,} | {r['seconds']:.2f} | {r['cpu_s']:.1f} | {r['tokens_per_s']:,.0f} | "
+            f"{ratio} | {vs_fixed} | {mfu} | {r['forward_s']:.2f} | {r['backward_s']:.2f} | {r['publish_s']:.2f} | "
+            f"{peak_gb} | {model} |")
+
+
+def print_table(rows: list[dict], lengths: str, peak: float | None) -> None:
+    print()
+    print(f"lengths: {lengths}; vs torch: against the torch engine with the same micro-batching; "
+          "vs fixed: against the same engine with micro_batch_tokens=0; model GB: the memory model's estimate "
+          "(learner/memory.py) beside the measured peak")
+    print("| size | engine | log-probs | micro-batches | micro | pad | tokens/update | s/update | cpu s | tokens/s "
+          "| vs torch | vs fixed | MFU | fwd s | bwd s | publish s | peak GB | model GB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "failed" in r or "skipped" in r:
+            why = f"failed (exit {r['failed']})" if "failed" in r else r["skipped"]
+            print(f"| {r['size']} | {r['engine']} | {r.get('logprobs', '')} | {r['budget']} | {why} ||||||||||||||")
+            continue
+        print(_cells(r, rows, peak))
+    if peak:
+        print(f"\nMFU against {peak / 1e12:.0f} TFLOP/s (bf16 dense peak); model FLOPs as in the module docstring.")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", action="append", choices=sorted(SIZES), help="model size (repeatable); default tiny")
@@ -352,69 +526,45 @@ def main() -> int:
                     help="trajectory lengths: the size's fixed shape, or varied several-fold (seeded)")
     ap.add_argument("--micro-tokens", default="0",
                     help="comma list of trainer.micro_batch_tokens values, one variant each: 0 = fixed count, "
-                         "N = token budget, auto = micro_batch_size x longest trajectory")
+                         "N = token budget, auto = the trainer's auto (CPU: micro_batch_size x longest; CUDA: memory model)")
+    ap.add_argument("--logprobs", default="chunked",
+                    help="comma list, one variant each: chunked (the learner's) or full (all [N, V] logits with autograd)")
+    ap.add_argument("--logprob-chunk", type=int, default=0, help="trainer.logprob_chunk_tokens (0: the config default)")
     ap.add_argument("--batch", default="", metavar="TRAIN,MINI,MICRO",
                     help="override train_batch_size, ppo_mini_batch_size, micro_batch_size of the size")
-    ap.add_argument("--one", nargs=5, metavar=("SIZE", "ENGINE", "OUT", "LENGTHS", "MICRO_TOKENS"), help=argparse.SUPPRESS)
+    ap.add_argument("--one", nargs=6, metavar=("SIZE", "ENGINE", "OUT", "LENGTHS", "MICRO_TOKENS", "LOGPROBS"),
+                    help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.batch and len(args.batch.split(",")) != 3:
         ap.error("--batch takes TRAIN,MINI,MICRO")
     if args.one:
-        run_variant(args.one[0], args.one[1], args.steps, Path(args.one[2]), args.one[3], args.one[4], args.batch)
+        run_variant(args.one[0], args.one[1], args.steps, Path(args.one[2]), args.one[3], args.one[4], args.batch,
+                    args.one[5], args.logprob_chunk)
         return 0
-    sizes = args.size or ["tiny"]
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    budgets = [b.strip() for b in args.micro_tokens.split(",") if b.strip()]
-    peak = peak_flops(args.peak_tflops)
+    variants = itertools.product(args.size or ["tiny"], [e.strip() for e in args.engines.split(",") if e.strip()],
+                                 [b.strip() for b in args.micro_tokens.split(",") if b.strip()],
+                                 [x.strip() for x in args.logprobs.split(",") if x.strip()])
     rows = []
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")}
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
     env.setdefault("PYTHONUNBUFFERED", "1")
     with tempfile.TemporaryDirectory() as d:
-        for size in sizes:
-            for engine, budget in itertools.product(engines, budgets):
-                out = Path(d) / f"{size}-{engine}-{budget}.json"
-                t0 = time.monotonic()
-                proc = subprocess.run([sys.executable, __file__, "--one", size, engine, str(out), args.lengths, budget,
-                                       "--steps", str(args.steps), "--batch", args.batch], env=env, cwd=ROOT)
-                if proc.returncode != 0 or not out.exists():
-                    print(f"{size} {engine} micro_batch_tokens={budget}: failed (exit {proc.returncode})", flush=True)
-                    rows.append({"size": size, "engine": engine, "budget": budget, "failed": proc.returncode})
-                    continue
-                row = json.loads(out.read_text())
-                row["wall_s"] = time.monotonic() - t0
-                rows.append(row)
-                if args.json:  # after every variant, so a run cut short keeps what it measured
-                    Path(args.json).write_text(json.dumps(rows, indent=2))
-    print()
-    print(f"lengths: {args.lengths}; vs torch: against the torch engine with the same micro-batching; "
-          "vs fixed: against the same engine with micro_batch_tokens=0")
-    print("| size | engine | micro-batches | micro | pad | tokens/update | s/update | cpu s | tokens/s | vs torch | vs fixed "
-          "| MFU | fwd s | bwd s | publish s | peak GB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        if "failed" in r:
-            print(f"| {r['size']} | {r['engine']} | {r['budget']} | failed (exit {r['failed']}) |||||||||||||")
-            continue
-
-        def same(b, **kw):
-            return b.get("size") == r["size"] and "failed" not in b and all(b.get(k) == v for k, v in kw.items())
-
-        base = next((b for b in rows if same(b, engine="torch", micro_batch_tokens=r["micro_batch_tokens"])), None)
-        fixed = next((b for b in rows if same(b, engine=r["engine"], micro_batch_tokens=0)), None)
-        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
-        vs_fixed = f"{r['tokens_per_s'] / fixed['tokens_per_s']:.2f}" if fixed else "-"
-        mfu = f"{r['flops_per_s'] / peak:.3f}" if peak else "-"
-        if r.get("peak_gb") is not None:
-            peak_gb = f"{r['peak_gb']:.1f}"
-        else:
-            peak_gb = f"{r['peak_rss_gb']:.2f} RSS (+{r['rss_growth_mb']:,.0f} MB)"
-        how = f"<= {r['micro_batch_tokens']:,} tok" if r["micro_batch_tokens"] else f"{r['micro_batch_size']} rows"
-        print(f"| {r['size']} | {r['engine']} | {how} | {r['micro_batches']:g} | {r['padding_fraction']:.3f} | "
-              f"{r['tokens_per_update']:,} | {r['seconds']:.2f} | {r['cpu_s']:.1f} | {r['tokens_per_s']:,.0f} | "
-              f"{ratio} | {vs_fixed} | {mfu} | {r['forward_s']:.2f} | {r['backward_s']:.2f} | {r['publish_s']:.2f} | {peak_gb} |")
-    if peak:
-        print(f"\nMFU against {peak / 1e12:.0f} TFLOP/s (bf16 dense peak); model FLOPs as in the module docstring.")
+        for size, engine, budget, logprobs in variants:
+            out = Path(d) / f"{size}-{engine}-{budget}-{logprobs}.json"
+            t0 = time.monotonic()
+            proc = subprocess.run([sys.executable, __file__, "--one", size, engine, str(out), args.lengths, budget, logprobs,
+                                   "--steps", str(args.steps), "--batch", args.batch,
+                                   "--logprob-chunk", str(args.logprob_chunk)], env=env, cwd=ROOT)
+            if proc.returncode != 0 or not out.exists():
+                print(f"{size} {engine} micro_batch_tokens={budget}: failed (exit {proc.returncode})", flush=True)
+                rows.append({"size": size, "engine": engine, "budget": budget, "logprobs": logprobs, "failed": proc.returncode})
+                continue
+            row = json.loads(out.read_text())
+            row["wall_s"] = time.monotonic() - t0
+            rows.append(row)
+            if args.json:  # after every variant, so a run cut short keeps what it measured
+                Path(args.json).write_text(json.dumps(rows, indent=2))
+    print_table(rows, args.lengths, peak_flops(args.peak_tflops))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

@@ -258,10 +258,24 @@ class TrainerConfig(Section):
     train_batch_size: int = Field(128, ge=1, description="trajectories per update")
     ppo_mini_batch_size: int = Field(32, ge=1, description="trajectories per optimizer step")
     micro_batch_size: int = Field(4, ge=1, description="sequences per forward; gradient accumulation = mini / micro")
-    micro_batch_tokens: int = Field(0, ge=0, json_schema_extra={"note": "0 = micro_batch_size trajectories per micro-batch"},
-                                    description="> 0: micro-batches are formed by this token budget instead (rows x longest "
-                                                "incl. padding; rows sorted by length within each mini-batch, "
-                                                "learner/trainer.py); 0 = micro_batch_size rows")
+    micro_batch_tokens: Annotated[int | Literal["auto"], Rule("must be auto or >= 0 (0 = micro_batch_size trajectories "
+                                                           "per micro-batch)", lambda v: v == "auto" or v >= 0)] = Field(
+        0, description="> 0: micro-batches are formed by this token budget instead (rows x longest incl. padding; rows "
+                       "sorted by length within each mini-batch, learner/trainer.py); 0 = micro_batch_size rows; auto: "
+                       "on CUDA the budget the GPU's free memory holds by the memory model (learner/memory.py), on CPU "
+                       "micro_batch_size x the update's longest trajectory")
+    pad_to_multiple: Annotated[int | Literal["auto"], Rule("must be auto or an integer in [1, 4096]",
+                                                        lambda v: v == "auto" or 1 <= v <= 4096)] = Field(
+        "auto", description="every micro-batch is right-padded to a multiple of this many tokens so that its shapes "
+                            "repeat (kernels and attention plans are reused); auto = 128 on CUDA, 8 on CPU")
+    logprob_chunk_tokens: int = Field(512, ge=1, le=1 << 20,
+                                      description="the LM head and its log-softmax run on this many loss tokens at a "
+                                                  "time, forward and backward, so no micro-batch holds full-vocabulary "
+                                                  "logits (common/logprobs.py)")
+    liger: bool | Literal["auto"] = Field(
+        "auto", description="Liger Kernel (the `gpu` extra): fused RMSNorm, RoPE, SwiGLU and linear log-prob on Qwen2 / "
+                            "Qwen2.5-VL; auto = on when the learner runs on CUDA and liger_kernel imports; true (YAML's "
+                            "`on`) fails at start without either; false (`off`): the plain path (learner/kernels.py)")
     ppo_epochs: int = Field(1, ge=1, description="passes over each batch")
     actor_lr: Float = Field(1e-6, description="the policy's learning rate")
     critic_lr: Float = Field(1e-5, description="the critic's learning rate")

@@ -173,9 +173,42 @@ _EXPECTED = {"int_type": "expected an integer", "float_type": "expected a number
 _BOUNDS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
 
 
+def _without_union_tags(root: type[BaseModel], loc: tuple) -> tuple:
+    """``loc`` less the member tags pydantic puts after a field of a union type (``int | Literal["auto"]``
+    gives ``(..., "micro_batch_tokens", "int")``): the key a user wrote has no such part."""
+    tp: Any = root
+    out: list = []
+    parts = list(loc)
+    while parts:
+        part = parts.pop(0)
+        tp = unwrap(tp)
+        if typing.get_origin(tp) in (typing.Union, types.UnionType):
+            return tuple(out + parts)  # ``part`` is the member's tag; the rest (if any) lies inside it
+        out.append(part)
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            info = tp.model_fields.get(part)
+            if info is None:
+                return tuple(out + parts)
+            tp = info.annotation
+        elif typing.get_origin(tp) in (list, dict):
+            tp = typing.get_args(tp)[-1] if part != "[key]" else typing.get_args(tp)[0]
+    return tuple(out)
+
+
 def config_error(exc: ValidationError, root: type[BaseModel]) -> ConfigError:
-    """The first error of ``exc`` (validating ``root``) as a :class:`ConfigError`."""
-    err = exc.errors()[0]
+    """The first error of ``exc`` (validating ``root``) as a :class:`ConfigError`; a value that fits no
+    member of a union names each member's reason, joined by "; "."""
+    errors = exc.errors()
+    loc = _without_union_tags(root, tuple(errors[0]["loc"]))
+    same = [e for e in errors if _without_union_tags(root, tuple(e["loc"])) == loc]
+    if len(same) > 1:
+        reasons = [_one_error({**e, "loc": loc}, root).reason for e in same]
+        return ConfigError(dotted(loc) or "<root>", "; ".join(dict.fromkeys(reasons)))
+    return _one_error({**errors[0], "loc": loc}, root)
+
+
+def _one_error(err: dict, root: type[BaseModel]) -> ConfigError:
+    """One pydantic error (its location already a config key's) as a :class:`ConfigError`."""
     loc, kind, value = tuple(err["loc"]), err["type"], err.get("input")
     key = dotted(loc) or "<root>"
     got = f"got {type(value).__name__} {value!r}"
@@ -191,7 +224,9 @@ def config_error(exc: ValidationError, root: type[BaseModel]) -> ConfigError:
         return ConfigError(key, f"expected a mapping for section {err['ctx']['class_name']}, got {value!r}")
     if kind == "literal_error":
         tp, _ = _walk(root, loc)
-        choices = list(typing.get_args(tp)) if typing.get_origin(tp) is Literal else err["ctx"]["expected"]
+        members = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+        literals = [a for m in members if typing.get_origin(m) is Literal for a in typing.get_args(m)]
+        choices = literals or err["ctx"]["expected"]
         return ConfigError(key, f"must be one of {choices}, got {value!r}")
     if kind == "config_rule":
         return ConfigError(key, f"{err['ctx']['reason']}, got {value!r}")

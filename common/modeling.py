@@ -15,8 +15,9 @@ Public API::
     freeze_vision_tower(model) -> int                          # requires_grad False on the vision tower
     build_sequence(traj: dict) -> SequenceLayout
     collate(layouts, codec, pad_to_multiple=8) -> dict[str, Tensor]
-    token_logprobs(model, batch, temperature=1.0, chunk_size=512, return_entropy=False, only=None)
-        -> (logprobs [B, L], entropy [B, L] | None)
+    token_logprobs(model, batch, temperature=1.0, chunk_size=512, return_entropy=False, only=None, fused=False)
+        -> (logprobs [B, L], entropy [B, L] | None)     # from worldloop.common.logprobs (chunked LM head)
+    model_inputs(batch, device, dtype) -> dict          # from worldloop.common.logprobs
 
 Layout of a multi-turn episode
 ------------------------------
@@ -59,6 +60,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
+
+from worldloop.common.logprobs import MODEL_KEYS, model_inputs, token_logprobs  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
     from worldloop.common.schemas import Trajectory
@@ -456,93 +459,3 @@ def _collate_vision(layouts: Sequence[SequenceLayout], codec: ChatCodec, input_i
         out["pixel_values"] = torch.cat(pixel)
         out["image_grid_thw"] = torch.cat(grids)
     return out
-
-
-# --------------------------------------------------------------------------- log-probs
-
-MODEL_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
-
-
-def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The model's keyword inputs of a collated batch on ``device`` (pixel values in ``dtype``)."""
-    kwargs = {k: batch[k].to(device) for k in MODEL_KEYS if k in batch}
-    if "pixel_values" in kwargs:
-        kwargs["pixel_values"] = kwargs["pixel_values"].to(dtype)
-    return kwargs
-
-
-def _hidden_states(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Last hidden states [B, L, H] of the backbone (no logits materialised)."""
-    inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
-    device = next(inner.parameters()).device
-    dtype = next(inner.parameters()).dtype
-    out = inner.model(**model_inputs(batch, device, dtype), use_cache=False)
-    return out.last_hidden_state
-
-
-def _chunk_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool):
-    logits = head(hidden).float() / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    ent = -(logp.exp() * logp).sum(-1) if entropy else torch.zeros_like(lp)
-    return lp, ent
-
-
-def token_logprobs(
-    model: torch.nn.Module,
-    batch: dict[str, torch.Tensor],
-    temperature: float = 1.0,
-    chunk_size: int = 512,
-    return_entropy: bool = False,
-    only: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-position log p(token_i | tokens < i) under ``logits / temperature`` (position 0 -> 0).
-
-    The backbone runs once; the LM head + fp32 log-softmax run ``chunk_size`` positions at a
-    time, under activation checkpointing when gradients are on, so the full-vocabulary fp32
-    log-softmax is never held for the whole batch. ``entropy[b, i]`` is the entropy of the
-    distribution that produced token i (0 at position 0); None unless ``return_entropy``.
-    ``only`` ([B, L], nonzero where wanted, e.g. the loss mask): the LM head runs on those
-    positions alone and every other position comes out 0. The learner wants the generated tokens
-    only, a tenth of a multi-turn episode's tokens, and the head and log-softmax over the
-    vocabulary are the larger part of a small model's forward. Values at padded positions are
-    meaningless; mask them with the batch's masks.
-    """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    hidden = _hidden_states(model, batch)
-    head = getattr(model, "module", model).get_output_embeddings()
-    ids = batch["input_ids"].to(hidden.device)
-    bsz, length = ids.shape
-    checkpointed = torch.is_grad_enabled() and hidden.requires_grad
-    if only is not None:
-        if only.shape != ids.shape:
-            raise ValueError(f"only: expected shape {tuple(ids.shape)}, got {tuple(only.shape)}")
-        # position i is predicted by the hidden state at i - 1
-        rows, cols = (only.to(hidden.device)[:, 1:] != 0).nonzero(as_tuple=True)
-        flat_h, flat_t = hidden[rows, cols], ids[rows, cols + 1]
-        lps, ents = [], []
-        for s in range(0, int(flat_t.shape[0]), chunk_size):
-            args = (head, flat_h[s : s + chunk_size], flat_t[s : s + chunk_size], float(temperature), return_entropy)
-            lp, ent = (torch.utils.checkpoint.checkpoint(_chunk_stats, *args, use_reentrant=False) if checkpointed
-                       else _chunk_stats(*args))
-            lps.append(lp)
-            ents.append(ent)
-        zeros = hidden.new_zeros(bsz, length, dtype=torch.float32)
-        where = (rows, cols + 1)
-        lp_all = zeros.index_put(where, torch.cat(lps)) if lps else zeros + 0.0 * hidden.sum()
-        ent_all = (zeros.index_put(where, torch.cat(ents)) if ents else zeros.clone()) if return_entropy else None
-        return lp_all, ent_all
-    lps = [torch.zeros(bsz, 1, device=hidden.device)]
-    ents = [torch.zeros(bsz, 1, device=hidden.device)]
-    for s in range(0, length - 1, chunk_size):
-        e = min(s + chunk_size, length - 1)
-        args = (head, hidden[:, s:e], ids[:, s + 1 : e + 1], float(temperature), return_entropy)
-        if checkpointed:
-            lp, ent = torch.utils.checkpoint.checkpoint(_chunk_stats, *args, use_reentrant=False)
-        else:
-            lp, ent = _chunk_stats(*args)
-        lps.append(lp)
-        ents.append(ent)
-    logprobs = torch.cat(lps, dim=1)
-    return logprobs, (torch.cat(ents, dim=1) if return_entropy else None)

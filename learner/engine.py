@@ -5,7 +5,7 @@ Public API::
     DistInfo(rank, world_size, local_rank, device, backend)
     init_distributed(cfg) -> DistInfo          # env defaults for one process; gloo on CPU, nccl on GPU
     ds_config(cfg, dist, *, bf16) -> dict      # the DeepSpeed config of one engine (policy or critic)
-    PolicyModule(hf_model)                     # forward(batch, temperature, return_entropy) -> (logprobs, entropy)
+    PolicyModule(hf_model, chunk_size=512, fused=False)  # forward(batch, temperature, return_entropy) -> (logprobs, entropy)
     CriticModule(backbone)                     # forward(batch) -> values [B, L] (fp32)
     Models                                     # .policy, .critic (engines or None), .reference, .codec, ...
     build_models(cfg, dist) -> Models          # from cfg.model.path
@@ -21,9 +21,12 @@ Design notes
   loss needs, so every training forward goes through ``engine(...)`` (DeepSpeed's gradient
   accumulation bookkeeping and ZeRO-3 hooks run as designed). The policy wraps the Hugging Face
   model as ``.hf``; weights are published under the HF model's own ``state_dict()`` names.
-* The policy's log-probs come from :func:`worldloop.common.modeling.token_logprobs` (one backbone pass, LM
-  head + fp32 log-softmax in checkpointed chunks), so position ``i`` holds
-  ``log p(token_i | tokens < i)`` at the actors' sampling temperature.
+* The policy's log-probs come from :func:`worldloop.common.logprobs.token_logprobs` (one backbone pass,
+  then LM head + fp32 log-softmax ``trainer.logprob_chunk_tokens`` loss tokens at a time, forward
+  and backward: no full-vocabulary logits), so position ``i`` holds ``log p(token_i | tokens < i)``
+  at the actors' sampling temperature. On a GPU with ``trainer.liger`` the models get Liger's
+  RMSNorm / RoPE / SwiGLU and the no-entropy passes its fused linear log-prob
+  (``worldloop.learner.kernels``); SDPA attention runs without its cuDNN backend there.
 * The critic is the same backbone (``AutoModel`` from the same directory, so it starts from the
   policy's weights) plus a zero-initialised ``Linear(hidden, 1)`` value head. Its values are
   aligned like the log-probs: ``values[:, i]`` is read from the hidden state of position ``i - 1``,
@@ -48,7 +51,9 @@ from typing import Any
 import torch
 
 from worldloop.common.config import Config, ConfigError
-from worldloop.common.modeling import ChatCodec, freeze_vision_tower, load_policy, model_inputs, token_logprobs
+from worldloop.common.logprobs import model_inputs, token_logprobs
+from worldloop.common.modeling import ChatCodec, freeze_vision_tower, load_policy
+from worldloop.learner.kernels import apply_liger, configure_attention, use_liger
 
 log = logging.getLogger(__name__)
 
@@ -174,15 +179,19 @@ def check_batch_geometry(cfg: Config, world_size: int) -> None:
 
 class PolicyModule(torch.nn.Module):
     """The HF policy; ``forward`` returns per-position log-probs (and entropies): at every position,
-    or, when the batch holds a ``logprob_mask``, at its nonzero positions only (0 elsewhere)."""
+    or, when the batch holds a ``logprob_mask``, at its nonzero positions only (0 elsewhere). The LM
+    head runs ``chunk_size`` tokens at a time; ``fused``: Liger's fused linear log-prob when no
+    entropy is asked for."""
 
-    def __init__(self, hf: torch.nn.Module):
+    def __init__(self, hf: torch.nn.Module, chunk_size: int = 512, fused: bool = False):
         super().__init__()
         self.hf = hf
+        self.chunk_size = int(chunk_size)
+        self.fused = bool(fused)
 
     def forward(self, batch: dict[str, torch.Tensor], temperature: float = 1.0, return_entropy: bool = False):
-        return token_logprobs(self.hf, batch, temperature=temperature, return_entropy=return_entropy,
-                              only=batch.get("logprob_mask"))
+        return token_logprobs(self.hf, batch, temperature=temperature, chunk_size=self.chunk_size,
+                              return_entropy=return_entropy, only=batch.get("logprob_mask"), fused=self.fused)
 
 
 class CriticModule(torch.nn.Module):
@@ -219,6 +228,7 @@ class Models:
     bf16: bool
     zero_stage: int
     vocab_size: int
+    liger: bool = False  # Liger Kernel patched in (trainer.liger)
 
     @property
     def policy_hf(self) -> torch.nn.Module:
@@ -241,6 +251,7 @@ def build_models(cfg: Config, dist: DistInfo) -> Models:
     if not (path / "config.json").exists():
         raise ConfigError("model.path", f"{str(path)!r} has no config.json")
     check_batch_geometry(cfg, dist.world_size)
+    use_liger(cfg, dist.device)  # trainer.liger that cannot be honoured fails here, before minutes of loading
     codec = ChatCodec(path, max_image_side=cfg.model.max_image_side)
     hf = load_policy(path, dtype="float32", device="cpu")
     backbone = load_backbone(path) if t.use_critic else None
@@ -258,9 +269,15 @@ def assemble_models(cfg: Config, dist: DistInfo, codec: ChatCodec, hf: torch.nn.
     DeepSpeed with a client AdamW). ``bench/learner.py`` builds random models in memory with it."""
     t = cfg.trainer
     check_batch_geometry(cfg, dist.world_size)
+    liger = use_liger(cfg, dist.device)
+    configure_attention(dist.device)
     bf16 = use_bf16(cfg, dist.device)
     conf = ds_config(cfg, dist, bf16=bf16)
     make = engine_fn or _engine
+    if liger:
+        for m in (hf, backbone, reference):
+            if m is not None:
+                apply_liger(m)
     hf.train()
     if cfg.model.freeze_vision:
         freeze_vision_tower(hf)
@@ -269,7 +286,7 @@ def assemble_models(cfg: Config, dist: DistInfo, codec: ChatCodec, hf: torch.nn.
     vocab = hf.get_input_embeddings().num_embeddings
     if t.gradient_checkpointing:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    policy = make(PolicyModule(hf), t.actor_lr, conf)
+    policy = make(PolicyModule(hf, t.logprob_chunk_tokens, fused=liger), t.actor_lr, conf)
     critic = None
     if backbone is not None:
         backbone.train()
@@ -278,14 +295,14 @@ def assemble_models(cfg: Config, dist: DistInfo, codec: ChatCodec, hf: torch.nn.
         critic = make(CriticModule(backbone), t.critic_lr, conf)
     ref = None
     if reference is not None:
-        ref = PolicyModule(reference).eval()
+        ref = PolicyModule(reference, t.logprob_chunk_tokens, fused=liger).eval()
         ref.requires_grad_(False)
     log.info(
-        "models ready: policy%s%s, zero stage %d, %s, %s, %d rank(s)",
+        "models ready: policy%s%s, zero stage %d, %s, %s, %d rank(s)%s",
         " + critic" if critic is not None else "", " + reference" if ref is not None else "",
-        t.zero_stage, "bf16" if bf16 else "fp32", dist.device, dist.world_size,
+        t.zero_stage, "bf16" if bf16 else "fp32", dist.device, dist.world_size, ", Liger Kernel" if liger else "",
     )
-    return Models(policy, critic, ref, codec, dist, bf16, t.zero_stage, vocab)
+    return Models(policy, critic, ref, codec, dist, bf16, t.zero_stage, vocab, liger)
 
 
 # --------------------------------------------------------------------------- weights

@@ -142,12 +142,7 @@ def policy_loss(
     proximal - new), ratio_mean/ratio_max/ratio_min, iw_mean/iw_max/iw_min (before truncation),
     iw_truncated_fraction (tokens with w > iw_cap), loss, tokens.
     """
-    if not clip_ratio > 0:
-        raise ValueError(f"clip_ratio: must be > 0, got {clip_ratio!r}")
-    if iw_cap is not None and not iw_cap > 0:
-        raise ValueError(f"iw_cap: must be > 0 or None, got {iw_cap!r}")
-    for name, t in (("proximal_logprobs", proximal_logprobs), ("behaviour_logprobs", behaviour_logprobs), ("advantages", advantages)):
-        _same_shape(name, t, logprobs)
+    _check_policy_args(logprobs, proximal_logprobs, behaviour_logprobs, advantages, clip_ratio, iw_cap)
     m = _bool(mask, logprobs)
     zero = torch.zeros((), device=logprobs.device)
     lp = logprobs.float()
@@ -163,24 +158,38 @@ def policy_loss(
     per_token = w * torch.maximum(unclipped, clipped)
     loss = masked_mean(per_token, m)
     weighted = loss if token_weights is None else weighted_sum(per_token, token_weights, m)
-    with torch.no_grad():
-        stats = _stats(
-            {
-                "loss": loss,
-                "clip_fraction": masked_mean((clipped > unclipped).float(), m),
-                "approx_kl": masked_mean(ratio - 1.0 - log_ratio, m),
-                "approx_kl_k1": masked_mean(-log_ratio, m),
-                "ratio_mean": masked_mean(ratio, m),
-                "ratio_max": _masked_extreme(ratio, m, True),
-                "ratio_min": _masked_extreme(ratio, m, False),
-                "iw_mean": masked_mean(w_raw, m),
-                "iw_max": _masked_extreme(w_raw, m, True),
-                "iw_min": _masked_extreme(w_raw, m, False),
-                "iw_truncated_fraction": masked_mean((w_raw > (iw_cap if iw_cap is not None else float("inf"))).float(), m),
-                "tokens": m.sum(),
-            }
-        )
-    return weighted, stats
+    return weighted, _policy_stats(loss, m, clipped > unclipped, ratio, log_ratio, w_raw, iw_cap)
+
+
+def _check_policy_args(logprobs, proximal_logprobs, behaviour_logprobs, advantages, clip_ratio, iw_cap) -> None:
+    if not clip_ratio > 0:
+        raise ValueError(f"clip_ratio: must be > 0, got {clip_ratio!r}")
+    if iw_cap is not None and not iw_cap > 0:
+        raise ValueError(f"iw_cap: must be > 0 or None, got {iw_cap!r}")
+    for name, t in (("proximal_logprobs", proximal_logprobs), ("behaviour_logprobs", behaviour_logprobs), ("advantages", advantages)):
+        _same_shape(name, t, logprobs)
+
+
+@torch.no_grad()
+def _policy_stats(loss, m, clip_active, ratio, log_ratio, w_raw, iw_cap) -> dict[str, float]:
+    """The statistics :func:`policy_loss` documents, in one host sync."""
+    cap = iw_cap if iw_cap is not None else float("inf")
+    return _stats(
+        {
+            "loss": loss,
+            "clip_fraction": masked_mean(clip_active.float(), m),
+            "approx_kl": masked_mean(ratio - 1.0 - log_ratio, m),
+            "approx_kl_k1": masked_mean(-log_ratio, m),
+            "ratio_mean": masked_mean(ratio, m),
+            "ratio_max": _masked_extreme(ratio, m, True),
+            "ratio_min": _masked_extreme(ratio, m, False),
+            "iw_mean": masked_mean(w_raw, m),
+            "iw_max": _masked_extreme(w_raw, m, True),
+            "iw_min": _masked_extreme(w_raw, m, False),
+            "iw_truncated_fraction": masked_mean((w_raw > cap).float(), m),
+            "tokens": m.sum(),
+        }
+    )
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, *, value_clip: float | None = 0.2):

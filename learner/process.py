@@ -26,7 +26,8 @@ Each update (policy version v -> v + 1):
 3. the version is bumped, the policy is published on the ZeroMQ weight channel (gathered from
    ZeRO-3 shards when sharded) under the actor model's ``state_dict()`` names, and the control
    hash gets ``policy_version`` and ``max_turns`` (WMAct annealing every ``anneal_every`` updates
-   when ``anneal_max_turns``);
+   when ``anneal_max_turns``). The publisher's two encoding buffers (pinned memory on a GPU) are
+   allocated at start, with version 0, so no update's publish waits for an allocation;
 4. one JSON line goes to ``<run_dir>/metrics.jsonl`` (read by ``worldloop up``), the trained
    trajectory ids to ``<run_dir>/learner_ledger.jsonl``, one log line to the log;
 5. every ``checkpoint_every`` updates (and early when the entries held pending pass
@@ -193,6 +194,8 @@ class Learner:
         t0 = time.perf_counter()
         weights = gather_policy_weights(self.models)
         if self.dist.is_main:
+            if self.publisher.version is None:  # at start: both (pinned) buffers now, so no update waits for one
+                self.publisher.reserve(weights)
             self.publisher.publish(weights, self.version)
         return weights, time.perf_counter() - t0
 

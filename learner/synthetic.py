@@ -73,62 +73,69 @@ def synthetic_trajectory(
     if len(versions) != turns:
         raise ValueError(f"{len(versions)} policy versions for {turns} turns")
     rng = np.random.default_rng(seed)
-    vocab = len(codec.tokenizer)
-    first_plain = max(codec.image_token_id, codec.vision_end_id, codec.im_end_id) + 1
+    vocab, first_plain = len(codec.tokenizer), max(codec.image_token_id, codec.vision_end_id, codec.im_end_id) + 1
     context: list[int] = []
     images_so_far: list[bytes] = []
-    out_turns = []
+    out_turns: list[Turn] = []
     for t in range(turns):
-        image = rng.integers(0, 256, (image_side, image_side, 3), dtype=np.uint8) if codec.is_vision else None
-        text = f"[Observation {t}]:\n{IMAGE_PLACEHOLDER}\nDecide your next action." if image is not None else f"[Observation {t}]: room {seed}"
-        seg = codec.encode_obs(text, [image] if image is not None else [], system="You are a test agent." if t == 0 else None, first=t == 0)
-        if filler_tokens:  # at the end of the user message, before its <|im_end|>
-            at = len(seg.ids) - 1 - seg.ids[::-1].index(codec.im_end_id)
-            seg.ids[at:at] = [int(x) for x in rng.integers(first_plain, vocab, filler_tokens)]
+        seg = _observation(codec, rng, t, seed, image_side, filler_tokens, first_plain, vocab)
         response = [int(x) for x in rng.integers(first_plain, vocab, response_tokens)] + [codec.im_end_id]
         context += seg.ids
         images_so_far += seg.images
         lps = logprobs(t, list(context), response, list(images_so_far)) if logprobs else [math.log(1 / 1024)] * len(response)
         context += response
-        out_turns.append(Turn(
-            index=t,
-            policy_version=int(versions[t]),
-            obs_ids=seg.ids,
-            response_ids=response,
-            logprobs=[float(x) for x in lps],
-            images=seg.images,
-            response_text=codec.decode(response),
-            observation="box0 is above the player",
-            reasoning="push it",
-            prediction="box0 is on the target",
-            actions=["Up"],
-            format_ok=True,
-            env_reward=float(env_reward),
-            format_reward=float(format_reward),
-            done=t == turns - 1,
-            success=bool(success and t == turns - 1),
-            state_before=_state(t),
-            state_after=_state(t + 1),
-            actions_total=1,
-            actions_effective=1,
-            truncated_response=False,
-            reasoning_reward=reasoning_reward,
-        ))
+        out_turns.append(_turn(codec, t, int(versions[t]), seg, response, lps, last=t == turns - 1, success=success,
+                               env_reward=env_reward, format_reward=format_reward, reasoning_reward=reasoning_reward))
     return Trajectory(
         schema=TRAJECTORY_SCHEMA,
         trajectory_id=trajectory_id,
         group_id=group_id or trajectory_id,
         env_id=f"worldloop/{env_name.capitalize()}-v0",
         env_name=env_name,
-        env_kwargs={},
-        seed=int(seed),
-        actor_id="synthetic",
-        created_at=time.time(),
-        prompt_format="grounding_worldmodeling",
-        max_turns=turns,
-        turns=out_turns,
-        success=bool(success),
+        env_kwargs={}, seed=int(seed), actor_id="synthetic", created_at=time.time(),
+        prompt_format="grounding_worldmodeling", max_turns=turns, turns=out_turns, success=bool(success),
         scored=reasoning_reward is not None,
+    )
+
+
+def _observation(codec: ChatCodec, rng, t: int, seed: int, image_side: int, filler_tokens: int, first_plain: int,
+                 vocab: int):
+    """Turn ``t``'s observation segment: one random image on a vision model, ``filler_tokens``
+    ordinary tokens at the end of the user message (before its ``<|im_end|>``)."""
+    image = rng.integers(0, 256, (image_side, image_side, 3), dtype=np.uint8) if codec.is_vision else None
+    text = f"[Observation {t}]:\n{IMAGE_PLACEHOLDER}\nDecide your next action." if image is not None else f"[Observation {t}]: room {seed}"
+    seg = codec.encode_obs(text, [image] if image is not None else [], system="You are a test agent." if t == 0 else None, first=t == 0)
+    if filler_tokens:
+        at = len(seg.ids) - 1 - seg.ids[::-1].index(codec.im_end_id)
+        seg.ids[at:at] = [int(x) for x in rng.integers(first_plain, vocab, filler_tokens)]
+    return seg
+
+
+def _turn(codec: ChatCodec, t: int, version: int, seg, response: list[int], lps, *, last: bool, success: bool,
+          env_reward: float, format_reward: float, reasoning_reward: float | None) -> Turn:
+    return Turn(
+        index=t,
+        policy_version=version,
+        obs_ids=seg.ids,
+        response_ids=response,
+        logprobs=[float(x) for x in lps],
+        images=seg.images,
+        response_text=codec.decode(response),
+        observation="box0 is above the player",
+        reasoning="push it",
+        prediction="box0 is on the target",
+        actions=["Up"],
+        format_ok=True,
+        env_reward=float(env_reward),
+        format_reward=float(format_reward),
+        done=last,
+        success=bool(success and last),
+        state_before=_state(t),
+        state_after=_state(t + 1),
+        actions_total=1,
+        actions_effective=1,
+        truncated_response=False,
+        reasoning_reward=reasoning_reward,
     )
 
 

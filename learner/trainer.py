@@ -8,6 +8,7 @@ Public API::
     micro_loss_scale(n_micro, n_global, world_size, accumulation) -> float
     token_budget_micro_batches(rows, lengths, budget, pad_to=8) -> list[list[int]]
     split_micro_batches(micro_batches, lengths, n, pad_to=8) -> list[list[int]]
+    auto_budget(lengths, micro_batch_size, pad_to) -> int   # micro_batch_tokens auto on CPU
 
 An iteration, for this rank's contiguous slice of the global batch:
 
@@ -35,11 +36,18 @@ An iteration, for this rank's contiguous slice of the global batch:
 Micro-batches (step 2 and 4): ``trainer.micro_batch_tokens`` = 0 takes ``micro_batch_size``
 trajectories at a time in mini-batch order (each micro-batch padded to its longest); > 0 forms
 them by a token budget: the rows of the mini-batch (or, for step 2, of the local batch) sorted
-longest first and filled while rows x longest (rounded up to 8, the padding ``micro_slices``
-applies) stays within the budget; a row longer than the budget goes alone. Sorting keeps rows of
-similar length together, so little of each forward/backward is padding. The mini-batches
-themselves (which trajectories share an optimizer step) do not change, nor does the loss: the
-share weighting above makes the accumulated gradient the same token mean whatever the split.
+longest first and filled while rows x longest (rounded up to ``trainer.pad_to_multiple``, the
+padding ``micro_slices`` applies) stays within the budget; a row longer than the budget goes
+alone. ``auto``: on CUDA the budget that the GPU's free memory holds after the state the first
+step still allocates, by the memory model of ``worldloop.learner.memory`` (computed once, at the
+first update, the smallest over ranks); on CPU ``micro_batch_size`` x the update's longest row,
+i.e. no micro-batch larger than the fixed count's worst case. Every micro-batch's length is a
+multiple of ``trainer.pad_to_multiple`` (auto: 128 on CUDA, 8 on CPU), so the shapes that reach
+the kernels repeat from update to update; padding changes no loss (every term is masked).
+Sorting keeps rows of similar length together, so little of each forward/backward is padding.
+The mini-batches themselves (which trajectories share an optimizer step) do not change, nor does
+the loss: the share weighting above makes the accumulated gradient the same token mean whatever
+the split.
 The number of micro-batches then varies per mini-batch, so the trainer marks DeepSpeed's
 accumulation boundary itself (``set_gradient_accumulation_boundary`` on the last micro-batch;
 the loss scaling keeps the engine's nominal accumulation steps, which it divides by), and with
@@ -67,6 +75,8 @@ from worldloop.common.schemas import Trajectory
 from worldloop.learner import advantages as adv_mod
 from worldloop.learner.data import micro_slices
 from worldloop.learner.engine import Models, all_reduce_max, all_reduce_sum
+from worldloop.learner.kernels import pad_multiple
+from worldloop.learner.memory import auto_micro_batch_tokens
 from worldloop.learner.losses import (aggregation_normaliser, aggregation_weights, kl_penalty, masked_mean, policy_loss,
                                       value_loss, weighted_sum)
 from worldloop.learner.rewards import place_turn_rewards, turn_rewards
@@ -96,7 +106,7 @@ def batch_reward_stats(trajectories: list[Trajectory], wmact_rescale: bool) -> d
             "turns": [len(t.turns) for t in trajectories]}
 
 
-PAD_TO = 8  # micro_slices pads each micro-batch to a multiple of this
+PAD_TO = 8  # the default multiple micro-batch lengths are rounded up to (trainer.pad_to_multiple)
 
 
 def _padded(n: int, pad_to: int) -> int:
@@ -126,6 +136,11 @@ def token_budget_micro_batches(rows: list[int], lengths, budget: int, pad_to: in
     if cur:
         out.append(cur)
     return out
+
+
+def auto_budget(lengths, micro_batch_size: int, pad_to: int) -> int:
+    """``micro_batch_tokens: auto`` on CPU: ``micro_batch_size`` rows of the longest length (padded)."""
+    return int(micro_batch_size) * _padded(max(int(n) for n in lengths), pad_to)
 
 
 def split_micro_batches(micro_batches: list[list[int]], lengths, n: int, pad_to: int = PAD_TO) -> list[list[int]]:
@@ -195,6 +210,8 @@ class PPOTrainer:
         self.micro = self.t.micro_batch_size
         self.micro_tokens = self.t.micro_batch_tokens
         self.device = models.dist.device
+        self.pad = pad_multiple(cfg, self.device)
+        self._cuda_budget: int | None = None  # micro_batch_tokens auto on CUDA, set at the first update
         self._grad_norm_now: dict[str, float] = {}
         if self.t.estimator == "grpo" and models.critic is not None:
             log.warning("trainer.estimator=grpo does not read values: the critic (trainer.use_critic) is trained for nothing")
@@ -214,14 +231,28 @@ class PPOTrainer:
     def _chunks(self, rows: list[int], size: int) -> list[list[int]]:
         return [rows[s : s + size] for s in range(0, len(rows), size)]
 
+    def _budget(self, lengths: list[int]) -> int:
+        """The token budget of this update's micro-batches; 0 = a fixed count (module docstring)."""
+        if self.micro_tokens != "auto":
+            return int(self.micro_tokens)
+        if self.device.type != "cuda":
+            return auto_budget(lengths, self.micro, self.pad)
+        if self._cuda_budget is None:
+            mine = auto_micro_batch_tokens(self.models, self.t.logprob_chunk_tokens, checkpointing=self.t.gradient_checkpointing,
+                                           multiple=self.pad, device=self.device)
+            self._cuda_budget = int(-all_reduce_max([-float(mine)], self.models.dist)[0])
+            log.info("trainer.micro_batch_tokens auto: %d token slots per micro-batch", self._cuda_budget)
+        return self._cuda_budget
+
     def _plan(self, groups: list[list[int]], lengths: list[int]) -> list[list[list[int]]]:
         """The micro-batches of each group of rows (a mini-batch, or the local batch): fixed count
         or token budget (module docstring); the same number per group on every rank."""
-        if self.micro_tokens <= 0:
+        budget = self._budget(lengths)
+        if budget <= 0:
             return [self._chunks(g, self.micro) for g in groups]
-        plans = [token_budget_micro_batches(g, lengths, self.micro_tokens) for g in groups]
+        plans = [token_budget_micro_batches(g, lengths, budget, self.pad) for g in groups]
         most = all_reduce_max([float(len(p)) for p in plans], self.models.dist)
-        return [split_micro_batches(p, lengths, int(n)) for p, n in zip(plans, most)]
+        return [split_micro_batches(p, lengths, int(n), self.pad) for p, n in zip(plans, most)]
 
     @staticmethod
     def _count_slots(mb: dict, timing: dict) -> None:
@@ -240,7 +271,7 @@ class PPOTrainer:
         out = {"old_logprobs": torch.zeros(shape), "ref_logprobs": torch.zeros(shape), "old_values": torch.zeros(shape)}
         policy = self.models.policy.module
         for rows in self._plan([list(range(shape[0]))], lengths)[0]:
-            mb = micro_slices(batch, rows, image_counts)
+            mb = micro_slices(batch, rows, image_counts, self.pad)
             self._count_slots(mb, timing)
             length = mb["input_ids"].shape[1]
             lp, _ = policy(mb, temperature=self.temperature)
@@ -289,75 +320,87 @@ class PPOTrainer:
 
     def update(self, trajectories: list[Trajectory], step: int) -> dict:
         """One PPO iteration on the global batch ``trajectories``; returns stats (same on every rank)."""
-        t, models = self.t, self.models
         timing = defaultdict(float)
         rows = self._local_rows()
         local = trajectories[rows.start : rows.stop]
-        layouts = [build_sequence(x) for x in local]
-        batch = collate(layouts, models.codec)
-        image_counts = [len(x.images) for x in layouts]
-        length = batch["input_ids"].shape[1]
-        lengths = [int(n) for n in batch["attention_mask"].sum(1).tolist()]
-
-        resp = batch["response_mask"]
-        mask = adv_mod.loss_mask_for(t.estimator, resp, batch["attention_mask"]).float()
-        batch["logprob_mask"] = mask  # log-probs are read on loss tokens only: the LM head skips the rest
-
+        batch, image_counts, lengths = self._collate(local)
         self._sync()
         t0 = time.perf_counter()
         pre = self._precompute(batch, image_counts, lengths, timing)
         self._sync()
         timing["forward"] += time.perf_counter() - t0
+        raw_adv, kl_tok = self._advantages(batch, pre, trajectories, local)
+        acc = _Acc()
+        grad_norms: dict[str, list[float]] = defaultdict(list)
+        n_micro_batches = self._ppo_epochs(batch, image_counts, lengths, step, acc, grad_norms, timing)
+        stats = acc.reduce(self.models)
+        self._add_batch_stats(stats, raw_adv, batch["returns"], batch["loss_mask"], kl_tok, pre, grad_norms)
+        tokens = all_reduce_sum([float(batch["attention_mask"].sum()), float(batch["response_mask"].sum())], self.models.dist)
+        slots, real = all_reduce_sum([timing["slots"], timing["real"]], self.models.dist)
+        stats.update(tokens=tokens[0], response_tokens=tokens[1], forward_seconds=timing["forward"],
+                     backward_seconds=timing["backward"], micro_batches=n_micro_batches,
+                     padding_fraction=1.0 - real / slots if slots > 0 else 0.0)
+        return stats
 
+    def _collate(self, local: list[Trajectory]) -> tuple[dict, list[int], list[int]]:
+        """This rank's rows collated (length a multiple of ``self.pad``), their image counts and
+        lengths; ``loss_mask`` and ``logprob_mask`` (the LM head runs on loss tokens only) added."""
+        layouts = [build_sequence(x) for x in local]
+        batch = collate(layouts, self.models.codec, pad_to_multiple=self.pad)
+        lengths = [int(n) for n in batch["attention_mask"].sum(1).tolist()]
+        mask = adv_mod.loss_mask_for(self.t.estimator, batch["response_mask"], batch["attention_mask"]).float()
+        batch["loss_mask"] = batch["logprob_mask"] = mask
+        return batch, [len(x.images) for x in layouts], lengths
+
+    def _advantages(self, batch: dict, pre: dict, trajectories: list[Trajectory], local: list[Trajectory]):
+        """Rewards, the KL to the reference, advantages and returns of the local rows, into ``batch``
+        (with ``pre`` and the aggregation weights); returns (advantages before whitening, per-token KL)."""
+        t, models = self.t, self.models
+        resp, mask = batch["response_mask"], batch["loss_mask"]
         rewards = place_turn_rewards(batch["turn_end_mask"], [turn_rewards(x, wmact_rescale=t.wmact_rescale) for x in local])
-        kl_tok = torch.where(mask > 0, self._kl(pre["old_logprobs"], pre["ref_logprobs"]), 0.0) if models.reference is not None else torch.zeros_like(mask)
-        token_rewards = -t.kl_coef * kl_tok if (t.kl_in_reward and models.reference is not None) else torch.zeros_like(mask)
+        has_ref = models.reference is not None
+        kl_tok = torch.where(mask > 0, self._kl(pre["old_logprobs"], pre["ref_logprobs"]), 0.0) if has_ref else torch.zeros_like(mask)
+        token_rewards = -t.kl_coef * kl_tok if (t.kl_in_reward and has_ref) else torch.zeros_like(mask)
         common = dict(adv_mod.advantage_kwargs(t))
         if t.estimator == "grpo":
+            rows, length = self._local_rows(), mask.shape[1]
             full, tok = self._grpo_token_rewards(trajectories, token_rewards.sum(1), length)
             full_rewards = place_turn_rewards(full["turn_end_mask"], [turn_rewards(x, wmact_rescale=t.wmact_rescale) for x in trajectories])
-            gids = [x.group_id for x in trajectories]
             adv_all, ret_all = adv_mod.compute_advantages(
                 "grpo", response_mask=full["response_mask"], turn_end_mask=full["turn_end_mask"],
-                turn_rewards=full_rewards, token_rewards=tok, group_ids=gids, **common)
+                turn_rewards=full_rewards, token_rewards=tok, group_ids=[x.group_id for x in trajectories], **common)
             advantages = adv_all[rows.start : rows.stop, :length] * resp
             returns = ret_all[rows.start : rows.stop, :length] * resp
         else:
             advantages, returns = adv_mod.compute_advantages(
                 t.estimator, values=pre["old_values"], response_mask=resp, turn_end_mask=batch["turn_end_mask"],
                 turn_rewards=rewards, token_rewards=token_rewards, attention_mask=batch["attention_mask"], **common)
-        raw_adv = advantages
-        if t.whiten_advantages and t.estimator != "grpo":
-            advantages = self._whiten(advantages, mask)
-
+        whitened = self._whiten(advantages, mask) if t.whiten_advantages and t.estimator != "grpo" else advantages
         batch.update(pre)
-        batch.update(advantages=advantages, returns=returns, loss_mask=mask,
-                     loss_weight=aggregation_weights(mask, t.loss_agg_mode))
-        acc = _Acc()
-        grad_norms: dict[str, list[float]] = defaultdict(list)
+        batch.update(advantages=whitened, returns=returns, loss_weight=aggregation_weights(mask, t.loss_agg_mode))
+        return advantages, kl_tok
+
+    def _ppo_epochs(self, batch: dict, image_counts: list[int], lengths: list[int], step: int, acc: _Acc,
+                    grad_norms: dict[str, list[float]], timing: dict) -> int:
+        """``ppo_epochs`` passes over shuffled mini-batches, one optimizer step each; returns the
+        number of micro-batches trained."""
+        t, models = self.t, self.models
+        mask = batch["loss_mask"]
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 101 + models.dist.rank)
         n_micro_batches = 0
-        for epoch in range(t.ppo_epochs):
-            order = torch.randperm(len(local), generator=gen).tolist()
+        for _epoch in range(t.ppo_epochs):
+            order = torch.randperm(len(lengths), generator=gen).tolist()
             minis = self._chunks(order, self.local_mini)
             for mini, micros in zip(minis, self._plan(minis, lengths)):
                 n_global, n_tokens = all_reduce_sum([aggregation_normaliser(mask[mini], t.loss_agg_mode),
                                                      float(mask[mini].sum())], models.dist)
                 for i, micro in enumerate(micros):
-                    mb = micro_slices(batch, micro, image_counts)
+                    mb = micro_slices(batch, micro, image_counts, self.pad)
                     self._count_slots(mb, timing)
                     self._train_micro(mb, n_global, n_tokens, acc, timing, last=i == len(micros) - 1)
                 n_micro_batches += len(micros)
                 self._boundary(grad_norms)
-
-        stats = acc.reduce(models)
-        self._add_batch_stats(stats, raw_adv, returns, mask, kl_tok, pre, grad_norms)
-        tokens = all_reduce_sum([float(batch["attention_mask"].sum()), float(resp.sum())], models.dist)
-        slots, real = all_reduce_sum([timing["slots"], timing["real"]], models.dist)
-        stats.update(tokens=tokens[0], response_tokens=tokens[1], forward_seconds=timing["forward"],
-                     backward_seconds=timing["backward"], micro_batches=n_micro_batches,
-                     padding_fraction=1.0 - real / slots if slots > 0 else 0.0)
-        return stats
+        return n_micro_batches
 
     def _train_micro(self, mb: dict, n_global: float, n_tokens: float, acc: _Acc, timing: dict, last: bool) -> None:
         """One micro-batch. The policy terms are weighted sums over ``loss_weight`` divided by the

@@ -50,11 +50,27 @@ def test_unknown_key_is_named() -> None:
     ("weights.max_bytes=-1", "weights.max_bytes", "must be >= 0"),
     ("up.time_limit_s=0", "up.time_limit_s", "must be > 0 seconds or null"),
     ("trainer.time_limit_s=-5", "trainer.time_limit_s", "must be > 0 seconds or null"),
+    ("trainer.micro_batch_tokens=-1", "trainer.micro_batch_tokens", "must be auto or >= 0"),
+    ("trainer.micro_batch_tokens=some", "trainer.micro_batch_tokens", "must be one of ['auto']"),
+    ("trainer.pad_to_multiple=0", "trainer.pad_to_multiple", "must be auto or an integer in [1, 4096]"),
+    ("trainer.pad_to_multiple=8192", "trainer.pad_to_multiple", "must be auto or an integer in [1, 4096]"),
+    ("trainer.pad_to_multiple=big", "trainer.pad_to_multiple", "must be one of ['auto']"),
+    ("trainer.logprob_chunk_tokens=0", "trainer.logprob_chunk_tokens", "must be in [1, 1048576]"),
+    ("trainer.liger=maybe", "trainer.liger", "expected true/false"),
 ])
 def test_bad_value_is_named(override: str, key: str, words: str) -> None:
     e = _error(overrides=(override,))
     assert e.key == key and words in e.reason
     assert key in str(e)
+
+
+def test_learner_speed_keys_take_auto_or_a_number() -> None:
+    cfg = config_from_dict({}, ["trainer.micro_batch_tokens=auto", "trainer.pad_to_multiple=128", "trainer.liger=off"])
+    assert (cfg.trainer.micro_batch_tokens, cfg.trainer.pad_to_multiple, cfg.trainer.liger) == ("auto", 128, False)
+    assert config_from_dict({}, ["trainer.liger=on"]).trainer.liger is True  # YAML's on/off are booleans
+    cfg = config_from_dict({}, [])
+    assert (cfg.trainer.micro_batch_tokens, cfg.trainer.pad_to_multiple, cfg.trainer.liger) == (0, "auto", "auto")
+    assert cfg.trainer.logprob_chunk_tokens == 512
 
 
 def test_override_parsing() -> None:

@@ -104,9 +104,9 @@ def _recording_engine(optimizers: dict):
     return make
 
 
-def run_update(model_dir: Path, *, micro_batch_tokens: int, zero_stage: int, train_batch_size: int = 8,
+def run_update(model_dir: Path, *, micro_batch_tokens: int | str, zero_stage: int, train_batch_size: int = 8,
                mini: int = 4, micro: int = 2, redis_url: str = "redis://127.0.0.1:1",
-               loss_agg_mode: str = "token-mean") -> tuple[dict, dict, dict]:
+               loss_agg_mode: str = "token-mean", **trainer) -> tuple[dict, dict, dict]:
     """One PPOTrainer.update on fresh models from ``model_dir``: (stats, {engine: [grads per step]},
     {engine: [final parameters]})."""
     from worldloop.common.modeling import ChatCodec, load_policy
@@ -116,7 +116,8 @@ def run_update(model_dir: Path, *, micro_batch_tokens: int, zero_stage: int, tra
 
     cfg = tiny_learner_config(model_dir, redis_url, model_dir.parent / "run", train_batch_size=train_batch_size,
                               ppo_mini_batch_size=mini, micro_batch_size=micro, micro_batch_tokens=micro_batch_tokens,
-                              zero_stage=zero_stage, kl_coef=0.01, estimator="bilevel_gae", loss_agg_mode=loss_agg_mode)
+                              zero_stage=zero_stage, kl_coef=0.01, estimator="bilevel_gae", loss_agg_mode=loss_agg_mode,
+                              **trainer)
     dist = init_distributed(cfg)
     codec = ChatCodec(model_dir, max_image_side=112)
     optimizers: dict = {}
@@ -167,6 +168,29 @@ def test_token_budget_gives_the_fixed_count_loss_and_gradient(model_dir, stage):
     assert budget[0]["padding_fraction"] < fixed[0]["padding_fraction"]
     assert budget[0]["tokens"] == fixed[0]["tokens"]
     assert_same_update(fixed, budget)
+
+
+@pytest.mark.parametrize("stage,micro_batch_tokens", [(0, 0), (2, BUDGET)])
+def test_length_buckets_give_the_same_loss_and_gradient(model_dir, stage, micro_batch_tokens):
+    """trainer.pad_to_multiple: micro-batches padded to multiples of 128 tokens (the CUDA default)
+    instead of 8 compute more padding and give the same update: every loss term is masked."""
+    plain = run_update(model_dir, micro_batch_tokens=micro_batch_tokens, zero_stage=stage, pad_to_multiple=8)
+    bucketed = run_update(model_dir, micro_batch_tokens=micro_batch_tokens, zero_stage=stage, pad_to_multiple=128)
+    assert bucketed[0]["padding_fraction"] > plain[0]["padding_fraction"] + 0.1  # the buckets were applied
+    assert bucketed[0]["micro_batches"] == plain[0]["micro_batches"]
+    assert_same_update(plain, bucketed)
+
+
+def test_auto_budget_on_cpu_is_the_fixed_counts_worst_case(model_dir):
+    """micro_batch_tokens: auto on CPU = micro_batch_size rows of the update's longest (padded)
+    trajectory: by the token budget, so fewer micro-batches than the fixed count, same update."""
+    from worldloop.learner.trainer import auto_budget
+
+    assert auto_budget([53, 231, 90], 2, 8) == 2 * 232 and auto_budget([53, 231, 90], 3, 128) == 3 * 256
+    fixed = run_update(model_dir, micro_batch_tokens=0, zero_stage=0, micro=1)
+    auto = run_update(model_dir, micro_batch_tokens="auto", zero_stage=0, micro=1)
+    assert auto[0]["micro_batches"] < fixed[0]["micro_batches"] == 8, (auto[0]["micro_batches"], fixed[0]["micro_batches"])
+    assert_same_update(fixed, auto)
 
 
 @pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum"])

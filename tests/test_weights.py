@@ -424,6 +424,29 @@ def test_owned_hand_overs_never_wait_and_a_newer_one_replaces_one_not_started(
         assert_fetched(sub.fetch(min_version=1), 4, sets[4])
 
 
+def test_reserved_buffers_serve_every_version_without_a_new_allocation(publisher: WeightPublisher) -> None:
+    """reserve() at start allocates both encoding buffers (pinned on a GPU); the first publish and
+    every later one, a longer header (version 10**12) and an owned hand-over included, are
+    encoded into those two allocations and fetched intact."""
+    versions = (1, 2, 3, 10**12, 10**12 + 1)
+    sets = {v: weight_set(i, scale=1 << 16) for i, v in enumerate(versions)}
+    nbytes = publisher.reserve(sets[1])
+    reserved = {publisher._spare.storage.data_ptr(), publisher._reserved.storage.data_ptr()}
+    assert len(reserved) == 2 and publisher._spare.capacity == nbytes and not publisher._spare.pinned
+    sizes = {}
+    with WeightSubscriber(HOST, publisher.pub_port, publisher.fetch_port, fetch_timeout_s=20) as sub:
+        for v, tensors in sets.items():
+            publisher.publish(tensors, v, wait=True, owned=v == 3)
+            served = publisher._current.buf
+            assert served.storage.data_ptr() in reserved, v
+            sizes[v] = served.nbytes
+            assert served.nbytes == publisher.nbytes <= nbytes
+            assert_fetched(sub.fetch(min_version=v - 1), v, tensors)
+    assert sizes[10**12] > sizes[1] and publisher._reserved is None  # the header grew; both buffers in use
+    with pytest.raises(WeightsError, match="before the first publish"):
+        publisher.reserve(sets[1])
+
+
 def test_a_lost_reply_is_requested_again(publisher: WeightPublisher) -> None:
     want = weight_set(4, scale=1 << 16)
     publisher.publish(want, 4)

@@ -7,7 +7,7 @@
 Layers, lowest first (``worldloop/__init__.py`` says what each holds):
 
     contracts    worldloop.common.{config (+ config_fields, config_checks, config_load), schemas, keys,
-                 modeling}
+                 modeling, logprobs}
     machinery    the rest of worldloop.common
     envs         worldloop.envs
     roles        worldloop.actor, worldloop.judge, worldloop.learner
@@ -41,7 +41,8 @@ PACKAGE_DIRS = {
     "envs": "worldloop.envs",
 }
 CONTRACTS = {"worldloop.common.config", "worldloop.common.config_fields", "worldloop.common.config_checks",
-             "worldloop.common.config_load", "worldloop.common.schemas", "worldloop.common.keys", "worldloop.common.modeling"}
+             "worldloop.common.config_load", "worldloop.common.schemas", "worldloop.common.keys", "worldloop.common.modeling",
+             "worldloop.common.logprobs"}
 ROLES = ("worldloop.actor", "worldloop.judge", "worldloop.learner")
 RANK = {"contracts": 0, "machinery": 1, "envs": 1, "roles": 2, "apps": 3}
 

@@ -16,6 +16,7 @@ import argparse
 import inspect
 import json
 import sys
+import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -57,6 +58,8 @@ def type_text(tp: Any) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Literal:
         text = "one of " + ", ".join(f"`{a}`" for a in args)
+    elif origin in (typing.Union, types.UnionType):
+        text = " or ".join(type_text(a) for a in args)
     elif origin is list:
         text = f"list of {type_text(args[0])}"
     elif origin is dict:

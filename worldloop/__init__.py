@@ -11,9 +11,10 @@ roles           ``worldloop.actor``, ``worldloop.judge``, ``worldloop.learner``:
 envs            ``worldloop.envs``: gymnasium environments, used by actors and applications only
 machinery       ``worldloop.common.{redis_link, streams, weights, process, control, metrics, redis_local,
                 openai_retry}``: Redis links, streams, the ZeroMQ weight channel, the process scaffold
-contracts       ``worldloop.common.{config, schemas, keys, modeling}`` (``config`` with its
+contracts       ``worldloop.common.{config, schemas, keys, modeling, logprobs}`` (``config`` with its
                 ``config_fields``, ``config_checks``, ``config_load``): what crosses a process
-                boundary (config, message types, Redis key names, token layout); no machinery
+                boundary (config, message types, Redis key names, token layout and the log-prob
+                convention); no machinery
 ==============  ==========================================================================
 
 In the source tree each subpackage is a top-level folder of the repository (``actor/``,

@@ -79,18 +79,30 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Buffer:
-    """One encoding buffer: a 1-D uint8 CPU tensor (pinned for copies from CUDA) and its numpy view."""
+    """One encoding buffer: a 1-D uint8 CPU tensor (pinned for copies from CUDA) and its numpy view;
+    ``tensor`` is the first ``nbytes`` of ``storage``, the allocation (``sized`` reuses it)."""
 
     tensor: torch.Tensor
     pinned: bool
+    storage: torch.Tensor
 
     @classmethod
-    def alloc(cls, size: int, pinned: bool) -> _Buffer:
-        return cls(torch.empty(size, dtype=torch.uint8, pin_memory=pinned), pinned)
+    def alloc(cls, size: int, pinned: bool, capacity: int = 0, touch: bool = False) -> _Buffer:
+        storage = torch.empty(max(size, capacity), dtype=torch.uint8, pin_memory=pinned)
+        if touch:  # fault the pages in now, not in the first copy into it
+            storage.numpy().fill(0)
+        return cls(storage[:size], pinned, storage)
+
+    def sized(self, size: int) -> _Buffer:
+        return _Buffer(self.storage[:size], self.pinned, self.storage)
 
     @property
     def nbytes(self) -> int:
         return self.tensor.numel()
+
+    @property
+    def capacity(self) -> int:
+        return self.storage.numel()
 
     @property
     def arr(self) -> np.ndarray:
@@ -227,6 +239,22 @@ class WeightPublisher:
         """Size of the encoding of :attr:`version` (None before the first publish)."""
         return self._handed_size
 
+    _reserved: _Buffer | None = None  # reserve()'s second buffer, taken once the first version is served
+
+    def reserve(self, tensors: Mapping[str, torch.Tensor]) -> int:
+        """Allocate and touch both encoding buffers for tensors like ``tensors`` (pinned for CUDA ones:
+        cudaHostAlloc took 6 s for a 3B model, issue 30) before the first :meth:`publish`, so that no
+        hand-over waits for one; returns one buffer's bytes. Nothing is copied."""
+        lay = layout(tensors, 0)
+        pinned = any(d.type == "cuda" for d in lay.devices) and torch.cuda.is_available()
+        capacity = lay.size + 256  # room for headers that grow with the version number
+        bufs = [_Buffer.alloc(lay.size, pinned, capacity, touch=True) for _ in range(2)]
+        with self._cond:
+            if self._handed is not None:
+                raise WeightsError("reserve() must come before the first publish")
+            self._spare, self._reserved = bufs
+        return capacity
+
     # ---- the hand-over (caller's thread)
 
     def publish(self, tensors: Mapping[str, torch.Tensor], version: int, *, owned: bool = False,
@@ -287,8 +315,8 @@ class WeightPublisher:
     def _copy(self, lay: Layout, buf: _Buffer | None, version: int, n_tensors: int, t0: float) -> _Job:
         cuda = sorted({d for d in lay.devices if d.type == "cuda"}, key=str)
         pinned = bool(cuda) and torch.cuda.is_available()
-        if buf is None or buf.nbytes != lay.size or buf.pinned != pinned:
-            buf = _Buffer.alloc(lay.size, pinned)
+        fits = buf is not None and buf.capacity >= lay.size and buf.pinned == pinned
+        buf = buf.sized(lay.size) if fits else _Buffer.alloc(lay.size, pinned)
         try:
             encode_into(lay, buf.tensor, non_blocking=pinned)
         except BaseException:
@@ -357,8 +385,8 @@ class WeightPublisher:
                          job.version, job.n_tensors, served.manifest.size / 1e6, served.manifest.n_chunks, took)
                 if old is not None:
                     spare = self._retire(old)
-                elif self._spare is None:  # the first version: make the second buffer now
-                    spare = self._fresh_spare(job.buf)
+                elif self._spare is None:  # the first version: make the second buffer now (or take reserve()'s)
+                    spare, self._reserved = self._reserved or self._fresh_spare(job.buf), None
             except Exception as e:  # report it to the next publish/flush; subscribers keep the served version
                 log.exception("weights: preparing v%d failed", job.version)
                 spare = job.buf
@@ -376,8 +404,7 @@ class WeightPublisher:
         if job.buf is None:  # an owned hand-over: copy the caller's tensors now
             with self._cond:
                 buf, self._spare = self._spare, None
-            if buf is None or buf.nbytes != job.lay.size:
-                buf = _Buffer.alloc(job.lay.size, False)
+            buf = buf.sized(job.lay.size) if buf is not None and buf.capacity >= job.lay.size else _Buffer.alloc(job.lay.size, False)
             job.buf = buf
             encode_into(job.lay, buf.tensor)
             job.lay = None  # the caller's tensors are no longer needed
@@ -416,9 +443,7 @@ class WeightPublisher:
     def _fresh_spare(like: _Buffer) -> _Buffer:
         """After the first version: the second buffer, allocated and touched here rather than by the
         next hand-over (page faults on a fresh buffer cost as much as the copy itself)."""
-        buf = _Buffer.alloc(like.nbytes, like.pinned)
-        buf.arr.fill(0)
-        return buf
+        return _Buffer.alloc(like.nbytes, like.pinned, like.capacity, touch=True)
 
     def _wakeup(self, what: bytes) -> None:
         with self._wake_lock:
