@@ -20,7 +20,7 @@ the whole [N, V] logits, log-softmax and entropy with autograd, as before ``comm
 (patched into the variant's process only). ``tiny-bigvocab`` is the tiny model's body (hidden 64,
 2 layers) with Qwen's 151,936-token vocabulary and about 1,800 loss tokens per micro-batch, so
 that the logits are most of an update's memory on CPU; its table is in
-docs/benchmarks-learner.md. The peak RSS counts from after the models are built (the kernel's
+docs/benchmarks.md (Learner). The peak RSS counts from after the models are built (the kernel's
 VmHWM is reset there), and the weight publisher reserves its buffers before the first update,
 as the learner does at start, so ``publish s`` is a steady-state hand-over.
 
