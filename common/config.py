@@ -212,12 +212,12 @@ class JudgeConfig(Section):
         default_factory=lambda: {"default": ["rule"]},
         description="scorer names per env name (\"default\" applies to envs not listed): rule, llm, hybrid")
     # vagen: VAGEN's code (judge/vagen_score.py) scores target, box and hole relative to the player, both axes
-    rule_mode: Literal["f1", "vagen"] = Field("f1", description="how `rule` (and `hybrid`'s extracted facts) score "
-                                                               "Sokoban/FrozenLake descriptions: f1 = per-axis relation facts "
-                                                               "over all pairs (judge/rule/); vagen = VAGEN's code "
-                                                               "(judge/vagen_score.py), and those envs then get "
-                                                               "relation_prompt=vagen so that their prompt asks for exactly "
-                                                               "these relations")
+    rule_mode: Literal["f1", "vagen", "local"] = Field(
+        "f1", description="how `rule` (and `hybrid`'s extracted facts) score Sokoban/FrozenLake descriptions: f1 = per-axis "
+                          "relation facts over all pairs (judge/rule/); vagen = VAGEN's code (judge/vagen_score.py), and "
+                          "those envs then get relation_prompt=vagen; local = FrozenLake's goal and the holes next to the "
+                          "player, item by item (judge/local_score.py), and FrozenLake gets relation_prompt=local: the "
+                          "prompt asks for exactly what is scored")
     beta_grounding: Float = Field(0.5, description="weight of the grounding score in a turn's reasoning reward")
     beta_worldmodeling: Float = Field(0.5, description="weight of the world-modeling score in a turn's reasoning reward")
     concurrency: int = Field(16, ge=1, description="LLM requests in flight per judge process at most")
@@ -232,7 +232,8 @@ class JudgeConfig(Section):
     repetition_top_k: int = Field(5, ge=0, json_schema_extra={"note": "0 = no repetition penalty"},
                                   description="repetition penalty (VAGEN App. D.1.2): a part that repeats one of the agent's "
                                               "top_k most frequent sentences is penalised")
-    repetition_f1_threshold: Float = Field(0.7, description="repetition penalty: only parts scoring below this are penalised")
+    repetition_f1_threshold: Float = Field(0.7, ge=0, le=1, description="repetition penalty: only parts scoring below "
+                                                                       "this are penalised (a correct part never is)")
     repetition_penalty: Float = Field(0.1, description="repetition penalty: subtracted from the part's score")
     fallback_score: Float = Field(0.0, description="the score of an LLM scorer whose endpoint stays down (flagged fallback)")
     batch_size: int = Field(8, ge=1, description="trajectories read per XREADGROUP (and held in flight at most)")
@@ -357,7 +358,9 @@ class SFTConfig(Section):
     answer_style: Literal["expert", "concise"] = Field(
         "expert", description="expert: the env's expert_response() as is; concise: the same answer with the observation and "
                               "prediction cut to their first observation_relations sentences and an empty reasoning")
-    observation_relations: int = Field(2, ge=1, description="concise: sentences kept of the observation and prediction")
+    observation_relations: int = Field(2, ge=1, description="concise: sentences kept of the observation and prediction "
+                                                            "(all of them where the env's relation_prompt is local: "
+                                                            "exactly what its prompt asks for)")
     # plan: the model picks its move right after reading the board, then predicts and answers from that choice
     # (README "What the presets do": Sokoban)
     concise_reasoning: Literal["empty", "plan"] = Field(

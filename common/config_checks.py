@@ -20,26 +20,30 @@ from worldloop.common.config_fields import ConfigError
 
 SFT_PROBE_SEEDS = 8  # format probes played after the demonstrations (worldloop/bootstrap/pipeline.py warm_start)
 GROUNDING_EVAL_BOARDS = 128  # held-out boards of grounding pre-training (worldloop/bootstrap/grounding.py)
-# the envs whose prompt follows judge.rule_mode (their kwarg relation_prompt, envs/grid/grid_env.py)
-RELATION_PROMPT_ENVS = ("worldloop/Sokoban-v0", "worldloop/FrozenLake-v0")
+# the envs whose prompt follows judge.rule_mode (their kwarg relation_prompt, envs/grid/grid_env.py), per mode
+RELATION_PROMPT_ENVS = {"vagen": ("worldloop/Sokoban-v0", "worldloop/FrozenLake-v0"),
+                        "local": ("worldloop/FrozenLake-v0",)}
 
 
 def pass_rule_mode(cfg: Any) -> None:
     """`judge.rule_mode: vagen` puts `relation_prompt: vagen` into the kwargs of every Sokoban and
-    FrozenLake env in `actor.envs` (the actors, the SFT demonstrations and `worldloop eval` all
-    build their envs from there), so that the prompt asks for exactly the relations the judge
-    scores; an explicit `relation_prompt` that contradicts `judge.rule_mode` is an error."""
-    want = "vagen" if cfg.judge.rule_mode == "vagen" else "default"
+    FrozenLake env in `actor.envs`, and `judge.rule_mode: local` puts `relation_prompt: local` into
+    those of every FrozenLake env (Sokoban keeps its default relations there), so that the prompt
+    asks for exactly the relations the judge scores (the actors, the SFT demonstrations, grounding
+    pre-training and `worldloop eval` all build their envs from there); an explicit
+    `relation_prompt` that contradicts `judge.rule_mode` is an error."""
+    envs = {e for ids in RELATION_PROMPT_ENVS.values() for e in ids}
     for i, spec in enumerate(cfg.actor.envs):
-        if spec.id not in RELATION_PROMPT_ENVS:
+        if spec.id not in envs:
             continue
+        want = cfg.judge.rule_mode if spec.id in RELATION_PROMPT_ENVS.get(cfg.judge.rule_mode, ()) else "default"
         have = spec.kwargs.get("relation_prompt", want)
         if have != want:
             raise ConfigError(f"actor.envs[{i}].kwargs.relation_prompt",
                               f"is {have!r} but judge.rule_mode is {cfg.judge.rule_mode!r}: the prompt must ask for what "
                               "the judge scores (set judge.rule_mode and leave relation_prompt out, the config passes it)")
-        if want == "vagen":
-            spec.kwargs["relation_prompt"] = "vagen"
+        if want != "default":
+            spec.kwargs["relation_prompt"] = want
 
 
 # --------------------------------------------------------------------------- batch sizes
