@@ -253,8 +253,9 @@ class JudgeConfig(Section):
 class TrainerConfig(Section):
     """The learner's PPO/GRPO updates, checkpoints and evaluation while training."""
 
-    estimator: Literal["masked_gae", "bilevel_gae", "turn_ppo", "grpo", "vanilla_ppo"] = Field(
-        "bilevel_gae", description="the advantage estimator (learner/advantages.py)")
+    estimator: Literal["masked_gae", "bilevel_gae", "turn_ppo", "grpo", "gigpo", "vanilla_ppo"] = Field(
+        "bilevel_gae", description="the advantage estimator (learner/advantages.py); gigpo = grpo plus a per-turn baseline "
+                                   "over the group's turns that started from the same state")
     total_steps: int = Field(100, ge=1, description="policy updates in the run")
     train_batch_size: int = Field(128, ge=1, description="trajectories per update")
     ppo_mini_batch_size: int = Field(32, ge=1, description="trajectories per optimizer step")
@@ -281,8 +282,26 @@ class TrainerConfig(Section):
         "own_turn", description="bilevel_gae: the turn-end token's -kl_coef*KL stays on its own turn (own_turn) or joins that "
                                 "turn's turn-level reward and so reaches earlier turns discounted (turn_reward: VAGEN's code)")
     # false is verl's norm_adv_by_std_in_grpo=False, "Dr. GRPO"
-    grpo_norm_by_std: bool = Field(True, description="grpo: divide (R - group mean) by the group's std (Argos Eq. 10), or "
-                                                     "not: then groups that differ only by shaping terms stay small")
+    grpo_norm_by_std: bool = Field(True, description="grpo, gigpo: divide (R - group mean) by the group's std (Argos Eq. "
+                                                     "10; gigpo: also in its step groups), or not: then groups that differ "
+                                                     "only by shaping terms stay small")
+    # GiGPO (Feng et al. 2025, arXiv 2505.10978): A = A_episode + gigpo_step_weight * A_step
+    gigpo_gamma: Float = Field(0.95, ge=0, le=1, description="gigpo: discount of the step return R_t = sum_k gamma^(k-t) r_k "
+                                                            "over the turn rewards from turn t on")
+    gigpo_step_weight: Float = Field(1.0, ge=0, description="gigpo: weight of the step advantage (R_t - mean over the turns "
+                                                           "of the group that started from the same state) added to the "
+                                                           "episode advantage")
+    # keeps <observation> honest: RL cannot trade the reading for actions (learner/credit.py)
+    observation_advantage: Literal["task", "grounding"] = Field(
+        "task", description="the advantage of the tokens inside each turn's <observation>: task = the trajectory's (or "
+                            "turn's) advantage like every other token; grounding = coef x (the turn's grounding score - "
+                            "its mean over observation_baseline), and the other tokens keep the task advantage")
+    observation_baseline: Literal["group", "step"] = Field(
+        "group", description="observation_advantage grounding: the turns a grounding score is compared with: group = "
+                             "every scored turn of its GRPO group; step = those of its group that read the same state "
+                             "(a turn alone there gets 0)")
+    observation_advantage_coef: Float = Field(1.0, ge=0, description="observation_advantage grounding: the coefficient of "
+                                                                    "(grounding score - baseline)")
     filter_groups: bool = Field(False, description="DAPO's dynamic sampling: train only on GRPO groups whose episodes differ "
                                                    "in task success; all-solved and all-failed groups are dropped "
                                                    "(\"uninformative\") and their admission budget is given back, so the "
@@ -291,10 +310,10 @@ class TrainerConfig(Section):
     # earlier than a failed one), so a batch cut from the stream in arrival order splits groups, and a
     # fragment of only successes or only failures gets advantage 0.
     whole_groups: bool = Field(True, description="the learner holds each GRPO group's members until all are in (or known "
-                                                 "lost) and batches hold whole groups; only with estimator grpo and "
+                                                 "lost) and batches hold whole groups; only with estimator grpo or gigpo and "
                                                  "actor.n_samples_per_seed >= 2 (learner/data.py)")
     whiten_advantages: bool = Field(True, description="whiten advantages (mean 0, std 1 over the whole "
-                                                      "batch's generated tokens); never for grpo")
+                                                      "batch's generated tokens); never for grpo or gigpo")
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
         "token-mean", description="how the policy loss averages over a mini-batch (verl's loss_agg_mode): token-mean (every "
                                   "generated token weighs the same: VAGEN Alg. 1), seq-mean-token-mean (every trajectory "
@@ -313,7 +332,7 @@ class TrainerConfig(Section):
     checkpoint_every: int = Field(10, ge=1, description="updates between checkpoints")
     keep_checkpoints: int = Field(3, ge=1, description="the newest checkpoints kept on disk")
     resume: bool = Field(False, description="continue from the newest complete checkpoint in the run directory")
-    use_critic: bool = Field(True, description="train a critic (false for grpo: values are then 0)")
+    use_critic: bool = Field(True, description="train a critic (false for grpo, gigpo: values are then 0)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda:<LOCAL_RANK> when visible, else cpu")
     kl_in_reward: bool = Field(True, description="KL to the frozen reference as a per-token reward -kl_coef * KL (VAGEN), "
                                                  "or else as a loss term")

@@ -63,17 +63,17 @@ def check_mini_batch(cfg: Any) -> None:
 
 def held_group_size(cfg: Any) -> int:
     """The GRPO group size the learner's reader holds members for until a group is whole
-    (``trainer.filter_groups``, or ``trainer.whole_groups`` with estimator grpo), or 0 when it
-    batches in arrival order (no groups, or neither knob applies)."""
+    (``trainer.filter_groups``, or ``trainer.whole_groups`` with estimator grpo or gigpo), or 0 when
+    it batches in arrival order (no groups, or neither knob applies)."""
     t, n = cfg.trainer, cfg.actor.n_samples_per_seed
-    grouped = t.filter_groups or (t.whole_groups and t.estimator == "grpo")
+    grouped = t.filter_groups or (t.whole_groups and t.estimator in ("grpo", "gigpo"))
     return n if grouped and n >= 2 else 0
 
 
 def check_groups(cfg: Any) -> None:
     """`trainer.filter_groups` needs groups (`actor.n_samples_per_seed` >= 2). When the learner
-    batches whole groups (`trainer.filter_groups`, or `trainer.whole_groups` with estimator grpo
-    and groups of 2 or more), `trainer.train_batch_size` is a multiple of `actor.n_samples_per_seed`."""
+    batches whole groups (`trainer.filter_groups`, or `trainer.whole_groups` with estimator grpo or
+    gigpo and groups of 2 or more), `trainer.train_batch_size` is a multiple of `actor.n_samples_per_seed`."""
     t = cfg.trainer
     if t.filter_groups and cfg.actor.n_samples_per_seed < 2:
         raise ConfigError("trainer.filter_groups", "needs groups: set actor.n_samples_per_seed >= 2 "
@@ -96,6 +96,20 @@ def check_kl_loss(cfg: Any) -> None:
         raise ConfigError("trainer.kl_estimator", "the 'kl' (k1) estimator cannot be a loss term "
                           "(trainer.kl_in_reward: false): its gradient lowers every sampled token's probability; "
                           "use low_var_kl or mse, or keep the KL in the reward")
+
+
+def check_observation_advantage(cfg: Any) -> None:
+    """`trainer.observation_advantage: grounding` needs the judge's grounding scores
+    (`judge.enabled`). It and estimator `gigpo` compare turns within GRPO groups, so they need
+    groups (`actor.n_samples_per_seed` >= 2): alone, a turn's baseline is itself."""
+    t = cfg.trainer
+    if t.observation_advantage == "grounding" and not cfg.judge.enabled:
+        raise ConfigError("trainer.observation_advantage", "grounding needs the judge's grounding scores: set judge.enabled "
+                          "true, or observation_advantage task")
+    if (t.observation_advantage == "grounding" or t.estimator == "gigpo") and cfg.actor.n_samples_per_seed < 2:
+        key = "trainer.estimator" if t.estimator == "gigpo" else "trainer.observation_advantage"
+        raise ConfigError(key, "compares turns within GRPO groups: set actor.n_samples_per_seed >= 2 "
+                          f"(got {cfg.actor.n_samples_per_seed})")
 
 
 def check_env_weights(cfg: Any) -> None:
@@ -200,8 +214,8 @@ def check_curve_keys(cfg: Any) -> None:
 
 
 CROSS_CHECKS: tuple[Callable[[Any], None], ...] = (
-    check_mini_batch, check_groups, check_kl_loss, check_env_weights, check_rl_seeds, check_demonstration_seeds,
-    check_grounding_seeds, check_curve_keys,
+    check_mini_batch, check_groups, check_kl_loss, check_observation_advantage, check_env_weights, check_rl_seeds,
+    check_demonstration_seeds, check_grounding_seeds, check_curve_keys,
 )
 
 
