@@ -3,8 +3,6 @@ token span found with the real tokenizer, and the observation advantage of a sma
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
