@@ -212,12 +212,12 @@ class JudgeConfig(Section):
         default_factory=lambda: {"default": ["rule"]},
         description="scorer names per env name (\"default\" applies to envs not listed): rule, llm, hybrid")
     # vagen: VAGEN's code (judge/vagen_score.py) scores target, box and hole relative to the player, both axes
-    rule_mode: Literal["f1", "vagen"] = Field("f1", description="how `rule` (and `hybrid`'s extracted facts) score "
-                                                               "Sokoban/FrozenLake descriptions: f1 = per-axis relation facts "
-                                                               "over all pairs (judge/rule/); vagen = VAGEN's code "
-                                                               "(judge/vagen_score.py), and those envs then get "
-                                                               "relation_prompt=vagen so that their prompt asks for exactly "
-                                                               "these relations")
+    rule_mode: Literal["f1", "vagen", "local"] = Field(
+        "f1", description="how `rule` (and `hybrid`'s extracted facts) score Sokoban/FrozenLake descriptions: f1 = per-axis "
+                          "relation facts over all pairs (judge/rule/); vagen = VAGEN's code (judge/vagen_score.py), and "
+                          "those envs then get relation_prompt=vagen; local = FrozenLake's goal and the holes next to the "
+                          "player, item by item (judge/local_score.py), and FrozenLake gets relation_prompt=local: the "
+                          "prompt asks for exactly what is scored")
     beta_grounding: Float = Field(0.5, description="weight of the grounding score in a turn's reasoning reward")
     beta_worldmodeling: Float = Field(0.5, description="weight of the world-modeling score in a turn's reasoning reward")
     concurrency: int = Field(16, ge=1, description="LLM requests in flight per judge process at most")
@@ -232,7 +232,8 @@ class JudgeConfig(Section):
     repetition_top_k: int = Field(5, ge=0, json_schema_extra={"note": "0 = no repetition penalty"},
                                   description="repetition penalty (VAGEN App. D.1.2): a part that repeats one of the agent's "
                                               "top_k most frequent sentences is penalised")
-    repetition_f1_threshold: Float = Field(0.7, description="repetition penalty: only parts scoring below this are penalised")
+    repetition_f1_threshold: Float = Field(0.7, ge=0, le=1, description="repetition penalty: only parts scoring below "
+                                                                       "this are penalised (a correct part never is)")
     repetition_penalty: Float = Field(0.1, description="repetition penalty: subtracted from the part's score")
     fallback_score: Float = Field(0.0, description="the score of an LLM scorer whose endpoint stays down (flagged fallback)")
     batch_size: int = Field(8, ge=1, description="trajectories read per XREADGROUP (and held in flight at most)")
@@ -252,8 +253,9 @@ class JudgeConfig(Section):
 class TrainerConfig(Section):
     """The learner's PPO/GRPO updates, checkpoints and evaluation while training."""
 
-    estimator: Literal["masked_gae", "bilevel_gae", "turn_ppo", "grpo", "vanilla_ppo"] = Field(
-        "bilevel_gae", description="the advantage estimator (learner/advantages.py)")
+    estimator: Literal["masked_gae", "bilevel_gae", "turn_ppo", "grpo", "gigpo", "vanilla_ppo"] = Field(
+        "bilevel_gae", description="the advantage estimator (learner/advantages.py); gigpo = grpo plus a per-turn baseline "
+                                   "over the group's turns that started from the same state")
     total_steps: int = Field(100, ge=1, description="policy updates in the run")
     train_batch_size: int = Field(128, ge=1, description="trajectories per update")
     ppo_mini_batch_size: int = Field(32, ge=1, description="trajectories per optimizer step")
@@ -294,8 +296,26 @@ class TrainerConfig(Section):
         "own_turn", description="bilevel_gae: the turn-end token's -kl_coef*KL stays on its own turn (own_turn) or joins that "
                                 "turn's turn-level reward and so reaches earlier turns discounted (turn_reward: VAGEN's code)")
     # false is verl's norm_adv_by_std_in_grpo=False, "Dr. GRPO"
-    grpo_norm_by_std: bool = Field(True, description="grpo: divide (R - group mean) by the group's std (Argos Eq. 10), or "
-                                                     "not: then groups that differ only by shaping terms stay small")
+    grpo_norm_by_std: bool = Field(True, description="grpo, gigpo: divide (R - group mean) by the group's std (Argos Eq. "
+                                                     "10; gigpo: also in its step groups), or not: then groups that differ "
+                                                     "only by shaping terms stay small")
+    # GiGPO (Feng et al. 2025, arXiv 2505.10978): A = A_episode + gigpo_step_weight * A_step
+    gigpo_gamma: Float = Field(0.95, ge=0, le=1, description="gigpo: discount of the step return R_t = sum_k gamma^(k-t) r_k "
+                                                            "over the turn rewards from turn t on")
+    gigpo_step_weight: Float = Field(1.0, ge=0, description="gigpo: weight of the step advantage (R_t - mean over the turns "
+                                                           "of the group that started from the same state) added to the "
+                                                           "episode advantage")
+    # keeps <observation> honest: RL cannot trade the reading for actions (learner/credit.py)
+    observation_advantage: Literal["task", "grounding"] = Field(
+        "task", description="the advantage of the tokens inside each turn's <observation>: task = the trajectory's (or "
+                            "turn's) advantage like every other token; grounding = coef x (the turn's grounding score - "
+                            "its mean over observation_baseline), and the other tokens keep the task advantage")
+    observation_baseline: Literal["group", "step"] = Field(
+        "group", description="observation_advantage grounding: the turns a grounding score is compared with: group = "
+                             "every scored turn of its GRPO group; step = those of its group that read the same state "
+                             "(a turn alone there gets 0)")
+    observation_advantage_coef: Float = Field(1.0, ge=0, description="observation_advantage grounding: the coefficient of "
+                                                                    "(grounding score - baseline)")
     filter_groups: bool = Field(False, description="DAPO's dynamic sampling: train only on GRPO groups whose episodes differ "
                                                    "in task success; all-solved and all-failed groups are dropped "
                                                    "(\"uninformative\") and their admission budget is given back, so the "
@@ -304,10 +324,10 @@ class TrainerConfig(Section):
     # earlier than a failed one), so a batch cut from the stream in arrival order splits groups, and a
     # fragment of only successes or only failures gets advantage 0.
     whole_groups: bool = Field(True, description="the learner holds each GRPO group's members until all are in (or known "
-                                                 "lost) and batches hold whole groups; only with estimator grpo and "
+                                                 "lost) and batches hold whole groups; only with estimator grpo or gigpo and "
                                                  "actor.n_samples_per_seed >= 2 (learner/data.py)")
     whiten_advantages: bool = Field(True, description="whiten advantages (mean 0, std 1 over the whole "
-                                                      "batch's generated tokens); never for grpo")
+                                                      "batch's generated tokens); never for grpo or gigpo")
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
         "token-mean", description="how the policy loss averages over a mini-batch (verl's loss_agg_mode): token-mean (every "
                                   "generated token weighs the same: VAGEN Alg. 1), seq-mean-token-mean (every trajectory "
@@ -326,7 +346,7 @@ class TrainerConfig(Section):
     checkpoint_every: int = Field(10, ge=1, description="updates between checkpoints")
     keep_checkpoints: int = Field(3, ge=1, description="the newest checkpoints kept on disk")
     resume: bool = Field(False, description="continue from the newest complete checkpoint in the run directory")
-    use_critic: bool = Field(True, description="train a critic (false for grpo: values are then 0)")
+    use_critic: bool = Field(True, description="train a critic (false for grpo, gigpo: values are then 0)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda:<LOCAL_RANK> when visible, else cpu")
     kl_in_reward: bool = Field(True, description="KL to the frozen reference as a per-token reward -kl_coef * KL (VAGEN), "
                                                  "or else as a loss term")
@@ -371,7 +391,9 @@ class SFTConfig(Section):
     answer_style: Literal["expert", "concise"] = Field(
         "expert", description="expert: the env's expert_response() as is; concise: the same answer with the observation and "
                               "prediction cut to their first observation_relations sentences and an empty reasoning")
-    observation_relations: int = Field(2, ge=1, description="concise: sentences kept of the observation and prediction")
+    observation_relations: int = Field(2, ge=1, description="concise: sentences kept of the observation and prediction "
+                                                            "(all of them where the env's relation_prompt is local: "
+                                                            "exactly what its prompt asks for)")
     # plan: the model picks its move right after reading the board, then predicts and answers from that choice
     # (README "What the presets do": Sokoban)
     concise_reasoning: Literal["empty", "plan"] = Field(

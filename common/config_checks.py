@@ -20,26 +20,30 @@ from worldloop.common.config_fields import ConfigError
 
 SFT_PROBE_SEEDS = 8  # format probes played after the demonstrations (worldloop/bootstrap/pipeline.py warm_start)
 GROUNDING_EVAL_BOARDS = 128  # held-out boards of grounding pre-training (worldloop/bootstrap/grounding.py)
-# the envs whose prompt follows judge.rule_mode (their kwarg relation_prompt, envs/grid/grid_env.py)
-RELATION_PROMPT_ENVS = ("worldloop/Sokoban-v0", "worldloop/FrozenLake-v0")
+# the envs whose prompt follows judge.rule_mode (their kwarg relation_prompt, envs/grid/grid_env.py), per mode
+RELATION_PROMPT_ENVS = {"vagen": ("worldloop/Sokoban-v0", "worldloop/FrozenLake-v0"),
+                        "local": ("worldloop/FrozenLake-v0",)}
 
 
 def pass_rule_mode(cfg: Any) -> None:
     """`judge.rule_mode: vagen` puts `relation_prompt: vagen` into the kwargs of every Sokoban and
-    FrozenLake env in `actor.envs` (the actors, the SFT demonstrations and `worldloop eval` all
-    build their envs from there), so that the prompt asks for exactly the relations the judge
-    scores; an explicit `relation_prompt` that contradicts `judge.rule_mode` is an error."""
-    want = "vagen" if cfg.judge.rule_mode == "vagen" else "default"
+    FrozenLake env in `actor.envs`, and `judge.rule_mode: local` puts `relation_prompt: local` into
+    those of every FrozenLake env (Sokoban keeps its default relations there), so that the prompt
+    asks for exactly the relations the judge scores (the actors, the SFT demonstrations, grounding
+    pre-training and `worldloop eval` all build their envs from there); an explicit
+    `relation_prompt` that contradicts `judge.rule_mode` is an error."""
+    envs = {e for ids in RELATION_PROMPT_ENVS.values() for e in ids}
     for i, spec in enumerate(cfg.actor.envs):
-        if spec.id not in RELATION_PROMPT_ENVS:
+        if spec.id not in envs:
             continue
+        want = cfg.judge.rule_mode if spec.id in RELATION_PROMPT_ENVS.get(cfg.judge.rule_mode, ()) else "default"
         have = spec.kwargs.get("relation_prompt", want)
         if have != want:
             raise ConfigError(f"actor.envs[{i}].kwargs.relation_prompt",
                               f"is {have!r} but judge.rule_mode is {cfg.judge.rule_mode!r}: the prompt must ask for what "
                               "the judge scores (set judge.rule_mode and leave relation_prompt out, the config passes it)")
-        if want == "vagen":
-            spec.kwargs["relation_prompt"] = "vagen"
+        if want != "default":
+            spec.kwargs["relation_prompt"] = want
 
 
 # --------------------------------------------------------------------------- batch sizes
@@ -59,17 +63,17 @@ def check_mini_batch(cfg: Any) -> None:
 
 def held_group_size(cfg: Any) -> int:
     """The GRPO group size the learner's reader holds members for until a group is whole
-    (``trainer.filter_groups``, or ``trainer.whole_groups`` with estimator grpo), or 0 when it
-    batches in arrival order (no groups, or neither knob applies)."""
+    (``trainer.filter_groups``, or ``trainer.whole_groups`` with estimator grpo or gigpo), or 0 when
+    it batches in arrival order (no groups, or neither knob applies)."""
     t, n = cfg.trainer, cfg.actor.n_samples_per_seed
-    grouped = t.filter_groups or (t.whole_groups and t.estimator == "grpo")
+    grouped = t.filter_groups or (t.whole_groups and t.estimator in ("grpo", "gigpo"))
     return n if grouped and n >= 2 else 0
 
 
 def check_groups(cfg: Any) -> None:
     """`trainer.filter_groups` needs groups (`actor.n_samples_per_seed` >= 2). When the learner
-    batches whole groups (`trainer.filter_groups`, or `trainer.whole_groups` with estimator grpo
-    and groups of 2 or more), `trainer.train_batch_size` is a multiple of `actor.n_samples_per_seed`."""
+    batches whole groups (`trainer.filter_groups`, or `trainer.whole_groups` with estimator grpo or
+    gigpo and groups of 2 or more), `trainer.train_batch_size` is a multiple of `actor.n_samples_per_seed`."""
     t = cfg.trainer
     if t.filter_groups and cfg.actor.n_samples_per_seed < 2:
         raise ConfigError("trainer.filter_groups", "needs groups: set actor.n_samples_per_seed >= 2 "
@@ -92,6 +96,20 @@ def check_kl_loss(cfg: Any) -> None:
         raise ConfigError("trainer.kl_estimator", "the 'kl' (k1) estimator cannot be a loss term "
                           "(trainer.kl_in_reward: false): its gradient lowers every sampled token's probability; "
                           "use low_var_kl or mse, or keep the KL in the reward")
+
+
+def check_observation_advantage(cfg: Any) -> None:
+    """`trainer.observation_advantage: grounding` needs the judge's grounding scores
+    (`judge.enabled`). It and estimator `gigpo` compare turns within GRPO groups, so they need
+    groups (`actor.n_samples_per_seed` >= 2): alone, a turn's baseline is itself."""
+    t = cfg.trainer
+    if t.observation_advantage == "grounding" and not cfg.judge.enabled:
+        raise ConfigError("trainer.observation_advantage", "grounding needs the judge's grounding scores: set judge.enabled "
+                          "true, or observation_advantage task")
+    if (t.observation_advantage == "grounding" or t.estimator == "gigpo") and cfg.actor.n_samples_per_seed < 2:
+        key = "trainer.estimator" if t.estimator == "gigpo" else "trainer.observation_advantage"
+        raise ConfigError(key, "compares turns within GRPO groups: set actor.n_samples_per_seed >= 2 "
+                          f"(got {cfg.actor.n_samples_per_seed})")
 
 
 def check_env_weights(cfg: Any) -> None:
@@ -196,8 +214,8 @@ def check_curve_keys(cfg: Any) -> None:
 
 
 CROSS_CHECKS: tuple[Callable[[Any], None], ...] = (
-    check_mini_batch, check_groups, check_kl_loss, check_env_weights, check_rl_seeds, check_demonstration_seeds,
-    check_grounding_seeds, check_curve_keys,
+    check_mini_batch, check_groups, check_kl_loss, check_observation_advantage, check_env_weights, check_rl_seeds,
+    check_demonstration_seeds, check_grounding_seeds, check_curve_keys,
 )
 
 

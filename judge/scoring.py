@@ -32,7 +32,9 @@ Repetition penalty (VAGEN App. D.1.2): per part, the judge process keeps the fre
 sentence the agent wrote (:class:`worldloop.judge.rule.RepetitionTracker`); a part whose text repeats one of
 the ``repetition_top_k`` most frequent sentences (seen at least twice) while its score is below
 ``repetition_f1_threshold`` gets ``-repetition_penalty``. Parts scored by fallback only are not
-penalised.
+penalised, nor are correct parts: a score of 1.0, or a text every fact of which the gate (the
+first scorer that produced a real score: ``rule`` or ``hybrid``) found true (``all_true``), such as
+a concise observation that states one true relation where the truth holds several.
 
 Reward. ``grounding_score``/``worldmodeling_score`` = part score + penalty (None when the part does
 not apply) and ``reasoning_reward = beta_g * grounding + beta_w * worldmodeling`` with a None part
@@ -48,8 +50,11 @@ repetition history, so good descriptions next to junk actions earn nothing. The 
 
 Rule mode (``judge.rule_mode``): ``f1`` scores ``rule`` (and ``hybrid``'s extracted facts) by the
 per-axis F1 above; ``vagen`` scores Sokoban and FrozenLake natural-language texts as VAGEN's code
-does (:mod:`worldloop.judge.vagen_score`: target/box/hole relative to the player, both axes), other
-envs and state formats as ``f1``.
+does (:mod:`worldloop.judge.vagen_score`: target/box/hole relative to the player, both axes);
+``local`` scores FrozenLake natural-language texts item by item against what its local prompt asks
+for (:mod:`worldloop.judge.local_score`: the goal and the holes next to the player, both axes);
+other envs and state formats as ``f1``. :func:`rule_text_score` is the ``rule`` scorer alone, for
+tools that judge a text outside a judge process (the same score a judge with that mode gives).
 """
 from __future__ import annotations
 
@@ -62,9 +67,11 @@ from worldloop.common.config import JudgeConfig
 from worldloop.common.metrics import metric
 from worldloop.common.schemas import Trajectory, Turn
 from worldloop.judge.llm import LLMClient
+from worldloop.judge.local_score import local_score, local_score_facts
 from worldloop.judge.prompts import extract_messages, parse_extraction, parse_verdict, verdict_messages
-from worldloop.judge.rule import RepetitionTracker, Truth, build_truth, entity_names, extract_items, items_from_extraction, score_items
-from worldloop.judge.vagen_score import vagen_score, vagen_score_facts
+from worldloop.judge.rule import (RepetitionTracker, RuleResult, Truth, build_truth, entity_names, extract_items,
+                                  items_from_extraction, score_items)
+from worldloop.judge.vagen_score import VagenResult, vagen_score, vagen_score_facts
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +98,7 @@ class PartResult:
     fallback: bool  # some scorer of the part fell back
     detail: dict
     real: bool = False  # the score comes from at least one scorer that did not fall back
+    correct: bool = False  # the gate found every fact of the text true (no repetition penalty)
 
 
 def scorers_for(cfg: JudgeConfig, env_name: str, env_id: str = "") -> list[str]:
@@ -183,7 +191,8 @@ class TrajectoryScorer:
             score = gated_aggregate(fallen, self.cfg.scorer_weights, self.cfg.gate_threshold)
         else:
             return PartResult(None, False, {**detail, "applicable": False})
-        return PartResult(score, bool(fallen), detail, real=bool(real))
+        correct = bool(real) and bool(results[real[0][0]].detail.get("all_true"))
+        return PartResult(score, bool(fallen), detail, real=bool(real), correct=correct)
 
     async def _one(self, name: str, env: str, part: str, text: str, truth: Truth) -> ScorerResult:
         if name == "rule":
@@ -201,14 +210,14 @@ class TrajectoryScorer:
             if not answer.ok:
                 return self._fallback(answer)
             items = items_from_extraction(answer.value, truth)
-            r = vagen_score_facts(items, truth, env) if self.cfg.rule_mode == "vagen" else None
+            mode = {"vagen": vagen_score_facts, "local": local_score_facts}.get(self.cfg.rule_mode)
+            r = mode(items, truth, env) if mode is not None else None
             r = r if r is not None else score_items(items, truth)
             return ScorerResult(r.score, detail={**_answer_detail(answer), **r.to_dict()})
         raise ValueError(f"unknown scorer {name!r}")
 
     def _rule(self, text: str, truth: Truth, env: str) -> ScorerResult:
-        r = vagen_score(text, truth, env) if self.cfg.rule_mode == "vagen" else None
-        r = r if r is not None else score_items(extract_items(text, truth), truth)
+        r = _rule_result(text, truth, env, self.cfg.rule_mode)
         return ScorerResult(r.score, detail=r.to_dict())
 
     def _fallback(self, answer) -> ScorerResult:
@@ -227,7 +236,7 @@ class TrajectoryScorer:
             text = getattr(turn, PARTS[part][0])
             penalty = 0.0
             if res.score is not None and not res.detail.get("missing") and not res.detail.get("no_format_reward"):
-                penalty = self.trackers[part].apply(text, res.score if res.real else None)
+                penalty = self.trackers[part].apply(text, res.score if res.real else None, correct=res.correct)
             final[part] = None if res.score is None else res.score + penalty
             details[part] = {"score": final[part], "raw": res.score, "penalty": penalty, "fallback": res.fallback,
                              **res.detail}
@@ -242,6 +251,22 @@ class TrajectoryScorer:
         used = {n for r in parts.values() for n, d in r.detail.get("scorers", {}).items() if d.get("score") is not None}
         for n in used:
             self._m_turns.labels(scorer=n).inc()
+
+
+def _rule_result(text: str, truth: Truth, env: str, rule_mode: str) -> RuleResult | VagenResult:
+    """The ``rule`` scorer's result for ``text`` against ``truth`` in ``rule_mode`` (module docstring)."""
+    mode = {"vagen": vagen_score, "local": local_score}.get(rule_mode)
+    r = mode(text, truth, env) if mode is not None else None
+    return r if r is not None else score_items(extract_items(text, truth), truth)
+
+
+def rule_text_score(text: str | None, state: Any, env_name: str, rule_mode: str = "f1") -> RuleResult | VagenResult | None:
+    """What the ``rule`` scorer of a judge with ``judge.rule_mode`` = ``rule_mode`` scores ``text``
+    against ``state`` (a :class:`worldloop.common.schemas.State` or an env's state dict) before
+    the repetition penalty and the format gate: a result with ``.score`` (1.0 for a right
+    reading), or None when the state offers nothing to compare with."""
+    truth = build_truth(text, state, env_name)
+    return None if truth is None else _rule_result(text or "", truth, env_name, rule_mode)
 
 
 def _answer_detail(answer, **extra) -> dict:

@@ -10,11 +10,15 @@ Public API::
     turn_ppo(*, values, response_mask, turn_end_mask, turn_rewards, token_rewards=None,
              gamma_turn=0.95, lam_turn=1.0) -> (adv, ret)
     grpo(*, response_mask, turn_end_mask, turn_rewards, group_ids, token_rewards=None,
-         values=None, eps=1e-6) -> (adv, ret)
+         values=None, eps=1e-6, norm_by_std=True) -> (adv, ret)
+    gigpo(*, response_mask, turn_end_mask, turn_rewards, group_ids, anchors, token_rewards=None,
+          values=None, eps=1e-6, norm_by_std=True, step_gamma=0.95, step_weight=1.0) -> (adv, ret)
+    step_group_sizes(group_ids, anchors) -> list[list[int]]   # GiGPO step-group size of every turn
+    grounding_turn_advantages(scores, keys, coef=1.0) -> list[list[float | None]]
     vanilla_ppo(*, values, response_mask, attention_mask, turn_end_mask, turn_rewards,
                 token_rewards=None, gamma=1.0, lam=1.0) -> (adv, ret)
     compute_advantages(estimator, **kwargs) -> (adv, ret)     # dispatcher, see its docstring
-    advantage_kwargs(trainer_cfg) -> dict                      # discounts, kl_routing, norm_by_std
+    advantage_kwargs(trainer_cfg) -> dict                      # discounts, kl_routing, norm_by_std, step_*
     loss_mask_for(estimator, response_mask, attention_mask) -> mask for the policy/value losses
     whiten(x, mask, shift_mean=True) -> x whitened over the masked elements
 
@@ -70,6 +74,17 @@ baselines; Argos Eq. 10 for GRPO):
   generated tokens. A group of size 1 has no baseline: its advantage is 0 (the row carries no
   policy-gradient signal), as is every row of a group whose scores are all equal. ``returns``
   is R_b broadcast (there is no critic to train). ``norm_by_std=False``: A_b = R_b - mean_g.
+- ``gigpo`` (GiGPO, Feng et al. 2025, arXiv 2505.10978, no critic): the episode advantage A_E of
+  ``grpo`` (same score, group, std option and group-of-one rule) plus a step advantage per turn.
+  Step return R_t = sum_{k>=t} step_gamma^(k-t) r_k over the row's turn rewards (token_rewards
+  enter the episode score only). Turns of the same group whose ``anchors`` (one hashable per turn:
+  the environment state before the turn) are equal form a step group s (across rows and turn
+  indices); A_S = R_t - mean_s (divided by std_s + eps with ``norm_by_std``; a step group of one
+  gets 0). Every generated token of turn t gets A = A_E + step_weight * A_S; ``returns`` is R_t on
+  the turn's tokens. Differences from verl-agent's ``core_gigpo.py``: one row is a whole
+  trajectory (there: a turn), the episode baseline is over the group's trajectories (there:
+  over its turns, ``compute_mean_std_cross_steps``), and an episode group of one gets 0 (there:
+  its raw score).
 - ``vanilla_ppo`` (Vanilla-PPO, no observation masking): ``masked_gae`` run over every token
   from the row's first generated token to its last attended token, observation tokens
   included as if they were actions (their values and token_rewards are read), R at the last
@@ -85,7 +100,9 @@ import torch
 
 from worldloop.learner.losses import masked_var
 
-ESTIMATORS = ("masked_gae", "bilevel_gae", "turn_ppo", "grpo", "vanilla_ppo")
+ESTIMATORS = ("masked_gae", "bilevel_gae", "turn_ppo", "grpo", "gigpo", "vanilla_ppo")
+# estimators without a critic whose baselines are the groups of the whole batch (group_ids)
+GROUP_ESTIMATORS = ("grpo", "gigpo")
 # bilevel_gae: where the turn-end token's token_rewards (-beta*KL) go (TrainerConfig.bilevel_kl_routing)
 KL_ROUTINGS = ("own_turn", "turn_reward")
 
@@ -313,6 +330,20 @@ def _group_index(group_ids: Any, rows: int, device: torch.device) -> torch.Tenso
     return torch.tensor(index, dtype=torch.long, device=device)
 
 
+def _group_normalise(score: torch.Tensor, gid: torch.Tensor, eps: float, norm_by_std: bool) -> torch.Tensor:
+    """(score - mean_g) [/ (std_g + eps)] over the entries of each group g = gid (Bessel std); 0 for a
+    group of one and for a group whose scores are all equal."""
+    n = score.shape[0]
+    groups = int(gid.max()) + 1 if n else 0
+    count = torch.zeros(groups, device=score.device).index_add_(0, gid, torch.ones(n, device=score.device))
+    mean = torch.zeros(groups, device=score.device).index_add_(0, gid, score) / count
+    dev = score - mean[gid]  # exactly 0 for a group of one
+    if not norm_by_std:
+        return dev
+    var = torch.zeros(groups, device=score.device).index_add_(0, gid, dev * dev) / (count - 1).clamp(min=1)
+    return dev / (var.sqrt()[gid] + eps)
+
+
 def grpo(*, response_mask, turn_end_mask, turn_rewards, group_ids, token_rewards=None, values=None, eps: float = 1e-6,
          norm_by_std: bool = True):
     """Group-normalised trajectory score (Argos Eq. 10), on generated tokens; ``values`` unused.
@@ -324,17 +355,91 @@ def grpo(*, response_mask, turn_end_mask, turn_rewards, group_ids, token_rewards
     one scaled up to unit std.
     """
     b = _Batch(response_mask, turn_end_mask, turn_rewards, token_rewards)
-    rows = b.shape[0]
-    gid = _group_index(group_ids, rows, b.device)
+    gid = _group_index(group_ids, b.shape[0], b.device)
     score = b.total + b.token_rewards(b.response).sum(1)
-    groups = int(gid.max()) + 1 if rows else 0
-    count = torch.zeros(groups, device=b.device).index_add_(0, gid, torch.ones(rows, device=b.device))
-    mean = torch.zeros(groups, device=b.device).index_add_(0, gid, score) / count
-    dev = score - mean[gid]  # exactly 0 for a group of one
-    var = torch.zeros(groups, device=b.device).index_add_(0, gid, dev * dev) / (count - 1).clamp(min=1)
-    adv = dev / (var.sqrt()[gid] + eps) if norm_by_std else dev
+    adv = _group_normalise(score, gid, eps, norm_by_std)
     zero = torch.zeros((), device=b.device)
     return torch.where(b.response, adv[:, None], zero), torch.where(b.response, score[:, None], zero)
+
+
+def _step_groups(group_ids: Any, anchors: Any, counts: list[int]) -> tuple[list[int], list[int]]:
+    """Step-group index and size of every turn, rows in order and turns in order (flattened)."""
+    if isinstance(anchors, (str, bytes)) or not isinstance(anchors, Sequence) or len(anchors) != len(counts):
+        raise ValueError(f"anchors: expected one sequence per row ({len(counts)} rows), got {type(anchors).__name__}")
+    groups = group_ids.tolist() if isinstance(group_ids, torch.Tensor) else list(group_ids)
+    index: dict[Any, int] = {}
+    flat: list[int] = []
+    for b, (row, n) in enumerate(zip(anchors, counts)):
+        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence) or len(row) != n:
+            raise ValueError(f"anchors[{b}]: expected {n} anchors (one per turn), got {row!r:.80}")
+        try:
+            flat += [index.setdefault((groups[b], a), len(index)) for a in row]
+        except TypeError:
+            raise ValueError(f"anchors[{b}]: anchors must be hashable") from None
+    sizes = [0] * len(index)
+    for i in flat:
+        sizes[i] += 1
+    return flat, [sizes[i] for i in flat]
+
+
+def step_group_sizes(group_ids: Any, anchors: Sequence[Sequence[Any]]) -> list[list[int]]:
+    """The size of every turn's GiGPO step group (turns of one group with equal anchors), per row."""
+    counts = [len(row) for row in anchors] if isinstance(anchors, Sequence) else []
+    if len(group_ids) != len(counts):
+        raise ValueError(f"group_ids: expected {len(counts)} ids (one per row), got {len(group_ids)}")
+    _, sizes = _step_groups(group_ids, anchors, counts)
+    out, k = [], 0
+    for n in counts:
+        out.append(sizes[k : k + n])
+        k += n
+    return out
+
+
+def gigpo(*, response_mask, turn_end_mask, turn_rewards, group_ids, anchors, token_rewards=None, values=None,
+          eps: float = 1e-6, norm_by_std: bool = True, step_gamma: float = 0.95, step_weight: float = 1.0):
+    """GiGPO: the episode advantage of :func:`grpo` plus ``step_weight`` x the step advantage of each
+    turn against the turns of its group that started from the same state (``anchors[b][t]``); see
+    the module docstring. ``values`` unused."""
+    step_gamma = _discount(step_gamma, "step_gamma")
+    if isinstance(step_weight, bool) or not isinstance(step_weight, (int, float)) or not 0 <= float(step_weight) < float("inf"):
+        raise ValueError(f"step_weight: must be a finite number >= 0, got {step_weight!r}")
+    b = _Batch(response_mask, turn_end_mask, turn_rewards, token_rewards)
+    gid = _group_index(group_ids, b.shape[0], b.device)
+    episode = _group_normalise(b.total + b.token_rewards(b.response).sum(1), gid, eps, norm_by_std)
+    turns = _Packing(b.end)
+    ret_turn = _reverse_scan(turns.pack(b.turn_rewards), step_gamma)  # 0 past a row's last turn
+    flat, _ = _step_groups(group_ids, anchors, b.end.sum(1).tolist())
+    step = torch.zeros_like(ret_turn)
+    if flat:
+        sgid = torch.tensor(flat, dtype=torch.long, device=b.device)
+        step[turns.valid] = _group_normalise(ret_turn[turns.valid], sgid, eps, norm_by_std)
+    adv_turn = episode[:, None] + float(step_weight) * step
+    tok = _Packing(b.response)
+    end = tok.pack(b.end.long())
+    slot = torch.where(tok.valid, end.cumsum(1) - end, turns.n)  # turn index of each packed token
+    pad = torch.zeros(b.shape[0], 1, device=b.device)
+    adv = torch.cat([adv_turn, pad], 1).gather(1, slot)
+    ret = torch.cat([ret_turn, pad], 1).gather(1, slot)
+    return tok.unpack(adv), tok.unpack(ret)
+
+
+def grounding_turn_advantages(scores: Sequence[Sequence[float | None]], keys: Sequence[Sequence[Any]],
+                              coef: float = 1.0) -> list[list[float | None]]:
+    """The observation advantage of every turn: ``coef * (g - mean of g over the turns with the same
+    key)``, where g = ``scores[b][t]`` (the turn's grounding score; None: the turn takes no part and
+    gets None) and ``keys[b][t]`` its baseline (hashable: its GRPO group, or its GiGPO step group).
+    A turn alone with its key gets 0."""
+    if len(scores) != len(keys) or any(len(s) != len(k) for s, k in zip(scores, keys)):
+        raise ValueError("scores, keys: expected the same number of rows and of turns per row")
+    total: dict[Any, list[float]] = {}
+    for row_s, row_k in zip(scores, keys):
+        for g, k in zip(row_s, row_k):
+            if g is not None:
+                acc = total.setdefault(k, [0.0, 0.0])
+                acc[0] += float(g)
+                acc[1] += 1.0
+    return [[None if g is None else coef * (float(g) - total[k][0] / total[k][1]) for g, k in zip(row_s, row_k)]
+            for row_s, row_k in zip(scores, keys)]
 
 
 def _vanilla_mask(response: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
@@ -396,6 +501,7 @@ _FUNCTIONS = {
     "bilevel_gae": bilevel_gae,
     "turn_ppo": turn_ppo,
     "grpo": grpo,
+    "gigpo": gigpo,
     "vanilla_ppo": vanilla_ppo,
 }
 # discount keywords the dispatcher accepts for any estimator and drops where unused
@@ -412,9 +518,10 @@ def compute_advantages(estimator: str, **kwargs):
 
     Accepts every estimator's keywords at once so that a caller can pass the same set for any
     estimator: the discount keywords (``gamma, lam, gamma_turn, lam_turn, gamma_token,
-    lam_token``, e.g. from :func:`advantage_kwargs`), ``values`` (not read by grpo),
-    ``group_ids`` (grpo only), ``attention_mask`` (vanilla_ppo only), ``kl_routing`` (bilevel_gae
-    only), ``eps`` and ``norm_by_std`` (grpo only) are dropped where the estimator does not use them. Any other unknown keyword is a TypeError.
+    lam_token``, e.g. from :func:`advantage_kwargs`), ``values`` (not read by grpo, gigpo),
+    ``group_ids``, ``eps`` and ``norm_by_std`` (grpo, gigpo), ``anchors``, ``step_gamma`` and
+    ``step_weight`` (gigpo only), ``attention_mask`` (vanilla_ppo only), ``kl_routing`` (bilevel_gae
+    only) are dropped where the estimator does not use them. Any other unknown keyword is a TypeError.
     """
     _check_estimator(estimator)
     fn = _FUNCTIONS[estimator]
@@ -428,12 +535,15 @@ def compute_advantages(estimator: str, **kwargs):
 
 def advantage_kwargs(trainer_cfg: Any) -> dict[str, Any]:
     """The discount keywords of ``worldloop.common.config.TrainerConfig`` for :func:`compute_advantages`,
-    plus ``kl_routing`` from ``bilevel_kl_routing`` and ``norm_by_std`` from ``grpo_norm_by_std``.
+    plus ``kl_routing`` from ``bilevel_kl_routing``, ``norm_by_std`` from ``grpo_norm_by_std`` and
+    ``step_gamma`` / ``step_weight`` from ``gigpo_gamma`` / ``gigpo_step_weight``.
 
     masked_gae/vanilla_ppo use gamma, lam; bilevel_gae the four turn/token ones and kl_routing;
-    turn_ppo gamma_turn, lam_turn (its discount is across turns); grpo none.
+    turn_ppo gamma_turn, lam_turn (its discount is across turns); grpo none; gigpo step_gamma.
     """
     out: dict[str, Any] = {k: float(getattr(trainer_cfg, k)) for k in _DISCOUNTS}
     out["kl_routing"] = str(getattr(trainer_cfg, "bilevel_kl_routing", "own_turn"))
     out["norm_by_std"] = bool(getattr(trainer_cfg, "grpo_norm_by_std", True))
+    out["step_gamma"] = float(getattr(trainer_cfg, "gigpo_gamma", 0.95))
+    out["step_weight"] = float(getattr(trainer_cfg, "gigpo_step_weight", 1.0))
     return out

@@ -325,6 +325,9 @@ class Learner:
             # (trainer.whole_groups, filter_groups: the rest were all-solved or all-failed, and the
             # batch's success_rate is then that of the kept groups only)
             "groups": self._group_record(trajs),
+            # gigpo: step_groups {turns, shared (step group > 1), shared_fraction}; observation_advantage
+            # grounding: observation {turns, tokens} (learner/credit.py)
+            "credit": stats.get("credit"),
             "tokens": stats["tokens"],
             "padding_fraction": stats.get("padding_fraction"),  # padded slots / computed slots (micro-batching)
             "response_tokens": stats["response_tokens"],

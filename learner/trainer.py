@@ -18,9 +18,12 @@ An iteration, for this rank's contiguous slice of the global batch:
 3. turn rewards r_t = reasoning + format + env (``worldloop.learner.rewards.turn_rewards``, WMAct Eq. 4
    rescaling by config) at each turn's last token; with ``kl_in_reward`` the token rewards are
    ``-kl_coef * KL(prox || ref)``; advantages and returns from ``worldloop.learner.advantages``; the
-   advantages are whitened over the global batch (all ranks) unless the estimator is grpo
-   (already group-normalised). GRPO's group baselines need the whole batch: every rank computes
-   the per-trajectory scores of the whole batch (the KL sums are all-reduced) before slicing;
+   advantages are whitened over the global batch (all ranks) unless the estimator is grpo or gigpo
+   (already group-normalised). The group baselines need the whole batch: every rank computes
+   the per-trajectory scores of the whole batch (the KL sums are all-reduced) before slicing
+   (gigpo also takes every turn's anchor, ``worldloop.learner.credit``); with
+   ``observation_advantage: grounding`` the observation tokens then get the grounding advantage
+   (``worldloop.learner.credit.observation_advantages``);
 4. ``ppo_epochs`` passes over shuffled PPO mini-batches (``ppo_mini_batch_size`` trajectories
    over all ranks, one optimizer step each), each accumulated over micro-batches: decoupled PPO
    policy loss (ratio against the proximal log-probs, importance weight proximal/behaviour
@@ -73,6 +76,7 @@ from worldloop.common.config import Config
 from worldloop.common.modeling import build_sequence, collate
 from worldloop.common.schemas import Trajectory
 from worldloop.learner import advantages as adv_mod
+from worldloop.learner.credit import observation_advantages, step_group_stats, trajectory_anchors
 from worldloop.learner.data import micro_slices
 from worldloop.learner.engine import Models, all_reduce_max, all_reduce_sum
 from worldloop.learner.kernels import pad_multiple
@@ -213,9 +217,10 @@ class PPOTrainer:
         self.pad = pad_multiple(cfg, self.device)
         self._cuda_budget: int | None = None  # micro_batch_tokens auto on CUDA, set at the first update
         self._grad_norm_now: dict[str, float] = {}
-        if self.t.estimator == "grpo" and models.critic is not None:
-            log.warning("trainer.estimator=grpo does not read values: the critic (trainer.use_critic) is trained for nothing")
-        if self.t.estimator != "grpo" and models.critic is None:
+        if self.t.estimator in adv_mod.GROUP_ESTIMATORS and models.critic is not None:
+            log.warning("trainer.estimator=%s does not read values: the critic (trainer.use_critic) is trained for nothing",
+                        self.t.estimator)
+        if self.t.estimator not in adv_mod.GROUP_ESTIMATORS and models.critic is None:
             log.warning("trainer.use_critic=false with %s: values are 0, advantages are Monte-Carlo returns", self.t.estimator)
 
     # ------------------------------------------------------------------ helpers
@@ -329,7 +334,7 @@ class PPOTrainer:
         pre = self._precompute(batch, image_counts, lengths, timing)
         self._sync()
         timing["forward"] += time.perf_counter() - t0
-        raw_adv, kl_tok = self._advantages(batch, pre, trajectories, local)
+        raw_adv, kl_tok, credit = self._advantages(batch, pre, trajectories, local)
         acc = _Acc()
         grad_norms: dict[str, list[float]] = defaultdict(list)
         n_micro_batches = self._ppo_epochs(batch, image_counts, lengths, step, acc, grad_norms, timing)
@@ -340,6 +345,8 @@ class PPOTrainer:
         stats.update(tokens=tokens[0], response_tokens=tokens[1], forward_seconds=timing["forward"],
                      backward_seconds=timing["backward"], micro_batches=n_micro_batches,
                      padding_fraction=1.0 - real / slots if slots > 0 else 0.0)
+        if credit:
+            stats["credit"] = credit
         return stats
 
     def _collate(self, local: list[Trajectory]) -> tuple[dict, list[int], list[int]]:
@@ -354,7 +361,8 @@ class PPOTrainer:
 
     def _advantages(self, batch: dict, pre: dict, trajectories: list[Trajectory], local: list[Trajectory]):
         """Rewards, the KL to the reference, advantages and returns of the local rows, into ``batch``
-        (with ``pre`` and the aggregation weights); returns (advantages before whitening, per-token KL)."""
+        (with ``pre`` and the aggregation weights); returns (advantages before whitening, per-token KL,
+        the per-turn credit stats of :meth:`_credit`)."""
         t, models = self.t, self.models
         resp, mask = batch["response_mask"], batch["loss_mask"]
         rewards = place_turn_rewards(batch["turn_end_mask"], [turn_rewards(x, wmact_rescale=t.wmact_rescale) for x in local])
@@ -362,23 +370,26 @@ class PPOTrainer:
         kl_tok = torch.where(mask > 0, self._kl(pre["old_logprobs"], pre["ref_logprobs"]), 0.0) if has_ref else torch.zeros_like(mask)
         token_rewards = -t.kl_coef * kl_tok if (t.kl_in_reward and has_ref) else torch.zeros_like(mask)
         common = dict(adv_mod.advantage_kwargs(t))
-        if t.estimator == "grpo":
+        if t.estimator in adv_mod.GROUP_ESTIMATORS:
             rows, length = self._local_rows(), mask.shape[1]
             full, tok = self._grpo_token_rewards(trajectories, token_rewards.sum(1), length)
             full_rewards = place_turn_rewards(full["turn_end_mask"], [turn_rewards(x, wmact_rescale=t.wmact_rescale) for x in trajectories])
             adv_all, ret_all = adv_mod.compute_advantages(
-                "grpo", response_mask=full["response_mask"], turn_end_mask=full["turn_end_mask"],
-                turn_rewards=full_rewards, token_rewards=tok, group_ids=[x.group_id for x in trajectories], **common)
+                t.estimator, response_mask=full["response_mask"], turn_end_mask=full["turn_end_mask"],
+                turn_rewards=full_rewards, token_rewards=tok, group_ids=[x.group_id for x in trajectories],
+                **self._group_inputs(trajectories), **common)
             advantages = adv_all[rows.start : rows.stop, :length] * resp
             returns = ret_all[rows.start : rows.stop, :length] * resp
         else:
             advantages, returns = adv_mod.compute_advantages(
                 t.estimator, values=pre["old_values"], response_mask=resp, turn_end_mask=batch["turn_end_mask"],
                 turn_rewards=rewards, token_rewards=token_rewards, attention_mask=batch["attention_mask"], **common)
-        whitened = self._whiten(advantages, mask) if t.whiten_advantages and t.estimator != "grpo" else advantages
+        grouped = t.estimator in adv_mod.GROUP_ESTIMATORS
+        whitened = self._whiten(advantages, mask) if t.whiten_advantages and not grouped else advantages
+        advantages, whitened, credit = self._credit(trajectories, advantages, whitened, mask)
         batch.update(pre)
         batch.update(advantages=whitened, returns=returns, loss_weight=aggregation_weights(mask, t.loss_agg_mode))
-        return advantages, kl_tok
+        return advantages, kl_tok, credit
 
     def _ppo_epochs(self, batch: dict, image_counts: list[int], lengths: list[int], step: int, acc: _Acc,
                     grad_norms: dict[str, list[float]], timing: dict) -> int:
@@ -401,6 +412,28 @@ class PPOTrainer:
                 n_micro_batches += len(micros)
                 self._boundary(grad_norms)
         return n_micro_batches
+
+    # ------------------------------------------------------------------ per-turn credit (learner/credit.py)
+
+    def _group_inputs(self, trajectories: list[Trajectory]) -> dict:
+        """The group estimator's per-turn inputs of the whole batch: gigpo's anchors."""
+        return {"anchors": trajectory_anchors(trajectories)} if self.t.estimator == "gigpo" else {}
+
+    def _credit(self, trajectories: list[Trajectory], raw_adv: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """With ``observation_advantage: grounding`` the local rows' observation tokens get the
+        grounding advantage in place of the task advantage (before and after whitening alike);
+        the stats of gigpo's step groups and of the observation advantage."""
+        t, out = self.t, {}
+        if t.estimator == "gigpo":
+            out["step_groups"] = step_group_stats(trajectories)
+        if t.observation_advantage == "grounding":
+            obs, values, st = observation_advantages(trajectories, self._local_rows(), self.models.codec, tuple(mask.shape),
+                                                     baseline=t.observation_baseline, coef=t.observation_advantage_coef)
+            on = (obs > 0) & (mask > 0)
+            raw_adv, advantages = torch.where(on, values, raw_adv), torch.where(on, values, advantages)
+            out["observation"] = {"turns": st["turns"], "tokens": all_reduce_sum([float(on.sum())], self.models.dist)[0]}
+        return raw_adv, advantages, out
 
     def _train_micro(self, mb: dict, n_global: float, n_tokens: float, acc: _Acc, timing: dict, last: bool) -> None:
         """One micro-batch. The policy terms are weighted sums over ``loss_weight`` divided by the

@@ -22,8 +22,11 @@ from worldloop.learner.advantages import (
     advantage_kwargs,
     bilevel_gae,
     compute_advantages,
+    gigpo,
+    grounding_turn_advantages,
     grpo,
     loss_mask_for,
+    step_group_sizes,
     masked_gae,
     turn_ppo,
     vanilla_ppo,
@@ -274,6 +277,118 @@ def test_grpo_outcome_only_and_bad_ids() -> None:
         grpo(**grpo_batch(), group_ids="gggggg")
 
 
+# --------------------------------------------------------------------------- GiGPO
+
+# (reward, anchor) of every turn per row; each turn is 1 observation token + 2 generated tokens
+GIGPO_ROWS = [
+    [(1.0, "A"), (0.0, "B"), (2.0, "C")],  # group g
+    [(0.5, "A"), (3.0, "C")],  # group g
+    [(4.0, "B"), (1.0, "C")],  # group g
+    [(1.0, "A"), (1.0, "D")],  # group h: its "A" is another level's state, not g's
+    [(5.0, "A")],  # group k: a group of one
+]
+GIGPO_GROUPS = ["g", "g", "g", "h", "k"]
+GIGPO_ANCHORS = [[a for _, a in row] for row in GIGPO_ROWS]
+
+
+def gigpo_batch(length: int = 10) -> dict:
+    rows = len(GIGPO_ROWS)
+    resp, end, rew = torch.zeros(rows, length), torch.zeros(rows, length), torch.zeros(rows, length)
+    for b, turns in enumerate(GIGPO_ROWS):
+        for t, (r, _) in enumerate(turns):
+            resp[b, 3 * t + 1 : 3 * t + 3] = 1
+            end[b, 3 * t + 2] = 1
+            rew[b, 3 * t + 2] = r
+        rew[b, 3 * len(turns) :] = float("nan")  # padding is never read
+    return dict(response_mask=resp, turn_end_mask=end, turn_rewards=rew)
+
+
+def per_turn(values: list[list[float]], length: int = 10) -> torch.Tensor:
+    """[B, L] with turn t's value on its two generated tokens."""
+    out = torch.zeros(len(values), length)
+    for b, row in enumerate(values):
+        for t, v in enumerate(row):
+            out[b, 3 * t + 1 : 3 * t + 3] = v
+    return out
+
+
+def test_gigpo_step_returns_and_group_sizes_by_hand() -> None:
+    # gamma 0.5, R_t = r_t + 0.5 R_{t+1}: row 0: R_2 = 2, R_1 = 0 + 1 = 1, R_0 = 1 + 0.5 = 1.5;
+    # row 1: 3, 0.5 + 1.5 = 2; row 2: 1, 4 + 0.5 = 4.5; row 3: 1, 1 + 0.5 = 1.5; row 4: 5
+    _, ret = gigpo(**gigpo_batch(), group_ids=GIGPO_GROUPS, anchors=GIGPO_ANCHORS, step_gamma=0.5)
+    close(ret, per_turn([[1.5, 1.0, 2.0], [2.0, 3.0], [4.5, 1.0], [1.5, 1.0], [5.0]]))
+    # (g,A): r0t0 r1t0; (g,B): r0t1 r2t0; (g,C): r0t2 r1t1 r2t1; h's and k's states are alone
+    assert step_group_sizes(GIGPO_GROUPS, GIGPO_ANCHORS) == [[2, 2, 3], [2, 3], [2, 3], [1, 1], [1]]
+
+
+def test_gigpo_without_std_by_hand() -> None:
+    # episode scores: g: 3, 3.5, 5 -> mean 11.5/3; h, k: groups of one -> 0
+    # step groups (R_t above): (g,A) 1.5, 2 -> mean 1.75; (g,B) 1, 4.5 -> 2.75; (g,C) 2, 3, 1 -> 2
+    m = 11.5 / 3
+    w = 0.5
+    want = [[3 - m + w * (1.5 - 1.75), 3 - m + w * (1 - 2.75), 3 - m + w * (2 - 2)],
+            [3.5 - m + w * (2 - 1.75), 3.5 - m + w * (3 - 2)],
+            [5 - m + w * (4.5 - 2.75), 5 - m + w * (1 - 2)],
+            [0.0, 0.0], [0.0]]
+    adv, _ = gigpo(**gigpo_batch(), group_ids=GIGPO_GROUPS, anchors=GIGPO_ANCHORS, step_gamma=0.5, step_weight=w,
+                   norm_by_std=False)
+    close(adv, per_turn(want))
+
+
+def test_gigpo_with_std_by_hand() -> None:
+    eps = 1e-6
+    m = 11.5 / 3
+    sd_g = math.sqrt(((3 - m) ** 2 + (3.5 - m) ** 2 + (5 - m) ** 2) / 2)  # sqrt(13/12)
+    sd_a = math.sqrt(2 * 0.25**2)  # (g,A): deviations -0.25, +0.25
+    sd_b = math.sqrt(2 * 1.75**2)  # (g,B): -1.75, +1.75
+    sd_c = 1.0  # (g,C): 0, +1, -1 -> sqrt(2 / 2)
+    e = [(x - m) / (sd_g + eps) for x in (3.0, 3.5, 5.0)]
+    want = [[e[0] - 0.25 / (sd_a + eps), e[0] - 1.75 / (sd_b + eps), e[0] + 0.0],
+            [e[1] + 0.25 / (sd_a + eps), e[1] + 1.0 / (sd_c + eps)],
+            [e[2] + 1.75 / (sd_b + eps), e[2] - 1.0 / (sd_c + eps)],
+            [0.0, 0.0], [0.0]]
+    adv, _ = gigpo(**gigpo_batch(), group_ids=GIGPO_GROUPS, anchors=GIGPO_ANCHORS, step_gamma=0.5, eps=eps)
+    close(adv, per_turn(want))
+    # through the dispatcher with the config's keys
+    kw = advantage_kwargs(TrainerConfig(estimator="gigpo", gigpo_gamma=0.5, gigpo_step_weight=1.0))
+    assert (kw["step_gamma"], kw["step_weight"], kw["norm_by_std"]) == (0.5, 1.0, True)
+    close(compute_advantages("gigpo", **gigpo_batch(), **kw, group_ids=GIGPO_GROUPS, anchors=GIGPO_ANCHORS)[0], adv)
+
+
+def test_gigpo_reduces_to_grpo_and_checks_its_anchors() -> None:
+    batch = {**gigpo_batch(), "token_rewards": torch.zeros(5, 10)}
+    batch["token_rewards"][1, 4] = -0.5  # token rewards enter the episode score only
+    want, _ = grpo(**batch, group_ids=GIGPO_GROUPS)
+    # no shared state: every step group is a singleton (A_S = 0); or step_weight 0
+    unique = [[f"{b}-{t}" for t in range(len(row))] for b, row in enumerate(GIGPO_ROWS)]
+    close(gigpo(**batch, group_ids=GIGPO_GROUPS, anchors=unique)[0], want)
+    close(gigpo(**batch, group_ids=GIGPO_GROUPS, anchors=GIGPO_ANCHORS, step_weight=0.0)[0], want)
+    _, ret = gigpo(**batch, group_ids=GIGPO_GROUPS, anchors=GIGPO_ANCHORS, step_gamma=0.5)
+    assert ret[1, 1].item() == pytest.approx(2.0)  # R_0 of row 1 without the token reward
+    with pytest.raises(ValueError, match=r"anchors\[1\]"):
+        gigpo(**batch, group_ids=GIGPO_GROUPS, anchors=[GIGPO_ANCHORS[0], ["A"], *GIGPO_ANCHORS[2:]])
+    with pytest.raises(ValueError, match="anchors"):
+        gigpo(**batch, group_ids=GIGPO_GROUPS, anchors=GIGPO_ANCHORS[:4])
+    with pytest.raises(ValueError, match="hashable"):
+        gigpo(**batch, group_ids=GIGPO_GROUPS, anchors=[[["A"]] * len(r) for r in GIGPO_ROWS])
+    with pytest.raises(ValueError, match="step_gamma"):
+        gigpo(**batch, group_ids=GIGPO_GROUPS, anchors=GIGPO_ANCHORS, step_gamma=1.5)
+    with pytest.raises(ValueError, match="step_weight"):
+        gigpo(**batch, group_ids=GIGPO_GROUPS, anchors=GIGPO_ANCHORS, step_weight=-1.0)
+
+
+def test_grounding_turn_advantages_by_hand() -> None:
+    # keys: the GRPO group; g's scores 1.0, 0.4, 0.7 -> mean 0.7; h: 0.2 alone -> 0; None takes no part
+    scores = [[1.0, 0.4], [0.7, None], [0.2]]
+    keys = [["g", "g"], ["g", "g"], ["h"]]
+    got = grounding_turn_advantages(scores, keys, coef=2.0)
+    want = [[2.0 * 0.3, 2.0 * -0.3], [0.0, None], [0.0]]
+    for row_g, row_w in zip(got, want):
+        assert row_g == pytest.approx(row_w)
+    with pytest.raises(ValueError, match="scores, keys"):
+        grounding_turn_advantages([[1.0]], [["g", "g"]])
+
+
 # --------------------------------------------------------------------------- invariants
 
 
@@ -306,7 +421,10 @@ DISCOUNTS = dict(gamma=0.9, lam=0.7, gamma_turn=0.8, lam_turn=0.6, gamma_token=0
 
 def run_all(batch: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     groups = [b // 2 for b in range(batch["values"].shape[0])]
-    return {e: compute_advantages(e, **batch, **DISCOUNTS, group_ids=groups) for e in ESTIMATORS}
+    # gigpo: turn t of the two rows of a group share their state when t is even
+    anchors = [[t if t % 2 == 0 else f"{b}-{t}" for t in range(int(n))] for b, n in
+               enumerate((batch["turn_end_mask"] > 0).sum(1).tolist())]
+    return {e: compute_advantages(e, **batch, **DISCOUNTS, group_ids=groups, anchors=anchors) for e in ESTIMATORS}
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -404,7 +522,7 @@ def test_dtype_device_and_bf16_inputs() -> None:
     batch["values"] = batch["values"].bfloat16()
     batch["response_mask"] = batch["response_mask"].bool()
     for e in ESTIMATORS:
-        adv, ret = compute_advantages(e, **batch, group_ids=[0, 0])
+        adv, ret = compute_advantages(e, **batch, group_ids=[0, 0], anchors=[["a", "b", "c"], ["a", "c"]])
         assert adv.dtype == ret.dtype == torch.float32 and adv.shape == (2, 10)
 
 

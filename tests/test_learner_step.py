@@ -169,6 +169,7 @@ def test_micro_batch_weighting_gives_the_exact_mini_batch_token_mean():
     ("turn_ppo", {}),
     ("vanilla_ppo", {}),
     ("grpo", {}),
+    ("gigpo", {}),
     ("bilevel_gae", {"kl_in_reward": False, "kl_estimator": "low_var_kl", "entropy_coef": 0.01, "ppo_epochs": 2}),
 ])
 def test_every_estimator_runs_a_real_update(learner, model_dir, estimator, extra):
@@ -192,8 +193,86 @@ def test_every_estimator_runs_a_real_update(learner, model_dir, estimator, extra
     assert math.isfinite(stats["policy_loss"]) and math.isfinite(stats["value_loss"])
     if estimator == "grpo":  # group-normalised, not whitened: +-1/sqrt(2) for two different scores
         assert stats["advantage_max"] == pytest.approx(1 / math.sqrt(2), rel=1e-3)
+    if estimator == "gigpo":
+        # the two rows of a group share their state at each turn (synthetic states depend on the turn):
+        # episode +-1/sqrt(2) plus step (R_t of 0.5 vs 1.5 per turn) +-1/sqrt(2) -> +-sqrt(2)
+        assert stats["advantage_max"] == pytest.approx(math.sqrt(2), rel=1e-3)
+        assert stats["advantage_min"] == pytest.approx(-math.sqrt(2), rel=1e-3)
+        assert stats["credit"]["step_groups"] == {"turns": 8, "shared": 8, "shared_fraction": 1.0}
+    else:
+        assert "credit" not in stats
     if "kl_in_reward" in extra:
         assert "policy_kl_loss" in stats
+    assert not torch.allclose(before, _logprobs(learner.models.policy_hf, model_dir, probe), atol=1e-6)
+
+
+# --------------------------------------------------------------------------- observation advantage
+
+OBSERVED = "<think><observation>box0 is above the player.</observation><reasoning></reasoning></think><answer>Up</answer>"
+
+
+def _observed(model_dir: Path, n: int, prefix: str) -> list:
+    """Trajectories whose responses hold an observation; grounding scores 1.0 in odd rows, 0.0 in even ones."""
+    codec = ChatCodec(model_dir, max_image_side=112)
+    trajs = _trajectories(model_dir, n, prefix)
+    for i, x in enumerate(trajs):
+        x.group_id = f"g{i // 2}"
+        for turn in x.turns:
+            turn.response_ids = codec.encode_response(OBSERVED)
+            turn.logprobs = [-2.0] * len(turn.response_ids)
+            turn.grounding_score = float(i % 2)
+    return trajs
+
+
+def test_observation_advantage_replaces_only_the_observation_tokens(learner, model_dir):
+    """On the real trainer: off (task) the advantages are returned untouched; grounding puts
+    coef x (g - group mean) on each turn's observation tokens and leaves every other token as it was."""
+    from worldloop.learner.credit import observation_token_span
+
+    t, trainer = learner.cfg.trainer, learner.trainer
+    trajs = _observed(model_dir, 4, "obs-")
+    batch = collate([build_sequence(x) for x in trajs], learner.models.codec)
+    mask = batch["response_mask"]
+    raw = torch.randn(mask.shape) * mask
+    white = torch.randn(mask.shape) * mask
+    assert t.observation_advantage == "task"
+    out_raw, out_white, credit = trainer._credit(trajs, raw, white, mask)
+    assert out_raw is raw and out_white is white and credit == {}
+    saved = (t.observation_advantage, t.observation_advantage_coef)
+    try:
+        t.observation_advantage, t.observation_advantage_coef = "grounding", 3.0
+        out_raw, out_white, credit = trainer._credit(trajs, raw, white, mask)
+    finally:
+        t.observation_advantage, t.observation_advantage_coef = saved
+    s, e = observation_token_span(trajs[0].turns[0].response_ids, learner.models.codec.tokenizer)
+    obs = torch.zeros(mask.shape, dtype=torch.bool)
+    want = torch.zeros(mask.shape)
+    for b, x in enumerate(build_sequence(y) for y in trajs):
+        for start, _ in x.turn_spans:
+            obs[b, start + s : start + e] = True
+            want[b, start + s : start + e] = 3.0 * ((b % 2) - 0.5)  # groups of (0.0, 1.0): mean 0.5
+    assert torch.equal(out_raw[obs], want[obs]) and torch.equal(out_white[obs], want[obs])
+    assert torch.equal(out_raw[~obs], raw[~obs]) and torch.equal(out_white[~obs], white[~obs])
+    assert credit == {"observation": {"turns": 8, "tokens": 8.0 * (e - s)}}
+
+
+def test_gigpo_with_the_grounding_observation_advantage_runs_a_real_update(learner, model_dir):
+    t = learner.cfg.trainer
+    saved = {k: getattr(t, k) for k in ("estimator", "observation_advantage", "observation_advantage_coef")}
+    trajs = _observed(model_dir, 4, "gobs-")
+    probe = trajs[0]
+    before = _logprobs(learner.models.policy_hf, model_dir, probe)
+    try:
+        t.estimator, t.observation_advantage, t.observation_advantage_coef = "gigpo", "grounding", 10.0
+        stats = learner.trainer.update(trajs, step=101)
+    finally:
+        for k, v in saved.items():
+            setattr(t, k, v)
+    assert math.isfinite(stats["policy_loss"])
+    # observation tokens: 10 x (g - 0.5) = +-5; the task tokens: +-sqrt(2) as above
+    assert stats["advantage_max"] == pytest.approx(5.0) and stats["advantage_min"] == pytest.approx(-5.0)
+    assert stats["credit"]["observation"]["turns"] == 8 and stats["credit"]["observation"]["tokens"] > 0
+    assert stats["credit"]["step_groups"]["shared"] == 8
     assert not torch.allclose(before, _logprobs(learner.models.policy_hf, model_dir, probe), atol=1e-6)
 
 

@@ -242,3 +242,25 @@ def test_distinct_moves_demonstrations_take_each_direction_once_per_turn(codec: 
         assert sum(len(t.actions) for t in d.turns[:1]) <= sum(len(t.actions) for t in p.turns[:1])
     assert any(len(d.turns) > len(p.turns) for p, d in zip(plain, step))  # looking again costs turns
     assert load_config(None, ["sft.turn_plan=distinct"]).sft.turn_plan == "distinct"
+
+
+@pytest.mark.skipif(not _sokoban_registered(), reason="envs has not registered worldloop/Sokoban-v0 yet")
+def test_local_demonstrations_write_exactly_the_truth(codec: ChatCodec) -> None:
+    """relation_prompt local: the concise demonstrations keep the whole description (observation_relations
+    does not cut it), which is exactly the state's relations, so the local judge scores every one 1.0."""
+    from worldloop.judge.scoring import rule_text_score
+
+    spec = {"id": "worldloop/FrozenLake-v0", "kwargs": {"size": 4, "min_actions_to_succeed": 3, "image_size": 112,
+                                                        "prompt_format": "grounding_worldmodeling",
+                                                        "relation_prompt": "local"}}
+    demos = make_demonstrations([spec], 6, 11, codec, max_turns=3, style="concise", observation_relations=1)
+    several = 0
+    for d in demos:
+        for t in d.turns:
+            assert t.format_ok
+            assert t.observation == ". ".join(t.state_before.relations) + "."
+            assert t.prediction == ". ".join(t.state_after.relations) + "."
+            assert rule_text_score(t.observation, t.state_before, "frozenlake", "local").score == 1.0
+            assert rule_text_score(t.prediction, t.state_after, "frozenlake", "local").score == 1.0
+            several += len(t.state_before.relations) > 1
+    assert several > 0  # some turn had a hole next to the player, so more than the first sentence was kept

@@ -252,7 +252,7 @@ def test_rule_mode_passes_the_prompt_kwarg_and_bad_values_fail_at_start_up() -> 
     for spec in cfg.actor.envs:  # what the actors, SFT and eval make from it
         gymnasium.make(spec.id, **spec.kwargs).close()
     assert config_from_dict({"actor": {"envs": envs}}).actor.envs[0].kwargs == {"dim_room": [6, 6]}  # f1: untouched
-    with pytest.raises(ConfigError, match=r"judge\.rule_mode.*one of \['f1', 'vagen'\]"):
+    with pytest.raises(ConfigError, match=r"judge\.rule_mode.*one of \['f1', 'vagen', 'local'\]"):
         config_from_dict({}, ["judge.rule_mode=paper"])
     with pytest.raises(ConfigError, match=r"actor\.envs\[0\]\.kwargs\.relation_prompt"):
         config_from_dict({"actor": {"envs": [{"id": "worldloop/Sokoban-v0", "kwargs": {"relation_prompt": "vagen"}}]}})

@@ -5,8 +5,9 @@ list of equal-length strings over ``S F H G``, one ``S``; None: a new random map
 ``p`` (0.8: probability that a generated cell is frozen, as gymnasium's ``generate_random_map``),
 ``min_actions_to_succeed`` (5; enforced on generated maps only), ``max_actions_per_step`` (3),
 ``max_steps`` (100 executed actions), ``image_size`` (default 48 px per cell), ``relation_prompt``
-("default"; "vagen": both relations of goal and holes to the player, see
-:mod:`worldloop.envs.grid.grid_env`), plus the common kwargs of :class:`worldloop.envs.base.VisualEnv`.
+("default"; "vagen": both relations of goal and holes to the player; "local": the goal and the holes
+next to the player, see below and :mod:`worldloop.envs.grid.grid_env`), plus the common kwargs of
+:class:`worldloop.envs.base.VisualEnv`.
 
 Dynamics are gymnasium's own ``FrozenLakeEnv`` (wrapped, seeded from the episode seed; with
 ``is_slippery`` the move goes perpendicular with gymnasium's probabilities). Generated maps put
@@ -18,7 +19,11 @@ into a hole ends the episode with that -0.1); +0.5 format reward per well-formed
 
 Entities (relations, App. D.1 style): ``the player``, ``goal``, ``hole0``, ``hole1``, ... (holes in
 reading order), e.g. ``"goal is below and on the right side of the player"``,
-``"hole0 is at the same place as the player"`` after a fall.
+``"hole0 is at the same place as the player"`` after a fall. With ``relation_prompt="local"`` the
+relations are what the next move depends on (:func:`local_relations`): the goal's relation, then
+every hole at Chebyshev distance <= 1 from the player (the cells one or two distinct moves reach,
+and its own cell after a fall) in reading order, each named ``hole``: ``"goal is below and on the
+left side of the player"``, ``"hole is at the same row and to the left of the player"``.
 
 Symbolic grid (App. C): ``_`` frozen (the start too), ``O`` hole, ``G`` goal, ``P`` player, ``X``
 player fell into a hole, ``*`` player on the goal. Structured (App. C keys): ``player_position``,
@@ -57,13 +62,25 @@ def check_desc(desc: Any) -> list[str]:
     return list(rows)
 
 
-def frozenlake_state(desc: Sequence[str], player: tuple[int, int]) -> dict:
-    """The ground-truth state dict of a FrozenLake position."""
+def local_relations(goal: tuple[int, int], holes: Sequence[tuple[int, int]], player: tuple[int, int]) -> list[str]:
+    """``relation_prompt="local"``: the goal's relation to the player, then each hole at Chebyshev
+    distance <= 1 from it, in the order of ``holes`` (reading order), named ``hole``."""
+    near = [h for h in holes if max(abs(h[0] - player[0]), abs(h[1] - player[1])) <= 1]
+    return [relation_sentence("goal", goal, "the player", player)] + [
+        relation_sentence("hole", h, "the player", player) for h in near]
+
+
+def frozenlake_state(desc: Sequence[str], player: tuple[int, int], local: bool = False) -> dict:
+    """The ground-truth state dict of a FrozenLake position (``local``: the relations of
+    :func:`local_relations`)."""
     h, w = len(desc), len(desc[0])
     goals = [(r, c) for r in range(h) for c in range(w) if desc[r][c] == "G"]
     holes = [(r, c) for r in range(h) for c in range(w) if desc[r][c] == "H"]
-    rel = [relation_sentence("goal", g, "the player", player) for g in goals[:1]]
-    rel += [relation_sentence(f"hole{i}", hole, "the player", player) for i, hole in enumerate(holes)]
+    if local:
+        rel = local_relations(goals[0], holes, player)
+    else:
+        rel = [relation_sentence("goal", g, "the player", player) for g in goals[:1]]
+        rel += [relation_sentence(f"hole{i}", hole, "the player", player) for i, hole in enumerate(holes)]
     grid = [["_" if ch in "SF" else "O" if ch == "H" else "G" for ch in row] for row in desc]
     here = desc[player[0]][player[1]]
     grid[player[0]][player[1]] = "X" if here == "H" else "*" if here == "G" else "P"
@@ -117,6 +134,11 @@ class FrozenLakeEnv(GridEnv):
                      'object both its vertical relation (above, below or same row) and its horizontal relation (left, '
                      'right or same column) to the player, such as "goal is below and on the right side of the '
                      'player", "hole0 is at the same row and to the left of the player".')
+    LOCAL_NL_HINT = ('Describe what your next move depends on, relative to the player: first the goal, then every hole '
+                     'next to the player (the 8 cells around it, diagonals included; none if there is no such hole), '
+                     'each with both its vertical relation (above, below or same row) and its horizontal relation '
+                     '(left, right or same column), calling every hole "hole", such as "goal is below and on the left '
+                     'side of the player", "hole is at the same row and to the left of the player".')
 
     def __init__(
         self,
@@ -193,7 +215,7 @@ class FrozenLakeEnv(GridEnv):
         return self._here() in "GH"
 
     def _get_state(self) -> dict:
-        return frozenlake_state(self.desc, self.player)
+        return frozenlake_state(self.desc, self.player, local=self.relation_prompt == "local")
 
     def _snapshot(self) -> Any:
         assert self._gym is not None
@@ -240,7 +262,8 @@ class FrozenLakeEnv(GridEnv):
 
     def _example_fields(self) -> dict[str, str]:
         desc = ["FFFF", "FHFF", "FFFH", "HFFG"]
-        before, after = frozenlake_state(desc, (1, 3)), frozenlake_state(desc, (2, 2))
+        local = self.relation_prompt == "local"
+        before, after = frozenlake_state(desc, (1, 3), local), frozenlake_state(desc, (2, 2), local)
         return {"observation": self.describe_state(before), "prediction": self.describe_state(after),
                 "reasoning": "The goal is down on my left and there is a hole right below me, so I go left then down.",
                 "think": "The goal is down on my left and a hole is right below me, so I go left then down.",

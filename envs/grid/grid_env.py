@@ -9,8 +9,15 @@ the prompt and the generate-until-hard-enough loop used for ``min_actions_to_suc
 keeps the env's own natural-language hint; ``"vagen"`` asks for what VAGEN's judge scores (the
 ``vagen`` rule mode, :mod:`worldloop.judge.vagen_score`): the position of every object relative to
 the player only, with both a vertical and a horizontal relation each, and the prompt example and
-the expert's descriptions (SFT demonstrations) then state only the player-relative sentences. The
-config passes it when ``judge.rule_mode`` is ``vagen``.
+the expert's descriptions (SFT demonstrations) then state only the player-relative sentences.
+``"local"`` (envs that set ``LOCAL_NL_HINT``: FrozenLake) asks for what the next move depends on:
+the env's ``state["relations"]`` are then exactly those sentences (FrozenLake: the goal's relation to
+the player, then every hole within one cell of the player, diagonals included, named "hole"), so the
+prompt example, the expert's descriptions, grounding pre-training and the ``local`` rule mode
+(:mod:`worldloop.judge.local_score`) all use the same text. Sokoban does not offer it: its relations
+(every box and target relative to the player, every target relative to every box) already hold what a
+one-box push depends on except the walls, and naming walls would need a vocabulary the relation
+grammar does not have. The config passes ``vagen`` / ``local`` when ``judge.rule_mode`` is that mode.
 
 ``progress_reward`` (kwarg of every grid env, default 0: the paper's reward table unchanged): a
 potential-based shaping term (Ng, Harada & Russell 1999, with gamma 1) added to a turn's
@@ -41,7 +48,7 @@ for _word, _syn in (("Left", "west"), ("Down", "south"), ("Right", "east"), ("Up
     MOVE_ALIASES.update({f"move {low}": _word, f"push {low}": _word, f"go {low}": _word, _syn: _word})
 
 MAX_GENERATION_ATTEMPTS = 300
-RELATION_PROMPTS = ("default", "vagen")
+RELATION_PROMPTS = ("default", "vagen", "local")
 
 
 def generate_level(rng: np.random.Generator, make, solve, min_actions: int, what: str):
@@ -73,12 +80,14 @@ class GridEnv(VisualEnv):
     # prompt texts per state format (subclass): entities / symbolic note / structured keys
     NL_HINT = ""
     STRUCT_KEYS: tuple[str, ...] = ()
-    # the natural-language hint of relation_prompt="vagen" ("" = the env does not offer it)
+    # the natural-language hints of relation_prompt="vagen" / "local" ("" = the env does not offer it)
     VAGEN_NL_HINT = ""
+    LOCAL_NL_HINT = ""
 
     def __init__(self, *, min_actions_to_succeed: int = 0, relation_prompt: str = "default",
                  progress_reward: float = 0.0, **common: Any) -> None:
-        offered = RELATION_PROMPTS if self.VAGEN_NL_HINT else RELATION_PROMPTS[:1]
+        hints = {"default": True, "vagen": bool(self.VAGEN_NL_HINT), "local": bool(self.LOCAL_NL_HINT)}
+        offered = [p for p in RELATION_PROMPTS if hints[p]]
         if relation_prompt not in offered:
             raise ValueError(f"relation_prompt must be one of {list(offered)} for {type(self).__name__}, "
                              f"got {relation_prompt!r}")
@@ -181,7 +190,7 @@ class GridEnv(VisualEnv):
             keys = ", ".join(f'"{k}"' for k in self.STRUCT_KEYS)
             return (f"Write the observation and the prediction as a JSON dictionary with keys {keys}; "
                     "positions are [row, column] counted from 0 at the top-left.")
-        return self.VAGEN_NL_HINT if self.relation_prompt == "vagen" else self.NL_HINT
+        return {"vagen": self.VAGEN_NL_HINT, "local": self.LOCAL_NL_HINT}.get(self.relation_prompt, self.NL_HINT)
 
     def describe_state(self, state: Any) -> str:
         """As :meth:`VisualEnv.describe_state`; with ``relation_prompt="vagen"`` the sentences are only

@@ -14,8 +14,8 @@ Public API::
     max_matching(items, truth, compatible=None) -> int
     f1_from_counts(tp_pred, n_pred, tp_truth, n_truth) -> float
     f1(predicted, truth) -> float
-    score_items(items, truth) -> RuleResult(score, method, matched, predicted, truth)
-    RepetitionTracker(top_k=5, threshold=0.7, penalty=0.1).apply(text, score) -> penalty
+    score_items(items, truth) -> RuleResult(score, method, matched, predicted, truth, all_true)
+    RepetitionTracker(top_k=5, threshold=0.7, penalty=0.1).apply(text, score, correct=False) -> penalty
     sentences_of(text) -> list[str], normalise_sentence(s) -> str
 """
 from __future__ import annotations
@@ -87,10 +87,11 @@ class RuleResult:
     matched: int
     predicted: int
     truth: int
+    all_true: bool = False  # the text stated at least one fact and every one it stated is true (precision 1)
 
     def to_dict(self) -> dict:
         return {"score": self.score, "method": self.method, "matched": self.matched,
-                "predicted": self.predicted, "truth": self.truth}
+                "predicted": self.predicted, "truth": self.truth, "all_true": self.all_true}
 
 
 def score_items(items: list[Item], truth: Comparison) -> RuleResult:
@@ -99,7 +100,8 @@ def score_items(items: list[Item], truth: Comparison) -> RuleResult:
     tp_pred = max_matching(items, truth.known, truth.compatible)
     tp_truth = tp_pred if truth.known is truth.essential else max_matching(items, truth.essential, truth.compatible)
     score = f1_from_counts(tp_pred, len(items), tp_truth, len(truth.essential))
-    return RuleResult(score, truth.method, tp_truth, len(items), len(truth.essential))
+    return RuleResult(score, truth.method, tp_truth, len(items), len(truth.essential),
+                      all_true=bool(items) and tp_pred == len(items))
 
 
 # ----------------------------------------------------------------------------- repetition penalty
@@ -121,7 +123,10 @@ class RepetitionTracker:
 
     VAGEN App. D.1.2: a max-heap of the most frequent sentences in the agent's history; a response
     that repeats one of the top-k (a sentence seen at least twice) while its F1 is below the
-    threshold is penalised. Counts only grow, so a sentence enters the top-k exactly when its count
+    threshold is penalised. A correct text is never penalised, however often it recurs: one that
+    scores 1.0 (the top score, whatever the threshold), or one the caller marks ``correct`` (every
+    fact it states is true: a concise observation that states fewer relations than the truth holds
+    scores a low F1 but reads its board right). Counts only grow, so a sentence enters the top-k exactly when its count
     passes the smallest count in it. The history is bounded: past ``max_sentences`` distinct
     sentences the ones seen once are forgotten.
     """
@@ -151,9 +156,10 @@ class RepetitionTracker:
     def is_frequent(self, sentences: list[str]) -> bool:
         return any(self.top.get(s, 0) >= 2 for s in sentences)
 
-    def apply(self, text: str | None, score: float | None) -> float:
-        """Record ``text`` and return its penalty (``-penalty`` or 0.0); None scores are not judged."""
+    def apply(self, text: str | None, score: float | None, correct: bool = False) -> float:
+        """Record ``text`` and return its penalty (``-penalty`` or 0.0); None scores are not judged,
+        correct texts (``correct``, or a score of 1.0 or more) are never penalised."""
         sents = self.observe(text)
-        if score is None or self.top_k <= 0:
+        if score is None or self.top_k <= 0 or correct or score >= 1.0:
             return 0.0
         return -self.penalty if score < self.threshold and self.is_frequent(sents) else 0.0

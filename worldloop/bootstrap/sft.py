@@ -65,16 +65,17 @@ def _opt_str(x: Any) -> str | None:
     return None if x is None else str(x)
 
 
-def _first_sentences(text: str | None, n: int) -> str | None:
-    if text is None:
-        return None
+def _first_sentences(text: str | None, n: int | None) -> str | None:
+    if text is None or n is None:
+        return text
     kept = [p.strip().rstrip(".") for p in text.split(". ") if p.strip()][:n]
     return ". ".join(kept) + ("." if kept else "")
 
 
-def concise_response(response: str, prompt_format: str, observation_relations: int, reasoning: str = "empty") -> str:
+def concise_response(response: str, prompt_format: str, observation_relations: int | None, reasoning: str = "empty") -> str:
     """The same answer in the same format, with the observation and prediction cut to their first
-    ``observation_relations`` sentences (fewer tokens to sample and learn). ``reasoning`` "empty": an
+    ``observation_relations`` sentences (fewer tokens to sample and learn; None: kept whole, as an env
+    with ``relation_prompt="local"`` writes exactly what its prompt asks for). ``reasoning`` "empty": an
     empty reasoning; "plan": the reasoning is the turn's actions as the answer writes them, so the
     choice is made right after the observation and the prediction and the answer follow from it."""
     if reasoning not in CONCISE_REASONING:
@@ -105,6 +106,8 @@ def _play_episode(env_id: str, kwargs: dict, seed: int, codec: ChatCodec, max_tu
         system = str(env.unwrapped.system_prompt())
         prompt_format = str(getattr(env.unwrapped, "prompt_format", "grounding_worldmodeling"))
         state = state_from_info(info)
+        # the local relation prompt asks for exactly the env's description: nothing is cut from it
+        kept = None if getattr(env.unwrapped, "relation_prompt", None) == "local" else observation_relations
         turns: list[Turn] = []
         success, ended, end_reason = False, True, "max_turns"
         for t in range(max_turns):
@@ -114,7 +117,7 @@ def _play_episode(env_id: str, kwargs: dict, seed: int, codec: ChatCodec, max_tu
             response = str(env.unwrapped.expert_response(distinct_moves=True) if distinct_moves
                            else env.unwrapped.expert_response())
             if style == "concise":
-                response = concise_response(response, prompt_format, observation_relations, reasoning)
+                response = concise_response(response, prompt_format, kept, reasoning)
             ids = codec.encode_response(response)
             obs, _, terminated, truncated, info = env.step(response)
             info = info if isinstance(info, dict) else {}
@@ -156,7 +159,8 @@ def make_demonstrations(
     """Play ``n_episodes`` expert episodes, cycling over ``env_specs``, seeds ``seed, seed+1, ...``.
 
     ``style`` "expert": the env's ``expert_response()``; "concise": :func:`concise_response` of it
-    (with ``reasoning``).
+    (with ``reasoning``; ``observation_relations`` sentences kept, all of them for an env with
+    ``relation_prompt="local"``, whose description is exactly what its prompt asks for).
     ``distinct_moves``: the env's ``expert_response(distinct_moves=True)``, one step per direction
     per turn (such an episode can run out of turns: it is kept, an imperfect demonstrator)."""
     if not env_specs:
