@@ -293,6 +293,7 @@ def _scrape_all(r, keys: Keys, want: set[str]) -> dict[str, str] | None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2700)  # its own waits and stops add up to about 2,250 s (each wait prints the links and logs)
 def test_actors_in_their_own_network_namespaces_over_a_lossy_link_and_a_partition(tmp_path):
     why = _netns_unavailable()
     if why:

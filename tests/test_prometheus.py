@@ -194,6 +194,7 @@ def _has_finite_point(result: list[dict]) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1600)  # its waits add up to about 1,420 s (each with the children's logs)
 def test_real_prometheus_scrapes_a_run_found_by_worldloop_sd(tmp_path, redis_url):
     """`worldloop up` (learner, actor, judge with an LLM scorer on a fake endpoint) binds /metrics on
     0.0.0.0; `worldloop sd --interval` turns the heartbeats into targets; a real Prometheus with the
