@@ -14,6 +14,7 @@ Public API::
     validate_requests(requests, max_new_tokens, vocab)           # the checks every backend makes
     cut_at_eos(ids, eos_token_ids) -> (ids up to the first EOS, truncated)
     check_state_dict(model, tensors)                             # WeightUpdateError unless tensors cover the model
+    check_finite(tensors)                                        # WeightUpdateError naming a tensor with NaN/inf
     resolve_device(name: str) -> str                             # "auto" -> "cuda" if available else "cpu"
     keyed_gumbel_scores(logits, keys, step, temperature, top_p) -> Tensor  # argmax of it = a keyed sample
     WeightUpdateError(ValueError)
@@ -36,7 +37,8 @@ Conventions every backend follows (see also ``worldloop.common.modeling``):
   seed. Without keys (the actors' training rollouts) a call samples from one stream seeded by ``seed``.
 * ``update_weights`` takes tensors named as in the learner policy's ``state_dict()``; every name
   must be known and every parameter covered (tied aliases count as covered), shapes must match,
-  and nothing is changed unless the whole set is valid.
+  no floating-point tensor may hold NaN or an infinity, and nothing is changed unless the whole
+  set is valid.
 """
 
 from __future__ import annotations
@@ -107,6 +109,14 @@ def resolve_device(name: str) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return name
+
+
+def check_finite(tensors: dict[str, torch.Tensor]) -> None:
+    """Raise WeightUpdateError naming the first floating-point tensor that holds NaN or +-inf (a
+    diverged update must not reach the actors' sampling)."""
+    for k, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise WeightUpdateError(f"tensor {k}: holds NaN or infinite values")
 
 
 def check_state_dict(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:

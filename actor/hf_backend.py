@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from worldloop.actor.generation import (GenRequest, GenResult, check_state_dict, cut_at_eos, keyed_gumbel_scores, resolve_device,
-                                        validate_requests)
+from worldloop.actor.generation import (GenRequest, GenResult, check_finite, check_state_dict, cut_at_eos, keyed_gumbel_scores,
+                                        resolve_device, validate_requests)
 from worldloop.common.modeling import ChatCodec, load_policy
 
 log = logging.getLogger(__name__)
@@ -128,8 +128,11 @@ class HFBackend:
     # -- weights
     @torch.no_grad()
     def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Copy a full state dict into the model in place (all-or-nothing), then set ``version``."""
+        """Copy a full state dict into the model in place (all-or-nothing), then set ``version``.
+        A set whose names or shapes do not fit, or with a NaN/inf anywhere, raises WeightUpdateError
+        and changes nothing (as the vLLM backend)."""
         check_state_dict(self.model, tensors)
+        check_finite(tensors)
         own = self.model.state_dict()
         for k, t in tensors.items():
             own[k].copy_(t.to(device=own[k].device, dtype=own[k].dtype))

@@ -31,7 +31,8 @@ The loop, one iteration per batched generation:
    ``<ns>:scored`` (``judge.enabled=false``). ``StreamProducer.add`` blocks while the stream's
    backlog is at ``redis.max_backlog`` (the stream metrics record the blocked time); the actor
    waits in 1 s slices so that SIGTERM or a "stopped" control record still ends it. Episodes that
-   ended without a complete turn are counted and dropped.
+   ended without a complete turn are counted and dropped, and their admission is refunded (also
+   when every episode ended as it started and none is live: they are reported before the wait).
 
 SIGTERM/SIGINT (when run in the main thread) end the loop after the current generation; live
 episodes are abandoned (nothing was pushed for them, so nothing is lost downstream). The process
@@ -214,7 +215,10 @@ class Actor:
                     continue
                 metric("worldloop_actor_paused").set(0)
                 admitted_all = self._fill()
-                if self.engine.live == 0:  # nothing admitted: wait for the learner's next version
+                # nothing admitted: wait for the learner's next version. Episodes that ended as they
+                # started (no turn) are reported by the next step() first, which refunds their
+                # admission; without it they would hold their leases (renewed) and the budget for ever
+                if self.engine.live == 0 and self.engine.pending_reports == 0:
                     self.proc.set_phase("waiting for admission (learner behind)" if not admitted_all else "idle",
                                         live_episodes=0, policy_version=self.backend.version)
                     t0 = time.monotonic()

@@ -75,7 +75,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from worldloop.actor.generation import GenRequest, GenResult, WeightUpdateError, cut_at_eos, validate_requests
+from worldloop.actor.generation import GenRequest, GenResult, WeightUpdateError, check_finite, cut_at_eos, validate_requests
 from worldloop.common.modeling import MERGE, PATCH, ChatCodec, decode_png, resolve_dtype
 
 if TYPE_CHECKING:
@@ -204,8 +204,7 @@ def _check_weights(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int
             raise WeightUpdateError(f"tensor {k}: expected a torch.Tensor, got {type(t).__name__}")
         if tuple(t.shape) != shapes[k]:
             raise WeightUpdateError(f"tensor {k}: shape {tuple(t.shape)} does not match the model's {shapes[k]}")
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise WeightUpdateError(f"tensor {k}: holds NaN or infinite values")
+    check_finite(tensors)
 
 
 def _reprocess_tied_lm_heads(model: torch.nn.Module) -> None:

@@ -1,7 +1,7 @@
 """A chaos soak with exact accounting: a real tiny run under random kill -9, Redis restarts,
 judge pauses and poison entries, and every trajectory accounted for at the end.
 
-    python bench/chaos.py --minutes N [--seed S] [--out DIR] [--rounds R]
+    python bench/chaos.py --minutes N [--seed S] [--out DIR] [--rounds R] [--min-steps K]
 
 The bench is its own supervisor (as supervisord would be): it starts a persisted Redis
 (``LocalRedis(persist=True)``: AOF, a fixed data dir, restarted on the same port), a learner
@@ -16,8 +16,11 @@ moments, in ``R`` rounds of one fault of each kind (default one round per 3 minu
 * ``malformed``: into ``rollouts`` and ``scored`` each, an entry that is not msgpack, one of the
   wrong schema and one without the ``data`` field.
 
-The soak's clock starts at the first trained step; after it, the run drains (actors stopped,
-judges and the learner finish what they can, the learner stops with a checkpoint).
+The soak's clock starts at the first trained step; after it (and, with ``--min-steps K``, once the
+learner's surviving lineage holds K steps: an amount of work, not a time), the run drains (actors
+stopped, judges and the learner finish what they can, the learner stops with a checkpoint). Every wait
+is bounded; :meth:`Chaos.wall_bound_s` adds the bounds up (``tests/test_chaos.py`` sizes its
+timeout with it).
 
 Accounting. The exact source of what entered ``rollouts`` is the actors' own record: with
 ``WORLDLOOP_PRODUCED_LOG`` set, an actor appends each trajectory id (fsynced) once its XADD
@@ -203,7 +206,7 @@ class Fault:
 class Chaos:
     def __init__(self, out: Path, seed: int = 0, minutes: float = 10.0, rounds: int | None = None,
                  startup_timeout_s: float = 900.0, drain_timeout_s: float = 240.0, num_actors: int = 2,
-                 claim_idle_ms: int = 3000, echo=print):
+                 claim_idle_ms: int = 3000, echo=print, min_steps: int = 0):
         self.out = Path(out).resolve()
         self.seed = seed
         self.soak_s = minutes * 60.0
@@ -213,6 +216,7 @@ class Chaos:
         self.num_actors = num_actors
         self.claim_idle_ms = claim_idle_ms
         self.echo = echo
+        self.min_steps = min_steps
         self.rng = random.Random(seed + 1)
         self.faults: list[Fault] = []
         self.procs: list[Proc] = []
@@ -275,6 +279,19 @@ class Chaos:
                 if not ours:
                     self.echo(f"chaos: {p.name} (pid {pid}) exited with {code} without being killed; restarting")
                 p.start()
+
+    def wall_bound_s(self) -> float:
+        """The longest :meth:`run` can take: the sum of its bounded waits, plus 120 s of set-up (the
+        tiny model, Redis's first start)."""
+        stops = self.num_actors * (60 + 30) + 3 * (180 + 30)  # the drain's SIGTERM grace + SIGKILL wait
+        closes = (1 + self.num_actors + 2) * (30 + 30)
+        restarts = self.rounds * (4 + 120)  # each redis_kill: down <= 4 s, then a start within 120 s
+        drains = self.drain_timeout_s * (3 if self.min_steps else 2)
+        return 120 + 60 + self.startup_timeout_s + self.soak_s + restarts + drains + stops + closes
+
+    def surviving_steps(self) -> int:
+        """Distinct steps in the learner's ledger (for each step the last line wins)."""
+        return len({int(x["step"]) for x in _jsonl(self.run_dir / "learner_ledger.jsonl") if "step" in x})
 
     def trained_steps(self) -> list[dict]:
         """Step records of metrics.jsonl written by a training step (not restored on resume)."""
@@ -353,10 +370,23 @@ class Chaos:
                 self.wait(max(0.0, t0 + offset - time.monotonic()))
                 self.inject(Fault(kind, offset))
             self.wait(max(0.0, t0 + self.soak_s - time.monotonic()))
+            self._await_steps()
             self._drain()
             return self.account()
         finally:
             self.close()
+
+    def _await_steps(self) -> None:
+        """``--min-steps``: the run goes on after the soak (no more faults) until the ledger holds that
+        many steps, for at most ``drain_timeout_s``."""
+        if self.min_steps and self.surviving_steps() < self.min_steps:
+            self.echo(f"chaos: waiting for {self.min_steps} steps in the ledger (have {self.surviving_steps()}) ...")
+        deadline = time.monotonic() + self.drain_timeout_s
+        while self.surviving_steps() < self.min_steps:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.surviving_steps()} of --min-steps {self.min_steps} steps in the ledger "
+                                   f"{self.drain_timeout_s:.0f}s after the soak; see {self.run_dir / 'logs'}")
+            self.wait(1.0)
 
     def _drain(self) -> None:
         """Let the last fault recover, stop the actors, let judges and learner consume what they
@@ -538,10 +568,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--rounds", type=int, default=None, help="rounds of one fault of each kind (default: minutes/3)")
+    ap.add_argument("--min-steps", type=int, default=0, help="after the soak, run on until the ledger holds this many steps")
     args = ap.parse_args(argv)
     out = args.out or ROOT / "runs" / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
-        res = Chaos(out, seed=args.seed, minutes=args.minutes, rounds=args.rounds).run()
+        res = Chaos(out, seed=args.seed, minutes=args.minutes, rounds=args.rounds, min_steps=args.min_steps).run()
     except RuntimeError as e:
         print(f"chaos: {e}", flush=True)
         return 2

@@ -13,6 +13,16 @@ Columns, per judge concurrency c (``judge.concurrency``):
 * ``ideal``: c / (latency * 2), the limit a judge with c requests always in flight reaches;
 * ``ratio``: measured / ideal. ``baseline``: the mean latency of single sequential requests with a
   plain AsyncOpenAI client measured in the same run (what one request really costs here).
+
+    python bench/judge.py --hang [--timeout 1.0] [--retries 1] [--trajectories 3] [--concurrency 1,8,64]
+
+measures instead how soon a judge gives up on an endpoint that accepts requests and never answers
+(``tests/test_resource_faults.py`` checks what it then writes; how soon is this bench's): seconds
+from the start until every turn of ``--trajectories`` trajectories holds its flagged fallback,
+against ``ideal`` = (1 + ``--retries``) x the baseline, one plain AsyncOpenAI request with
+``timeout=--timeout`` timing out on the same endpoint, measured in the same run. The parts of all
+turns wait concurrently up to ``judge.concurrency``, so the ratio stays near 1 while the
+concurrency covers the 2 x trajectories requests and grows in steps below that.
 """
 from __future__ import annotations
 
@@ -63,16 +73,20 @@ async def baseline_latency(url: str, n: int) -> float:
     return (time.perf_counter() - start) / n
 
 
-async def scorer_run(url: str, c: int, turns: int) -> float:
-    cfg = JudgeConfig(base_url=url, scorers={"default": ["llm"]}, concurrency=c, cache_size=0, timeout_s=30)
+async def score_all(cfg: JudgeConfig, trajs: list[Trajectory]) -> float:
+    """Seconds a TrajectoryScorer + LLMClient (one asyncio loop, no Redis) takes to score ``trajs``."""
     llm = LLMClient(cfg)
     scorer = TrajectoryScorer(cfg, llm)
-    trajs = [trajectory(i, f"s{c}") for i in range(turns)]
     start = time.perf_counter()
     await asyncio.gather(*(scorer.score(t) for t in trajs))
     elapsed = time.perf_counter() - start
     await llm.close()
     return elapsed
+
+
+async def scorer_run(url: str, c: int, turns: int) -> float:
+    cfg = JudgeConfig(base_url=url, scorers={"default": ["llm"]}, concurrency=c, cache_size=0, timeout_s=30)
+    return await score_all(cfg, [trajectory(i, f"s{c}") for i in range(turns)])
 
 
 def e2e_run(url: str, redis_url: str, c: int, turns: int) -> float:
@@ -101,6 +115,50 @@ def e2e_run(url: str, redis_url: str, c: int, turns: int) -> float:
     return elapsed
 
 
+async def timeout_baseline(url: str, timeout_s: float) -> float:
+    """Seconds one plain request with ``timeout=timeout_s`` takes to time out on a hanging endpoint."""
+    client = AsyncOpenAI(base_url=url, api_key="x", max_retries=0, timeout=timeout_s)
+    start = time.perf_counter()
+    try:
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "ping"}])
+    except Exception:  # the timeout this measures (openai.APITimeoutError)
+        pass
+    elapsed = time.perf_counter() - start
+    await client.close()
+    return elapsed
+
+
+async def hang_run(url: str, c: int, n: int, timeout_s: float, retries: int) -> float:
+    """Seconds until ``n`` one-turn trajectories are scored, every part by the flagged fallback."""
+    cfg = JudgeConfig(base_url=url, scorers={"default": ["llm"]}, concurrency=c, cache_size=0, timeout_s=timeout_s,
+                      max_retries=retries, backoff_s=0.05)
+    trajs = [trajectory(i, f"h{c}") for i in range(n)]
+    elapsed = await score_all(cfg, trajs)
+    if not all(turn.judge["fallback"] for t in trajs for turn in t.turns):
+        raise RuntimeError("a turn was scored without the fallback: the endpoint answered")
+    return elapsed
+
+
+def hang_main(args) -> int:
+    server = subprocess.Popen([sys.executable, "-m", "worldloop.testing.fake_openai", "--hang"], stdout=subprocess.PIPE,
+                              text=True)
+    rows = []
+    try:
+        url = server.stdout.readline().strip()
+        base = asyncio.run(timeout_baseline(url, args.timeout))
+        ideal = (1 + args.retries) * base
+        for c in [int(x) for x in args.concurrency.split(",") if x.strip()]:
+            s = asyncio.run(hang_run(url, c, args.trajectories, args.timeout, args.retries))
+            rows.append([c, args.trajectories, f"{s:.2f}", f"{ideal:.2f}", f"{s / ideal:.2f}"])
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    print_table(f"judge fallback on a hanging endpoint: judge.timeout_s {args.timeout}, max_retries {args.retries}, "
+                f"{REQUESTS_PER_TURN} requests/turn (baseline: one plain request timing out = {base:.2f} s)",
+                ["concurrency", "trajectories", "fallback s", "ideal s", "fallback/ideal"], rows)
+    return 0
+
+
 def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     print(f"\n{title}")
@@ -114,7 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", default="1,8,64", help="comma-separated judge.concurrency values")
     ap.add_argument("--seconds", type=float, default=3.0, help="ideal duration of each run (sets the turn count)")
     ap.add_argument("--no-e2e", action="store_true", help="skip the run through Redis and a judge worker")
+    ap.add_argument("--hang", action="store_true", help="time the fallback on an endpoint that never answers instead")
+    ap.add_argument("--timeout", type=float, default=1.0, help="--hang: judge.timeout_s")
+    ap.add_argument("--retries", type=int, default=1, help="--hang: judge.max_retries")
+    ap.add_argument("--trajectories", type=int, default=3, help="--hang: one-turn trajectories to score")
     args = ap.parse_args(argv)
+    if args.hang:
+        return hang_main(args)
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     rows = []
     redis_srv = None if args.no_e2e else LocalRedis().start()

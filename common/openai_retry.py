@@ -5,7 +5,7 @@ Public API::
     RetryableError(reason, retry_after=None, detail="")   # worth another attempt
     PermanentError(reason, detail="")                      # another attempt would fail the same way
     classify(exc) -> RetryableError | PermanentError | None
-    await call_with_retries(attempt, *, max_retries, backoff_s, on_failure=None) -> (value, attempts)
+    await call_with_retries(attempt, *, max_retries, backoff_s, on_failure=None, sleep=asyncio.sleep) -> (value, attempts)
 
 Taxonomy (``classify``): timeouts, connection errors, 429 (its ``Retry-After`` honoured, capped at
 ``RETRY_AFTER_CAP_S``), 5xx, 408/409, and bodies that are not a valid response are retryable; any
@@ -14,7 +14,8 @@ that is none of these is not ours to classify (None: the caller re-raises it).
 
 Backoff: ``backoff_s * 2**attempt`` times a random factor in [0.5, 1], at least the server's
 ``Retry-After``. The openai client's own retries should be off (``max_retries=0``) so that these
-are the only ones.
+are the only ones. The waits go through ``sleep`` (``asyncio.sleep``; a test passes one that
+records the delays it is asked for, an explicit clock instead of a measured one).
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ async def call_with_retries(
     max_retries: int,
     backoff_s: float,
     on_failure: Callable[[RetryableError | PermanentError, int, bool], None] | None = None,
+    sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
 ) -> tuple[Any, int]:
     """``(await attempt(), attempts)``, retrying what :func:`classify` calls retryable.
 
@@ -101,5 +103,5 @@ async def call_with_retries(
         delay = backoff_s * (2 ** i) * random.uniform(0.5, 1.0)
         if err.retry_after is not None:
             delay = max(delay, min(err.retry_after, RETRY_AFTER_CAP_S))
-        await asyncio.sleep(delay)
+        await sleep(delay)
     raise AssertionError("unreachable")  # the loop returns or raises

@@ -4,6 +4,8 @@ Public API::
 
     PPOTrainer(cfg, models, seed=0)
         .update(trajectories, step) -> dict     # every rank calls it with the SAME global batch
+    assemble_token_rewards(trajectories, turn_end_mask, loss_mask, logprobs, ref_logprobs, *,
+                           wmact_rescale, kl_coef, kl_in_reward, kl_estimator) -> (turn, kl, token) [B, L]
     batch_reward_stats(trajectories, wmact_rescale) -> dict
     micro_loss_scale(n_micro, n_global, world_size, accumulation) -> float
     token_budget_micro_batches(rows, lengths, budget, pad_to=8) -> list[list[int]]
@@ -108,6 +110,26 @@ def batch_reward_stats(trajectories: list[Trajectory], wmact_rescale: bool) -> d
     rates.update({k: sum(v) / len(v) for k, v in sorted(success.items())})
     return {"reward": {k: v / n for k, v in comp.items()}, "success_rate": rates,
             "turns": [len(t.turns) for t in trajectories]}
+
+
+def assemble_token_rewards(trajectories: list[Trajectory], turn_end_mask: torch.Tensor, loss_mask: torch.Tensor,
+                           logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None, *, wmact_rescale: bool,
+                           kl_coef: float, kl_in_reward: bool, kl_estimator: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rewards an update trains on, all [B, L] float32 (step 3 of the module docstring):
+
+    * turn rewards: row b's k-th turn end holds r_k = reasoning + format + env of trajectory b's
+      turn k (``turn_rewards``, WMAct-rescaled with ``wmact_rescale``), 0 elsewhere;
+    * per-token KL(prox || ref) by ``kl_estimator`` on the ``loss_mask`` tokens, 0 elsewhere (and
+      everywhere without a reference model, ``ref_logprobs`` None);
+    * token rewards: ``-kl_coef * KL`` with ``kl_in_reward`` and a reference, else 0.
+    """
+    turn = place_turn_rewards(turn_end_mask, [turn_rewards(x, wmact_rescale=wmact_rescale) for x in trajectories])
+    if ref_logprobs is None:
+        kl_tok = torch.zeros_like(loss_mask)
+    else:
+        kl_tok = torch.where(loss_mask > 0, kl_penalty(logprobs, ref_logprobs, kind=kl_estimator), 0.0)
+    token = -kl_coef * kl_tok if (kl_in_reward and ref_logprobs is not None) else torch.zeros_like(loss_mask)
+    return turn, kl_tok, token
 
 
 PAD_TO = 8  # the default multiple micro-batch lengths are rounded up to (trainer.pad_to_multiple)
@@ -365,10 +387,10 @@ class PPOTrainer:
         the per-turn credit stats of :meth:`_credit`)."""
         t, models = self.t, self.models
         resp, mask = batch["response_mask"], batch["loss_mask"]
-        rewards = place_turn_rewards(batch["turn_end_mask"], [turn_rewards(x, wmact_rescale=t.wmact_rescale) for x in local])
-        has_ref = models.reference is not None
-        kl_tok = torch.where(mask > 0, self._kl(pre["old_logprobs"], pre["ref_logprobs"]), 0.0) if has_ref else torch.zeros_like(mask)
-        token_rewards = -t.kl_coef * kl_tok if (t.kl_in_reward and has_ref) else torch.zeros_like(mask)
+        rewards, kl_tok, token_rewards = assemble_token_rewards(
+            local, batch["turn_end_mask"], mask, pre["old_logprobs"],
+            pre["ref_logprobs"] if models.reference is not None else None, wmact_rescale=t.wmact_rescale,
+            kl_coef=t.kl_coef, kl_in_reward=t.kl_in_reward, kl_estimator=t.kl_estimator)
         common = dict(adv_mod.advantage_kwargs(t))
         if t.estimator in adv_mod.GROUP_ESTIMATORS:
             rows, length = self._local_rows(), mask.shape[1]

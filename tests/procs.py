@@ -4,6 +4,16 @@ Each child writes stdout and stderr to a log file (never a pipe that nobody drai
 polls). ``wait_for`` fails at once when a child exits, and on a timeout it asks every live child
 for the stacks of all its threads (``worldloop`` installs a SIGUSR1 stack dump) before it fails,
 so the assertion message carries the logs' tails and where each child was stuck.
+
+Every other bounded wait of a test goes through one of these too, never a bare timeout:
+
+    wait_for(pred, what, timeout, children=(), extra=None)   # poll a state
+    exit_code(popen, timeout, what, log=None) -> int         # a subprocess.Popen to end
+    run_to_end(cmd, timeout, what, **kwargs) -> CompletedProcess   # subprocess.run, output captured
+    returns_within(fn, what, timeout) -> fn()'s result       # a call that must not block for ever
+
+Their timeouts are liveness bounds, never speed claims: a test's own waits must add up to less than
+its pytest timeout (``tests/README.md``), so that these diagnostics print before pytest kills it.
 """
 
 from __future__ import annotations
@@ -12,7 +22,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,3 +107,48 @@ def _context(children: list[Child], extra) -> str:
         except Exception as e:  # the context must never hide the real failure
             text += f"\n--- (context unavailable: {e!r})"
     return text
+
+
+def exit_code(proc: subprocess.Popen, timeout: float, what: str, log: Path | None = None) -> int:
+    """``proc.wait(timeout)``; past it an AssertionError naming ``what`` with the tail of ``log``."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        tail = Path(log).read_text(errors="replace")[-4000:] if log is not None and Path(log).exists() else ""
+        raise AssertionError(f"{what}: still running after {timeout:.0f} s (pid {proc.pid}), log {log}:\n{tail}") from None
+
+
+def run_to_end(cmd: list[str], timeout: float, what: str, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, timeout=timeout, **kwargs)``; past the timeout the
+    child is killed and an AssertionError names ``what`` with the tails of what it printed."""
+    try:
+        return subprocess.run(cmd, capture_output=True, timeout=timeout, **kwargs)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        raise AssertionError(f"{what}: still running after {timeout:.0f} s, killed\n--- stdout:\n{out[-2000:]}"
+                             f"\n--- stderr:\n{err[-4000:]}") from None
+
+
+def returns_within(fn, what: str, timeout: float):
+    """``fn()`` run in a thread: its result, or its exception raised here; if it has not returned after
+    ``timeout`` s, an AssertionError naming ``what`` with the stack where it is stuck (the thread is
+    left running, a daemon)."""
+    box: dict = {}
+
+    def target() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # handed to the caller below
+            box["error"] = e
+
+    th = threading.Thread(target=target, name=f"returns_within: {what}", daemon=True)
+    th.start()
+    th.join(timeout)
+    if th.is_alive():
+        frame = sys._current_frames().get(th.ident)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)"
+        raise AssertionError(f"{what}: did not return within {timeout:.0f} s; it is at:\n{stack}")
+    if "error" in box:
+        raise box["error"]
+    return box["result"]

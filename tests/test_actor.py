@@ -378,6 +378,39 @@ def test_full_stream_blocks_the_actor_until_drained(vl_dir, redis_url) -> None:
     assert _sample("worldloop_stream_backpressure_seconds_total", labels) > waited
 
 
+@pytest.mark.slow
+def test_episodes_that_end_before_their_first_turn_give_their_admission_back(vl_dir, redis_url) -> None:
+    """An episode that ends before its first generation (here: its first observation alone does not
+    fit model.max_model_len) has no turn to push: the actor refunds its admission at once. With a
+    budget of (v + s + 1) * B = (0 + 0 + 1) * 2 = 2 admissions and no learner, an actor that did
+    not refund would stop after its first group; with refunds it goes on admitting (and refunding)."""
+    ns = "actor-refund"
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(ns)
+    cfg = _config(vl_dir, redis_url, ns, admission=True)  # groups of n_samples_per_seed = 2
+    cfg["model"]["max_model_len"] = 64  # system prompt + image + text of the first turn: far more than 64 - 16
+    cfg["trainer"] = {"train_batch_size": 2, "ppo_mini_batch_size": 2, "micro_batch_size": 1, "max_staleness": 0}
+    dropped = _sample("worldloop_actor_dropped_episodes_total", {"env": "frozenlake", "reason": "context"})
+
+    def admission() -> dict[str, int]:
+        return {k.decode(): int(v) for k, v in r.hgetall(keys.admission).items()}
+
+    def context() -> str:
+        return (f"admission {admission()}, leases {r.zcard(keys.admission_leases)}, scored {r.xlen(keys.scored)}, "
+                f"phase {[p.get('phase') for p in list_processes(r, keys)]}")
+
+    actor = _ActorThread(cfg)
+    try:
+        wait_for(lambda: admission().get("refunded", 0) >= 6, "three budgets' worth of refunds", 120, extra=context)
+        got = admission()
+        # never more outstanding than the budget (a group of 2 fits it exactly); nothing pushed
+        assert got["admitted"] <= 2 and r.zcard(keys.admission_leases) <= 2, context()
+        assert r.xlen(keys.scored) == 0
+        assert _sample("worldloop_actor_dropped_episodes_total", {"env": "frozenlake", "reason": "context"}) - dropped >= 6
+    finally:
+        assert actor.stop(r, ns) == 0
+
+
 def test_bad_config_fails_before_starting(vl_dir, redis_url) -> None:
     from worldloop.common.config import ConfigError
 

@@ -40,7 +40,7 @@ def _up(tmp_path: Path, redis_url: str, ns: str, staleness: int, model: Path) ->
     }))
     up = Child(["up", str(cfg_path)], tmp_path / f"{ns}-up.log")
     try:
-        rc = up.proc.wait(timeout=600)
+        rc = up.wait(timeout=600)  # a liveness bound; on expiry: up's stacks and log
     finally:
         up.kill()
     logs = "".join(f"\n--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
@@ -51,6 +51,7 @@ def _up(tmp_path: Path, redis_url: str, ns: str, staleness: int, model: Path) ->
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1350)  # two runs of `worldloop up`, each waited on for up to 600 s
 def test_synchronous_and_bounded_staleness_runs_drop_nothing(tmp_path: Path, redis_url: str) -> None:
     model = tmp_path / "model"
     sync, state0 = _up(tmp_path, redis_url, "sync", 0, model)

@@ -116,9 +116,39 @@ def test_taxi_map_shows_walls_and_depots() -> None:
     assert lines[5] == "|   D   |       :       |   B   :       |"
 
 
+def _taxi_distance(a: tuple[int, int], b: tuple[int, int]) -> int:
+    """Moves between two cells of gymnasium's Taxi map, by BFS over the map text itself ("|" between two
+    cells of a row is a wall; rows are open), independent of the env's solver."""
+    from gymnasium.envs.toy_text.taxi import MAP
+
+    dist, todo = {a: 0}, [a]
+    for r, c in todo:
+        for dr, dc in ((1, 0), (-1, 0), (0, 1), (0, -1)):
+            nr, nc = r + dr, c + dc
+            if not (0 <= nr < 5 and 0 <= nc < 5) or (nr, nc) in dist:
+                continue
+            if dc and MAP[r + 1][2 * min(c, nc) + 2] == "|":
+                continue
+            dist[(nr, nc)] = dist[(r, c)] + 1
+            todo.append((nr, nc))
+    return dist[b]
+
+
 def test_taxi_expert_is_optimal_from_reset() -> None:
     env = gymnasium.make(TAXI, render_mode="text", max_actions_per_step=20)
+    # by hand on gymnasium's map: taxi (2, 2) to the passenger at G (0, 4): right 2, up 2 = 4 moves, pickup;
+    # G to the destination Y (4, 0): down 2, left 4 along the open row 2, down 2 = 8 moves (the Manhattan
+    # distance, so no path is shorter), dropoff: 4 + 1 + 8 + 1 = 14
+    assert _taxi_distance((2, 2), (0, 4)) == 4 and _taxi_distance((0, 4), (4, 0)) == 8
+    env.reset(seed=0)
+    env.unwrapped.load_state(2, 2, 1, 2)
+    _, _, term, _, info = env.step(env.unwrapped.expert_response())
+    assert term and info["success"] and info["actions_executed"] == 14
     for seed in range(3):
-        env.reset(seed=seed)
+        _, info = env.reset(seed=seed)
+        st = info["state"]["structured"]
+        taxi, passenger, dest = (tuple(st[k]) for k in ("taxi_position", "passenger_position", "destination_position"))
+        # to the passenger, pick up, to the destination, drop off
+        optimal = _taxi_distance(taxi, passenger) + 1 + _taxi_distance(passenger, dest) + 1
         _, _, term, _, info = env.step(env.unwrapped.expert_response())
-        assert term and info["actions_executed"] == env.unwrapped.optimal_actions
+        assert term and info["success"] and info["actions_executed"] == optimal == env.unwrapped.optimal_actions, seed

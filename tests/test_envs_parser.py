@@ -82,9 +82,12 @@ def test_free_think_body_may_hold_other_tags() -> None:
 
 
 def test_non_text_and_huge_inputs_never_raise() -> None:
-    for bad in (None, 42, ["<answer>Up</answer>"], b"\xff\xfe<answer>Up</answer>"):
+    for bad, kind in ((None, "NoneType"), (42, "int"), (["<answer>Up</answer>"], "list")):
         p = parse_response(bad, "no_think")
-        assert isinstance(p.format_ok, bool)
+        assert (p.format_ok, p.reason, p.answer) == (False, f"response is {kind}, not text", None)
+    # bytes are decoded as UTF-8 with replacement: the two invalid bytes become U+FFFD, text outside the tags
+    p = parse_response(b"\xff\xfe<answer>Up</answer>", "no_think")
+    assert (p.format_ok, p.reason, p.answer) == (False, "text outside the tags", None)
     assert parse_response(b"<answer>Up</answer>", "no_think").answer == "Up"
     rng = np.random.default_rng(0)
     garbage = "".join(rng.choice(list("<>/abc answer think \n\x00\ufffd"), size=1 << 20))

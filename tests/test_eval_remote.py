@@ -108,13 +108,14 @@ def test_expert_endpoint_multi_turn_table_and_resume(tmp_path: Path, capsys) -> 
         # the wire format: system prompt, the image as a PNG data URL equal to the env's frame, history
         first = reqs[0]["json"]
         assert first["model"] == "vlm-x" and first["max_tokens"] == 400 and first["temperature"] == 0.7
-        assert first["messages"][0]["role"] == "system" and "Sokoban" in first["messages"][0]["content"] \
-            or "FrozenLake" in first["messages"][0]["content"] or "lake" in first["messages"][0]["content"].lower()
+        env_id, kwargs, seed = expert.episode_of(first)
+        env = gymnasium.make(env_id, **kwargs)
+        obs, _ = env.reset(seed=seed)
+        # the system message is exactly the played env's own system prompt
+        assert first["messages"][0] == {"role": "system", "content": env.unwrapped.system_prompt()}
         parts = first["messages"][1]["content"]
         url = next(p["image_url"]["url"] for p in parts if p["type"] == "image_url")
         assert url.startswith("data:image/png;base64,")
-        env_id, kwargs, seed = expert.episode_of(first)
-        obs, _ = gymnasium.make(env_id, **kwargs).reset(seed=seed)
         assert np.array_equal(np.asarray(Image.open(io.BytesIO(images_of(first)[0])).convert("RGB")), obs["image"])
         later = [q["json"] for q in reqs if len(q["json"]["messages"]) > 2]
         assert later and all([m["role"] for m in q["messages"]][:4] == ["system", "user", "assistant", "user"] for q in later)

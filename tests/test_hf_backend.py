@@ -167,6 +167,13 @@ def test_update_weights_rejects_bad_sets_without_changing_anything(backend: HFBa
             wrong[k] = wrong[k] + 1.0  # valid tensors that must not be applied
     with pytest.raises(WeightUpdateError, match="shape"):
         backend.update_weights(wrong, version=9)
+    # a diverged update: one NaN or infinity in one tensor refuses the whole set (the rest is valid)
+    shifted = {k: v + 1.0 for k, v in state.items()}
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        poisoned = dict(shifted, **{key: shifted[key].clone()})
+        poisoned[key][0, 0] = bad
+        with pytest.raises(WeightUpdateError, match=f"tensor {key}: holds NaN or infinite values"):
+            backend.update_weights(poisoned, version=9)
     assert backend.version == 0
     for k, v in backend.model.state_dict().items():
         assert torch.equal(v, snapshot[k]), k

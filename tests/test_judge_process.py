@@ -101,13 +101,21 @@ def test_a_live_judge_keeps_its_entries_from_being_reclaimed(redis_url: str) -> 
     prod = StreamProducer(redis_url, keys.rollouts, 100)
     for i in range(2):
         prod.add(encode_trajectory(_trajectory(i)))
-    a = StreamConsumer(redis_url, keys.rollouts, ROLLOUTS_GROUP, "a", claim_idle_ms=200)
-    b = StreamConsumer(redis_url, keys.rollouts, ROLLOUTS_GROUP, "b", claim_idle_ms=200)
+    idle_ms = 2000  # the touch-to-read window below is two Redis calls: far shorter than this, however loaded
+    a = StreamConsumer(redis_url, keys.rollouts, ROLLOUTS_GROUP, "a", claim_idle_ms=idle_ms)
+    b = StreamConsumer(redis_url, keys.rollouts, ROLLOUTS_GROUP, "b", claim_idle_ms=idle_ms)
     m1, m2 = a.read(2)
-    time.sleep(0.3)  # both idle longer than claim_idle_ms now
+
+    def idle() -> dict[str, int]:  # each pending entry's idle time as Redis counts it
+        rows = r.xpending_range(keys.rollouts, ROLLOUTS_GROUP, min="-", max="+", count=10)
+        return {row["message_id"].decode(): int(row["time_since_delivered"]) for row in rows}
+
+    # both idle longer than claim_idle_ms now, by Redis's own clock (not a sleep that a loaded machine stretches)
+    wait_for(lambda: all(t > idle_ms for t in idle().values()), "both entries to pass claim_idle_ms", 60,
+             extra=lambda: f"idle ms: {idle()}")
     assert a.touch([m1.id]) == 1  # a is still working on m1
     got = b.read(2, block_ms=10)
-    assert [m.id for m in got] == [m2.id] and got[0].reclaimed  # only the untouched entry moves
+    assert [m.id for m in got] == [m2.id] and got[0].reclaimed, idle()  # only the untouched entry moves
     assert a.touch([m2.id]) == 0  # b owns it now: a does not steal it back
     for c in (prod, a, b):
         c.close()

@@ -201,6 +201,33 @@ def test_staleness_dedup_and_dead_letter(redis_url, codec):
     src.close()
 
 
+def test_a_dead_lettered_trajectory_gives_its_admission_back_once(redis_url, codec):
+    """The learner refunds the admission of a trajectory it dead-letters (it will never be trained),
+    once, and retires (no refund) the ones it trains: the actors' budget stays exact."""
+    cfg = _cfg(redis_url)
+    keys = Keys(NS)
+    prod = StreamProducer(redis_url, keys.scored, 100)
+    src = _source(cfg, codec, _Versions())
+    src.admission.reset()
+    ids = ["bad", "ok0", "ok1", "ok2", "ok3"]
+    for tid in ids:
+        assert src.admission.admit([tid], actor_version=0).admitted
+    bad = _traj(codec, "bad")
+    bad.turns[0].response_ids[0] = VOCAB + 1  # outside the vocabulary: unusable
+    # the second "bad": its actor retried the XADD, the same id is dead-lettered again
+    for traj in [bad, bad] + [_traj(codec, tid) for tid in ids[1:]]:
+        prod.add(encode_trajectory(traj))
+
+    items = src.collect(4, lambda: False)
+    assert [it.trajectory_id for it in items] == ids[1:]
+    assert connect(redis_url).xlen(keys.deadletter) == 2
+    # 5 admitted, "bad" refunded once (its copy finds it refunded already) and its lease gone: 4 count
+    assert src.admission.state() == {"admitted": 4, "refunded": 1, "leases": 4}
+    src.mark_trained(items)  # trained: retired, their budget stays spent
+    assert src.admission.state() == {"admitted": 4, "refunded": 1, "leases": 0}
+    src.close()
+
+
 def test_recover_takes_back_a_killed_learners_pending_entries(redis_url, codec):
     cfg = _cfg(redis_url)
     keys = Keys(NS)

@@ -11,11 +11,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
+from redis.exceptions import ResponseError
 
 from worldloop.common.config import to_dict
 from worldloop.common.keys import Keys, SCORED_GROUP
@@ -25,6 +25,7 @@ from worldloop.common.streams import StreamProducer, connect
 from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.learner import checkpoint
 from worldloop.learner.synthetic import synthetic_trajectory, tiny_learner_config
+from procs import run_to_end, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
@@ -64,9 +65,11 @@ def _produce(redis_url: str, ns: str, model_dir: Path, order: list[str]) -> None
 def test_kill_9_and_resume_loses_nothing_and_trains_nothing_twice(redis_url, model_dir, tmp_path):
     ns = "resume"
     run_dir = tmp_path / "run"
-    # 30 entries: t0..t27 plus re-sent copies of t3 and t10 (as an actor retrying an XADD would)
+    # 30 entries: t0..t27 plus re-sent copies of t3 and t10 (as an actor retrying an XADD would). The
+    # first learner gets only the 17 entries of steps 1-4 (t0..t15 and the copy of t3, dropped as a
+    # duplicate): it waits for more after step 4, so the kill comes at a known step, not a raced one
     order = [f"t{i}" for i in range(10)] + ["t3"] + [f"t{i}" for i in range(10, 20)] + ["t10"] + [f"t{i}" for i in range(20, 28)]
-    _produce(redis_url, ns, model_dir, order)
+    _produce(redis_url, ns, model_dir, order[:17])
     cfg = tiny_learner_config(model_dir, redis_url, run_dir, namespace=ns, total_steps=6, checkpoint_every=3,
                               max_staleness=100, use_critic=True)
     conf = _write_config(cfg, tmp_path / "learner.yaml")
@@ -74,12 +77,21 @@ def test_kill_9_and_resume_loses_nothing_and_trains_nothing_twice(redis_url, mod
     log1 = open(tmp_path / "first.log", "wb")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log1, stderr=subprocess.STDOUT)
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and proc.poll() is None:
-        if any(x["step"] >= 4 for x in _lines(metrics)):  # past the checkpoint of step 3
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+    r = connect(redis_url)
+    keys = Keys(ns)
+
+    def waiting_after_step_4() -> bool:
+        assert proc.poll() is None, f"the learner exited with {proc.returncode}\n" + (tmp_path / "first.log").read_text()[-3000:]
+        # step 4's line is written and every entry is read (the 13 read before the checkpoint of step 3
+        # are acked and deleted, step 4's 4 are held): the learner now waits for a 5th batch
+        try:
+            pending = r.xpending(keys.scored, SCORED_GROUP)["pending"]
+        except ResponseError:  # NOGROUP: the learner has not created its group yet
+            return False
+        return any(x["step"] >= 4 for x in _lines(metrics)) and pending == r.xlen(keys.scored) == 4
+
+    wait_for(waiting_after_step_4, "step 4, then the wait for more data", 240,
+             extra=lambda: (tmp_path / "first.log").read_text()[-3000:])
     os.kill(proc.pid, signal.SIGKILL)  # kill -9: no checkpoint, no ack, no cleanup
     proc.wait()
     log1.close()
@@ -87,15 +99,13 @@ def test_kill_9_and_resume_loses_nothing_and_trains_nothing_twice(redis_url, mod
     ckpt = checkpoint.latest(run_dir / "checkpoints")
     assert ckpt is not None
     ckpt_step = checkpoint.read_state(ckpt)["step"]
-    # killed within a poll of step 4's line, long before step 6's checkpoint: steps 4 (and maybe 5)
-    # were trained, published and lost with the process
-    assert ckpt_step == 3 and killed_at in (4, 5)
-    r = connect(redis_url)
-    keys = Keys(ns)
-    assert r.xpending(keys.scored, SCORED_GROUP)["pending"] > 0  # the dead learner held entries
+    # killed after step 4 (no data for a 5th): step 4 was trained, published and lost with the process
+    assert ckpt_step == 3 and killed_at == 4
+    assert r.xpending(keys.scored, SCORED_GROUP)["pending"] == 4  # the dead learner held step 4's entries
+    _produce(redis_url, ns, model_dir, order[17:])
 
     n_before = len(_lines(metrics))
-    second = subprocess.run(cmd + ["--resume"], cwd=ROOT, env=_env(), capture_output=True, timeout=240)
+    second = run_to_end(cmd + ["--resume"], 240, "learner --resume", cwd=ROOT, env=_env())
     assert second.returncode == 0, second.stdout.decode()[-2000:] + second.stderr.decode()[-4000:]
 
     resumed = _lines(metrics)[n_before:]
@@ -130,9 +140,10 @@ def test_two_cpu_ranks_under_torchrun(redis_url, model_dir, tmp_path):
     cfg = tiny_learner_config(model_dir, redis_url, run_dir, namespace=ns, total_steps=2, checkpoint_every=2,
                               zero_stage=3, max_staleness=100)
     conf = _write_config(cfg, tmp_path / "learner.yaml")
-    torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "worldloop", "learner", "--config", str(conf)]
-    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, timeout=300)
+    # torchrun is `python -m torch.distributed.run` (its script may be missing beside this interpreter)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "worldloop",
+           "learner", "--config", str(conf)]
+    done = run_to_end(cmd, 300, "learner under torchrun", cwd=ROOT, env=_env())
     assert done.returncode == 0, done.stdout.decode()[-2000:] + done.stderr.decode()[-4000:]
     lines = _lines(run_dir / "metrics.jsonl")  # written by rank 0 only
     assert [x["step"] for x in lines] == [1, 2] and all(x["trajectories"] == 4 for x in lines)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -27,6 +26,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from worldloop.learner.trainer import split_micro_batches, token_budget_micro_batches  # noqa: E402
+from procs import run_to_end  # noqa: E402
 
 # --------------------------------------------------------------------------- planning, by hand
 
@@ -240,13 +240,14 @@ def _worker(model_dir: str, out: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(800)  # the two ranks are waited on for up to 600 s
 def test_two_ranks_with_different_plans_run_the_same_micro_batch_count(model_dir, tmp_path):
     out = tmp_path / "result.json"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = str(ROOT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(Path(__file__).resolve()), "--worker", str(model_dir), str(out)]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, timeout=600)
+    done = run_to_end(cmd, 600, "two ranks under torch.distributed.run", cwd=ROOT, env=env)
     assert done.returncode == 0, done.stdout.decode()[-2000:] + done.stderr.decode()[-4000:]
     res = json.loads(out.read_text())
     assert res["same"] == "ok", res

@@ -55,6 +55,7 @@ def test_the_wheel_holds_one_import_root_and_its_data(wheel: Path) -> None:
     assert "worldloop = worldloop.cli:run" in zipfile.ZipFile(wheel).read(entry).decode()
 
 
+@pytest.mark.timeout(900)  # five commands of at most 120 s each, the venv and the install
 def test_a_fresh_venv_imports_worldloop_and_nothing_else(wheel: Path, tmp_path: Path) -> None:
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
@@ -65,13 +66,13 @@ def test_a_fresh_venv_imports_worldloop_and_nothing_else(wheel: Path, tmp_path: 
                                      capture_output=True, text=True, check=True).stdout.strip())
     (fresh_site / "deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True,
-                   capture_output=True)
+                   capture_output=True, timeout=180)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     outside = tmp_path / "elsewhere"
     outside.mkdir()
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(args, cwd=outside, env=env, capture_output=True, text=True, timeout=300)
+        return subprocess.run(args, cwd=outside, env=env, capture_output=True, text=True, timeout=120)
 
     probe = run(str(py), "-c", (
         "import importlib, json, worldloop.common.config as c\n"

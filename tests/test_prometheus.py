@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from worldloop.common.control import list_processes, register_process
 from worldloop.common.keys import Keys
 from worldloop.common.metrics import CATALOG, advertised_host, exported_names, free_port, metrics_url
 from worldloop.sd import targets, write_atomic
+from ci import require_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -31,12 +31,7 @@ METRIC_RE = re.compile(r"\bworldloop_[a-z0-9_]+")
 
 def _tool(name: str) -> str:
     """The path of a Prometheus binary; skipped where it is not installed, a failure on CI."""
-    path = shutil.which(name)
-    if path is None:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"{name} is not installed (.ci/run installs Debian's prometheus package)")
-        pytest.skip(f"{name} is not installed (apt-get install prometheus)")
-    return path
+    return require_tool(name, install="apt-get install prometheus; .ci/run does")
 
 
 # --------------------------------------------------------------------------- worldloop sd
@@ -199,6 +194,7 @@ def _has_finite_point(result: list[dict]) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1600)  # its waits add up to about 1,420 s (each with the children's logs)
 def test_real_prometheus_scrapes_a_run_found_by_worldloop_sd(tmp_path, redis_url):
     """`worldloop up` (learner, actor, judge with an LLM scorer on a fake endpoint) binds /metrics on
     0.0.0.0; `worldloop sd --interval` turns the heartbeats into targets; a real Prometheus with the

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from redis.exceptions import ConnectionError as RedisConnectionError
 
-from procs import Child, wait_for
+from procs import Child, returns_within, wait_for
 from worldloop.common.keys import ROLLOUTS_GROUP, Keys
 from worldloop.common.metrics import free_port
 from worldloop.common.redis_local import LocalRedis
@@ -49,10 +50,9 @@ def test_a_wrong_redis_url_fails_at_start_up_with_the_address(tmp_path: Path) ->
 
 def test_the_startup_wait_is_bounded_but_reconnects_after_start_are_patient() -> None:
     port = free_port()
-    t0 = time.monotonic()
-    with pytest.raises(RedisUnreachable, match="check redis.url"):
-        StreamProducer(f"redis://127.0.0.1:{port}/0", "s", 10, startup_timeout_s=1.0).backlog()
-    assert time.monotonic() - t0 < 30
+    with pytest.raises(RedisUnreachable, match="check redis.url"):  # gives up by itself, does not retry for ever
+        returns_within(lambda: StreamProducer(f"redis://127.0.0.1:{port}/0", "s", 10, startup_timeout_s=1.0).backlog(),
+                       "a first call to an unreachable Redis with startup_timeout_s=1", 60)
     srv = LocalRedis().start()
     try:
         prod = StreamProducer(srv.url, "s", 10, startup_timeout_s=0.5, reconnect_max_s=0.2)
@@ -76,13 +76,13 @@ def test_stream_calls_honour_a_stop_while_redis_is_down() -> None:
         assert len(cons.read(1)) == 1
         srv.stop(kill=True)
         threading.Timer(1.0, stop.set).start()
-        t0 = time.monotonic()
-        with pytest.raises((StopRequested, Exception)) as e:
-            prod.add(b"y")  # the backlog check used to retry for ever here
-        assert not isinstance(e.value, AssertionError)
-        with pytest.raises(Exception):
-            cons.read(1)  # and so did reads
-        assert time.monotonic() - t0 < 20
+        # the backlog check used to retry for ever here; now the connection error ends the call once
+        # the stop is set (and only then: until it, a reconnect after start-up is patient)
+        with pytest.raises((StopRequested, RedisConnectionError)):
+            returns_within(lambda: prod.add(b"y"), "prod.add with Redis down after the stop", 60)
+        assert stop.is_set()
+        with pytest.raises(RedisConnectionError):  # and so did reads
+            returns_within(lambda: cons.read(1), "cons.read with Redis down after the stop", 60)
     finally:
         srv.close()
 
@@ -96,12 +96,10 @@ def test_a_judge_stops_on_sigterm_while_redis_is_gone(tmp_path: Path) -> None:
         keys = Keys("gone")
         wait_for(lambda: r.hlen(keys.procs) > 0 or None, "the judge's heartbeat", 120, [child])
         srv.stop(kill=True)
-        time.sleep(1.0)  # the judge is now reconnecting
-        t0 = time.monotonic()
+        wait_for(lambda: "reconnecting in" in child.output(None), "the judge to retry its Redis calls", 60, [child])
         child.proc.send_signal(signal.SIGTERM)
-        rc = child.proc.wait(timeout=60)
+        rc = child.wait(timeout=60)  # a liveness bound: it used to retry for ever
         assert rc == 0, child.output(None)[-3000:]
-        assert time.monotonic() - t0 < 30
     finally:
         child.kill()
         srv.close()

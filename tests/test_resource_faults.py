@@ -36,10 +36,11 @@ from worldloop.common.streams import StreamProducer, connect
 from worldloop.learner import checkpoint
 from worldloop.learner.synthetic import synthetic_trajectory, tiny_learner_config
 from worldloop.bootstrap.tiny_model import make_tiny_model
+from ci import unavailable
+from procs import exit_code, run_to_end, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
-_ON_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 def _env() -> dict:
@@ -68,9 +69,7 @@ def _mount_tmpfs(path: Path, size: str) -> None:
         if done.returncode != 0:
             why = f"mount -t tmpfs failed: {done.stderr.strip()}"
     if why:
-        if _ON_CI:
-            pytest.fail(f"CI must allow the disk-full test: {why}")
-        pytest.skip(why)
+        unavailable(f"{why}; CI must allow the disk-full test (.ci/run runs as root)")
 
 
 def _umount(path: Path) -> None:
@@ -111,6 +110,7 @@ def test_a_record_appended_to_a_full_disk_fails_naming_the_file_and_leaves_no_to
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2000)  # its waits: 600 s for the step-2 checkpoint, 600 for the failure, 600 for --resume
 def test_disk_full_during_a_checkpoint_fails_clearly_and_resume_continues(redis_url, tmp_path):
     ns = "diskfull"
     model_dir = make_tiny_model(tmp_path / "tiny", max_image_side=112)
@@ -135,18 +135,16 @@ def test_disk_full_during_a_checkpoint_fails_clearly_and_resume_continues(redis_
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
             try:
-                deadline = time.monotonic() + 600
-                while time.monotonic() < deadline and proc.poll() is None:
+                def step_2_checkpointed() -> bool:
+                    assert proc.poll() is None, f"the learner exited with {proc.returncode}\n" + log_path.read_text()[-3000:]
                     ck = checkpoint.latest(run_dir / "checkpoints")
-                    if ck is not None and ck.name == "step_00000002":
-                        break
-                    time.sleep(0.05)
-                assert proc.poll() is None, log_path.read_text()[-3000:]
-                assert checkpoint.latest(run_dir / "checkpoints").name == "step_00000002"
+                    return ck is not None and ck.name == "step_00000002"
+
+                wait_for(step_2_checkpointed, "the checkpoint of step 2", 600, extra=lambda: log_path.read_text()[-3000:])
                 # the disk fills: 256 KiB stay free, room for the metrics and ledger lines, not for a checkpoint
                 filler = _fill(run_dir, 256 << 10)
                 produce(range(8, 16))  # steps 3 and 4; the checkpoint of step 4 meets the full disk
-                rc = proc.wait(timeout=600)
+                rc = exit_code(proc, 600, "the learner, after the disk filled", log_path)
             finally:
                 if proc.poll() is None:
                     proc.kill()
@@ -169,7 +167,7 @@ def test_disk_full_during_a_checkpoint_fails_clearly_and_resume_continues(redis_
 
         # space again: --resume continues from step 2 and trains 3 and 4 again, from the same entries
         filler.unlink()
-        second = subprocess.run(cmd + ["--resume"], cwd=ROOT, env=_env(), capture_output=True, timeout=600)
+        second = run_to_end(cmd + ["--resume"], 600, "learner --resume", cwd=ROOT, env=_env())
         assert second.returncode == 0, second.stdout.decode()[-2000:] + second.stderr.decode()[-4000:]
         assert "resumed from " + str(ck_root / "step_00000002") in second.stdout.decode() + second.stderr.decode()
         state = checkpoint.read_state(checkpoint.latest(ck_root))
@@ -190,9 +188,11 @@ def test_disk_full_during_a_checkpoint_fails_clearly_and_resume_continues(redis_
 
 
 def test_hanging_judge_endpoint_gives_the_flagged_fallback_after_timeout_and_retries(redis_url, tmp_path):
-    """The endpoint accepts every request and never answers. Each part of each turn costs
-    (1 + max_retries) attempts of timeout_s each (plus backoff), then gets ``fallback_score`` flagged
-    ``fallback``; the trajectories move on to ``scored``, none stays pending, the judge stays up."""
+    """The endpoint accepts every request and never answers. Each part of each turn makes
+    (1 + max_retries) attempts, each ended by timeout_s, then gets ``fallback_score`` flagged
+    ``fallback``; the trajectories move on to ``scored``, none stays pending, the judge stays up.
+    How soon (about (1 + max_retries) x timeout_s, the parts waiting concurrently) is measured by
+    ``python bench/judge.py --hang``, not here."""
     from tests.procs import Child, wait_for
     from tests.test_judge_process import _push, _scored
     from worldloop.common.keys import ROLLOUTS_GROUP
@@ -214,19 +214,15 @@ def test_hanging_judge_endpoint_gives_the_flagged_fallback_after_timeout_and_ret
         try:
             _push(redis_url, keys, n)
             wait_for(lambda: fake.chat_requests(), "the first judge request", 120, [judge])
-            t0 = time.monotonic()
-            # bounded: every part's attempts run concurrently, each attempt ends at its timeout
-            wait_for(lambda: r.xlen(keys.scored) == n, f"{n} scored trajectories", 30, [judge])
-            elapsed = time.monotonic() - t0
+            # a liveness bound (the timing is bench/judge.py --hang's): every attempt ends at its timeout
+            wait_for(lambda: r.xlen(keys.scored) == n, f"{n} scored trajectories", 60, [judge],
+                     extra=lambda: f"{len(fake.chat_requests())} requests so far; rollouts {r.xlen(keys.rollouts)}")
             assert judge.returncode is None  # the judge is still up, reading
         finally:
             judge.kill()
         reqs = fake.chat_requests()
     attempts_per_part = 1 + retries
     assert len(reqs) == n * 2 * attempts_per_part  # 2 parts (grounding, world modeling) per turn
-    # each retry followed a timed-out attempt: at least timeout_s between the two requests of a part
-    assert elapsed >= timeout_s * attempts_per_part - 0.5
-    assert elapsed < (timeout_s + 1.0 + 0.05 * 2) * attempts_per_part + 10.0
     scored = _scored(r, keys)
     assert sorted(t.trajectory_id for t in scored) == [f"traj-{i:03d}" for i in range(n)]
     for t in scored:
@@ -237,14 +233,15 @@ def test_hanging_judge_endpoint_gives_the_flagged_fallback_after_timeout_and_ret
             assert d["fallback"] is True and d["reason"] == "timeout" and d["attempts"] == attempts_per_part
         assert turn.grounding_score == 0.25 and turn.worldmodeling_score == 0.25
     assert r.xlen(keys.rollouts) == 0 and r.xpending(keys.rollouts, ROLLOUTS_GROUP)["pending"] == 0
-    print(f"\nhanging judge: {n} trajectories scored by flagged fallback {elapsed:.1f} s after the first request "
-          f"(timeout_s={timeout_s}, max_retries={retries}), {len(reqs)} requests")
+    print(f"\nhanging judge: {n} trajectories scored by flagged fallback (timeout_s={timeout_s}, "
+          f"max_retries={retries}), {len(reqs)} requests")
 
 
 # ----------------------------------------------------------------------------- backlog at its limit
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(800)  # its waits add up to 630 s
 def test_backlog_at_its_limit_blocks_visibly_and_recovers_when_drained(redis_url, tmp_path):
     """A real actor with ``redis.max_backlog`` 2 and no judge: the stream fills, the actor waits in
     slices of ``PUSH_SLICE_S`` (each one ends, re-checks stop and adds to the wait metric), says so in
@@ -255,6 +252,7 @@ def test_backlog_at_its_limit_blocks_visibly_and_recovers_when_drained(redis_url
     import urllib.request
 
     from tests.procs import Child, wait_for
+    from worldloop.actor.process import PUSH_SLICE_S
     from worldloop.common.control import list_processes
     from worldloop.common.keys import ROLLOUTS_GROUP
     from worldloop.common.schemas import decode_trajectory
@@ -294,13 +292,17 @@ def test_backlog_at_its_limit_blocks_visibly_and_recovers_when_drained(redis_url
         assert r.xlen(keys.rollouts) == limit
         assert "bp:rollouts is at its backlog limit (2 undelivered entries): waiting on backpressure" in actor.output(None)
         # visible and growing, slice by slice: the phase's seconds, the metrics
+        total = "worldloop_stream_backpressure_seconds_total"
         w1, m1 = info()["backpressure_wait_s"], scrape()
         assert m1["worldloop_stream_backpressure_blocked"] == 1.0
-        time.sleep(6.0)
-        w2, m2 = info()["backpressure_wait_s"], scrape()
-        assert w2 >= w1 + 2.0, (w1, w2)
-        # each 1 s slice ends and adds its wait: the counter grows while the block lasts
-        assert m2["worldloop_stream_backpressure_seconds_total"] >= m1["worldloop_stream_backpressure_seconds_total"] + 2.0
+
+        def grown():  # each 1 s slice ends and adds its wait: both grow by two slices while the block lasts
+            w, m = info()["backpressure_wait_s"], scrape()
+            return (w, m) if w >= w1 + 2 * PUSH_SLICE_S and m[total] >= m1[total] + 2 * PUSH_SLICE_S else None
+
+        w2, m2 = wait_for(grown, "the phase's wait seconds and the wait counter to grow by two slices", 120, [actor],
+                          extra=lambda: f"phase {info()}, metrics {scrape()} (first read: {w1}, {m1})")
+        assert m2["worldloop_stream_backpressure_blocked"] == 1.0  # still the same block
         assert r.xlen(keys.rollouts) == limit  # nothing past the limit
 
         # drain, as a judge would (read, ack + delete): the actor goes on
@@ -309,7 +311,9 @@ def test_backlog_at_its_limit_blocks_visibly_and_recovers_when_drained(redis_url
         drain.ack([m.id for m in got])
         wait_for(lambda: "room in bp:rollouts again after" in actor.output(None), "the actor to resume", 60, [actor])
         resumed = re.findall(r"room in bp:rollouts again after ([\d.]+) s of backpressure", actor.output(None))
-        assert float(resumed[0]) >= 4.0
+        # the log's account of the block covers what the phase showed of it before the drain (the
+        # same wait, measured by the actor from the same start; both rounded to 0.1 s)
+        assert float(resumed[0]) >= w2 - 0.1, (resumed, w2)
         wait_for(lambda: r.xlen(keys.rollouts) == limit, "the stream to fill again", 120, [actor])
         wait_for(lambda: "waiting on backpressure" in info().get("phase", ""), "the second block", 60, [actor])
         # a stop during the wait: bounded by a slice, clean exit
@@ -321,6 +325,6 @@ def test_backlog_at_its_limit_blocks_visibly_and_recovers_when_drained(redis_url
     finally:
         actor.kill()
     assert "not pushed" in actor.output(None)  # it said what it gave up on
-    print(f"\nbackpressure: blocked {resumed[0]} s before the drain; phase wait {w1} -> {w2} s over 6 s; "
+    print(f"\nbackpressure: blocked {resumed[0]} s before the drain; phase wait {w1} -> {w2} s; "
           f"backpressure_seconds {m1['worldloop_stream_backpressure_seconds_total']:.1f} -> "
           f"{m2['worldloop_stream_backpressure_seconds_total']:.1f}; SIGTERM while blocked -> exit 0 in {stop_s:.1f} s")

