@@ -145,7 +145,15 @@ class ActorConfig:
     envs: list[EnvSpec] = field(default_factory=lambda: [EnvSpec()])
     max_turns: int = 3
     n_samples_per_seed: int = 1
-    backend: Literal["hf", "vllm"] = "hf"
+    backend: Literal["hf", "vllm", "server"] = "hf"
+    # actor.backend=server: base URLs (http://host:port) of running inference servers (`worldloop
+    # serve`); empty = `worldloop up` starts one on this machine
+    servers: list[str] = field(default_factory=list)
+    server_timeout_s: float = 600.0  # one generation request (a weight load's drain and pause included)
+    # a request whose server failed is sent again to any usable server for this long; then its
+    # episode is dropped and its admission refunded
+    server_retry_s: float = 300.0
+    server_startup_timeout_s: float = 900.0  # an actor waits this long at start for a ready server
     device: Literal["auto", "cpu", "cuda"] = "auto"
     temperature: float = 0.7
     top_p: float = 0.95
@@ -165,6 +173,16 @@ class ActorConfig:
     # vLLM KV-cache size in GiB; null = from vllm_gpu_memory_utilization on GPU, 1 GiB on CPU
     vllm_kv_cache_gib: float | None = None
     actor_id: str | None = None  # default: <hostname>-<pid>
+
+
+@dataclass
+class ServeConfig:
+    # `worldloop serve`: a vLLM inference server for actor.backend=server; the model, dtype, context
+    # and KV-cache settings come from model.* and actor.vllm_* (actor/server/launch.py)
+    host: str = "127.0.0.1"
+    port: int = 8000  # `worldloop up` picks a free port for the server it starts
+    tensor_parallel_size: int = 1
+    extra_args: list[str] = field(default_factory=list)  # appended to vllm serve's arguments as they are
 
 
 @dataclass
@@ -356,6 +374,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -399,6 +418,13 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "actor.top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
     "actor.max_new_tokens": (lambda v: v >= 1, "must be >= 1"),
     "actor.vllm_kv_cache_gib": (lambda v: v is None or v > 0, "must be > 0 or null"),
+    "actor.servers": (lambda v: all(u.startswith(("http://", "https://")) for u in v),
+                      "must list base URLs that start with http:// or https://"),
+    "actor.server_timeout_s": (lambda v: v > 0, "must be > 0"),
+    "actor.server_retry_s": (lambda v: v > 0, "must be > 0"),
+    "actor.server_startup_timeout_s": (lambda v: v > 0, "must be > 0"),
+    "serve.port": (lambda v: 0 < v < 65536, "must be a TCP port"),
+    "serve.tensor_parallel_size": (lambda v: v >= 1, "must be >= 1"),
     "judge.concurrency": (lambda v: v >= 1, "must be >= 1"),
     "judge.timeout_s": (lambda v: v > 0, "must be > 0"),
     "judge.max_retries": (lambda v: v >= 0, "must be >= 0"),

@@ -50,6 +50,11 @@ def test_unknown_key_is_named() -> None:
     ("weights.max_bytes=-1", "weights.max_bytes", "must be >= 0"),
     ("up.time_limit_s=0", "up.time_limit_s", "must be > 0 seconds or null"),
     ("trainer.time_limit_s=-5", "trainer.time_limit_s", "must be > 0 seconds or null"),
+    ("actor.servers=[localhost:8000]", "actor.servers", "http:// or https://"),
+    ("actor.server_retry_s=0", "actor.server_retry_s", "must be > 0"),
+    ("serve.port=70000", "serve.port", "must be a TCP port"),
+    ("serve.tensor_parallel_size=0", "serve.tensor_parallel_size", "must be >= 1"),
+    ("serve.extra_args=--enforce-eager", "serve.extra_args", "expected a list"),
 ])
 def test_bad_value_is_named(override: str, key: str, words: str) -> None:
     e = _error(overrides=(override,))
