@@ -222,12 +222,13 @@ class ServerBackend:
             await asyncio.sleep(POLL_S)
 
     async def _poll_forever(self) -> None:
+        said: dict[str, str | None] = {}  # the refusal last logged per server
         while True:
             await asyncio.gather(*(self._poll(s) for s in self.servers))
             for s in self.servers:
-                if s.refused and s.last_error != s.refused:
-                    s.last_error = s.refused
+                if s.refused and said.get(s.url) != s.refused:
                     log.error("inference server %s is not used: %s", s.url, s.refused)
+                said[s.url] = s.refused
             await asyncio.sleep(POLL_S)
 
     async def _route(self, session: str, deadline: float) -> ServerState | None:

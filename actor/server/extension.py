@@ -41,12 +41,12 @@ import threading
 from typing import Any
 
 from worldloop.actor.generation import WeightUpdateError
+from worldloop.actor.server.launch import CONFIG_ENV
 from worldloop.actor.vllm_backend import install_no_torchvision_compat, load_weights_in_place, reference_params, wrap_sampler
 from worldloop.common.config import Config, config_from_dict
 
 log = logging.getLogger("worldloop.server")
 
-CONFIG_ENV = "WORLDLOOP_SERVE_CONFIG"
 POLL_S = 0.1
 
 

@@ -23,6 +23,9 @@ request sends all its sampling fields anyway). The worker extension
 (:mod:`worldloop.actor.server.extension`) and the middleware (:mod:`worldloop.actor.server.app`)
 are always added. The resolved config travels to the server's processes as JSON in
 ``$WORLDLOOP_SERVE_CONFIG`` (weights channel, CURVE key files, Redis for the heartbeat).
+Importing this module imports no vLLM (``worldloop serve`` builds the command line with it, then
+execs); vLLM's spawned engine-core process, which imports it as ``__mp_main__``, applies the
+compatibility shim at once.
 """
 
 from __future__ import annotations
@@ -36,13 +39,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from worldloop.actor.server.extension import CONFIG_ENV
 from worldloop.common.config import to_dict
 from worldloop.common.modeling import MERGE, PATCH
 
 if TYPE_CHECKING:
     from worldloop.common.config import Config
 
+CONFIG_ENV = "WORLDLOOP_SERVE_CONFIG"  # the resolved config as JSON, for the server's processes
 EXTENSION = "worldloop.actor.server.extension.WorldloopWorkerExtension"
 MIDDLEWARE = "worldloop.actor.server.app.WorldloopMiddleware"
 CPU_KV_CACHE_GIB = 1.0
@@ -139,6 +142,13 @@ def main(argv: list[str]) -> None:
     sys.argv = ["vllm", "serve", *argv]
     vllm_main()
 
+
+if __name__ == "__mp_main__":
+    # vLLM's engine-core process, spawned: it imports this module under that name (not running
+    # main) and builds the model's processor before the workers import the extension
+    from worldloop.actor.vllm_backend import install_no_torchvision_compat
+
+    install_no_torchvision_compat()
 
 if __name__ == "__main__":
     main(sys.argv[1:])
