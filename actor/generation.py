@@ -1,11 +1,16 @@
-"""The generation contract of actors: what every backend (``hf_backend``, ``vllm_backend``) takes,
-returns and checks. Implementations live in their own modules; ``backends.make_backend`` picks one.
+"""The generation contract of actors: what every backend (``hf_backend``, ``vllm_backend``,
+``server.client``) takes, returns and checks. Implementations live in their own modules;
+``backends.make_backend`` picks one.
 
 Public API::
 
-    GenRequest(prompt_ids: list[int], images: list[bytes], sample_key=None)
-        # whole context so far + all its PNGs; sample_key: the request's own random stream
-    GenResult(response_ids, logprobs, text, truncated)           # truncated: hit max_new_tokens w/o EOS
+    GenRequest(prompt_ids: list[int], images: list[bytes], sample_key=None, session=None)
+        # whole context so far + all its PNGs; sample_key: the request's own random stream;
+        # session: the episode it belongs to (a server backend keeps an episode on one server)
+    GenResult(response_ids, logprobs, text, truncated, version=None, error=None)
+        # truncated: hit max_new_tokens w/o EOS; version: the weights that produced it when the
+        # backend knows per response (servers), None = the backend's .version at the call;
+        # error: this request failed for good (its episode is dropped), the other fields empty
     class GenerationBackend(Protocol):
         version: int
         def generate(self, requests, *, temperature, top_p, max_new_tokens, seed=None) -> list[GenResult]
@@ -53,6 +58,7 @@ class GenRequest:
     prompt_ids: list[int]
     images: list[bytes] = field(default_factory=list)
     sample_key: int | None = None  # the request's own random stream (see "Keyed sampling"), 0 <= key < 2**63
+    session: str | None = None  # the episode (trajectory id): the server backend's affinity key
 
 
 @dataclass
@@ -61,6 +67,8 @@ class GenResult:
     logprobs: list[float]
     text: str
     truncated: bool
+    version: int | None = None  # the weight version that produced it (None: the backend's .version)
+    error: str | None = None  # set when the request failed for good (server backend): drop its episode
 
 
 @runtime_checkable

@@ -246,6 +246,7 @@ class Actor:
         if self.proc.should_stop():
             return "stopped"
         learner, own = int(self.control["policy_version"]), int(self.backend.version)
+        metric("worldloop_actor_policy_version").set(own)  # inference servers load versions on their own
         metric("worldloop_actor_policy_lag_versions").set(learner - own)
         went_back = self._learner_seen is not None and learner < self._learner_seen
         # the record was written after we applied `own` and still says less: not a record that lags
@@ -414,7 +415,8 @@ def run(cfg: Config, args: argparse.Namespace | None = None) -> int:
             codec = getattr(backend, "codec", None)
             if codec is not None and not codec.is_vision and any(e.kwargs.get("render_mode", "vision") == "vision" for e in cfg.actor.envs):
                 log.warning("%s is a text-only model: images of vision-mode envs are dropped", cfg.model.path)
-            subscriber = _subscriber(cfg)
+            # a backend whose servers follow the weight channel themselves needs no fetcher here
+            subscriber = None if getattr(backend, "loads_own_weights", False) else _subscriber(cfg)
             if subscriber is not None:
                 fetcher = WeightFetcher(subscriber, stop, have=backend.version)
                 fetcher.start()

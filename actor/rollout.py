@@ -40,12 +40,15 @@ One turn of an episode
    previous response, closing it with ``<|im_end|>`` unless the response ended with that token:
    truncated at ``max_new_tokens``, or stopped on the other EOS ``<|endoftext|>``).
 2. All live episodes are generated in ONE ``backend.generate`` call; each request is the whole
-   episode so far (every turn's ``obs_ids`` + ``response_ids``) plus all its images.
+   episode so far (every turn's ``obs_ids`` + ``response_ids``) plus all its images, and names
+   its episode (``session``: the trajectory id).
 3. ``env.step(response_text)``; the turn records exactly the fields of ``worldloop.trajectory/1``
    (``common/schemas.py``): the ids, the behaviour log-probs, the PNG images, the parsed fields and
    rewards from ``info``, ``state_before`` (the state of the previous reset/step ``info``) and
    ``state_after``, ``actions_total = info["actions_executed"]``, ``actions_effective``,
-   ``truncated_response`` and ``policy_version`` (the backend's version when it was generated).
+   ``truncated_response`` and ``policy_version`` (the version that produced the response: the
+   result's own ``version`` when the backend gives one, as the server backend does per response,
+   else the backend's version when the call began).
 
 History: the whole episode stays in the model context. Every turn's ``obs_ids`` continue the
 previous turns, so the learner's concatenation of obs_ids and response_ids over turns IS the
@@ -60,11 +63,12 @@ contains an image placeholder token (``<|image_pad|>``, ``<|vision_start|>``, ``
 ``"vision_token"``; that turn is discarded, since the learner locates images by those tokens and
 would reject the whole sequence, and the env is not stepped with it), or when the env raises
 during ``reset``/``step`` or returns an observation the codec refuses (``"env_error"``: an env bug;
-the error is logged with its traceback and the episode is dropped, the engine goes on). Each
-trajectory carries ``end_reason``. Episodes
-with ``end_reason`` env_error, or that ended before their first generation, have no turns: the
-actor drops them (``encode_trajectory`` refuses an empty ``turns``); :func:`play_episodes` returns
-them with ``turns == []`` so that a caller can count them.
+the error is logged with its traceback and the episode is dropped, the engine goes on), or when
+its generation failed for good (``"server_error"``: the server backend found no usable server
+within ``actor.server_retry_s``; dropped too). Each trajectory carries ``end_reason``. Episodes
+with ``end_reason`` env_error or server_error, or that ended before their first generation, have
+no turns: the actor drops them (``encode_trajectory`` refuses an empty ``turns``);
+:func:`play_episodes` returns them with ``turns == []`` so that a caller can count them.
 """
 
 from __future__ import annotations
@@ -86,7 +90,7 @@ from worldloop.envs.base import observation_parts
 
 log = logging.getLogger(__name__)
 
-END_REASONS = ("done", "max_turns", "context", "vision_token", "env_error")
+END_REASONS = ("done", "max_turns", "context", "vision_token", "env_error", "server_error")
 
 
 def env_name(env_id: str) -> str:
@@ -288,8 +292,8 @@ class RolloutEngine:
 
     def _generate(self, batch: list[_Episode], report: StepReport) -> None:
         keys = [episode_sample_key(self.sample_seed, ep.spec, len(ep.turns)) if self.keyed_sampling else None for ep in batch]
-        requests = [GenRequest(ep.context + ep.pending.ids, ep.images + ep.pending.images, sample_key=k)
-                    for ep, k in zip(batch, keys)]
+        requests = [GenRequest(ep.context + ep.pending.ids, ep.images + ep.pending.images, sample_key=k,
+                               session=ep.trajectory_id) for ep, k in zip(batch, keys)]
         version = int(self.backend.version)
         seed = None if self.sample_seed is None else self.sample_seed + self._calls
         self._calls += 1
@@ -300,11 +304,14 @@ class RolloutEngine:
         report.prompt_tokens += sum(len(r.prompt_ids) for r in requests)
         for ep, res in zip(batch, results):
             report.generated_tokens += len(res.response_ids)
-            self._play(ep, res, version, report)
+            # the weights that produced the response: its own version when the backend gives one (servers)
+            self._play(ep, res, version if res.version is None else int(res.version), report)
 
     def _play(self, ep: _Episode, res: Any, version: int, report: StepReport) -> None:
         seg, ep.pending = ep.pending, None
         name = ep.spec.name
+        if self._failed(ep, res):
+            return
         if self._vision_ids.intersection(res.response_ids):
             ep.end_reason = "vision_token"
             log.info("episode %s (%s seed %d) ends: the response holds image placeholder tokens; turn %d discarded",
@@ -360,6 +367,17 @@ class RolloutEngine:
                 self._encode_next(ep, obs)
         except Exception:
             self._env_error(ep, "step")
+
+    @staticmethod
+    def _failed(ep: _Episode, res: Any) -> bool:
+        """A generation that failed for good (server backend) drops its episode: no turns, so the
+        actor refunds its admission."""
+        if res.error is None:
+            return False
+        ep.end_reason, ep.turns = "server_error", []
+        log.warning("episode %s (%s seed %d) dropped: its generation failed (%s)", ep.trajectory_id, ep.spec.name,
+                    ep.spec.seed, res.error)
+        return True
 
     def close(self) -> None:
         """Abandon every live episode (their envs are closed; nothing is returned)."""

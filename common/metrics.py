@@ -1,8 +1,9 @@
 """Prometheus metrics: one catalog for every process, one ``/metrics`` endpoint each.
 
 Naming scheme: ``worldloop_<role>_<what>_<unit>`` where role is one of
-actor, judge, learner, eval (the held-out evaluator), stream (the Redis transport,
-in any process), weights (the ZeroMQ channel) or up; counters end in ``_total`` (prometheus-client adds
+actor, judge, learner, eval (the held-out evaluator), server (an inference server's
+weight loading, beside vLLM's own ``vllm:*`` metrics), stream (the Redis transport, in any
+process), weights (the ZeroMQ channel) or up; counters end in ``_total`` (prometheus-client adds
 it), durations are in ``_seconds``, sizes in ``_bytes``. Every metric a process
 exports is declared in :data:`CATALOG`; ``metric(name)`` creates it on first
 use. The Grafana dashboard in ``deploy/`` is checked against this catalog by
@@ -81,11 +82,14 @@ CATALOG: dict[str, Spec] = {
     "worldloop_actor_weight_updates": Spec("counter", "Weight versions applied"),
     "worldloop_actor_live_episodes": Spec("gauge", "Episodes in progress"),
     "worldloop_actor_episode_ends": Spec(
-        "counter", "Ended episodes by reason (done, max_turns, context, vision_token, env_error)", ("env", "reason")
+        "counter", "Ended episodes by reason (done, max_turns, context, vision_token, env_error, server_error)", ("env", "reason")
     ),
     "worldloop_actor_dropped_episodes": Spec("counter", "Ended episodes not pushed (no complete turn)", ("env", "reason")),
     "worldloop_actor_weight_update_failures": Spec("counter", "Weight versions that failed to fetch or apply", ("reason",)),
     "worldloop_actor_paused": Spec("gauge", "1 while the control record pauses this actor"),
+    "worldloop_actor_server_retries": Spec(
+        "counter", "Generation requests sent again (server_failed: its inference server failed; mixed_versions: "
+        "tokens from two weight versions)", ("reason",)),
     # ---- eval (worldloop evaluator: held-out success while training)
     "worldloop_eval_success_rate": Spec("gauge", "Held-out success rate of the newest evaluated policy version", ("env",)),
     "worldloop_eval_policy_version": Spec("gauge", "Policy version of the newest held-out evaluation"),
@@ -93,6 +97,13 @@ CATALOG: dict[str, Spec] = {
     "worldloop_actor_admitted_episodes": Spec("counter", "Episodes admitted by the run's admission budget"),
     "worldloop_actor_admission_wait_seconds": Spec("counter", "Seconds the actor had room for episodes but no admission budget"),
     "worldloop_actor_idle_seconds": Spec("counter", "Seconds the actor generated nothing (no admitted episode running)"),
+    # ---- server (worldloop serve: a vLLM inference server; vLLM's own metrics are named vllm:*)
+    "worldloop_server_weights_version": Spec("gauge", "Weight version the server generates with"),
+    "worldloop_server_weight_updates": Spec("counter", "Weight versions loaded into the running server"),
+    "worldloop_server_weight_update_seconds": Spec(
+        "histogram", "Seconds generation was paused to load one version (drain of the requests in flight included)",
+        buckets=_TIME_BUCKETS),
+    "worldloop_server_weight_update_failures": Spec("counter", "Weight versions the server failed to load", ("reason",)),
     # ---- judge
     "worldloop_judge_scored_turns": Spec("counter", "Turns scored", ("scorer",)),
     "worldloop_judge_trajectories": Spec("counter", "Trajectories scored and forwarded"),

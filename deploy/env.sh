@@ -6,6 +6,10 @@ set -a
 : "${WORLDLOOP_LEARNER_GPUS:=}"               # empty: CUDA_VISIBLE_DEVICES left as it is
 : "${WORLDLOOP_ACTOR_GPUS:=}"
 : "${WORLDLOOP_JUDGE_GPUS:=}"
+: "${WORLDLOOP_SERVE_GPUS:=}"
+: "${WORLDLOOP_NUM_SERVERS:=0}"               # inference servers (actor.backend=server); 0 = none
+: "${WORLDLOOP_SERVE_HOST:=127.0.0.1}"
+: "${WORLDLOOP_SERVE_PORT_PREFIX:=97}"        # server-NN listens on port <prefix>NN
 : "${WORLDLOOP_LEARNER_STOPWAITSECS:=600}"
 : "${WORLDLOOP_HEAD_NODE:=true}"
 : "${WORLDLOOP_SD_FILE:=$WORLDLOOP_RUN_DIR/prometheus-targets.json}"

@@ -224,3 +224,45 @@ def test_a_response_with_image_tokens_ends_the_episode_without_that_turn(backend
     bad.update_weights(state, version=1)
     [traj] = play_episodes(bad, [EpisodeSpec(LAKE, 1, KW, max_turns=2)], sampling=Sampling(0.0, 1.0, 4))
     assert traj.end_reason == "vision_token" and traj.turns == []
+
+
+class _ServerLike:
+    """The HF backend answering as the server backend does: each result names the version that
+    produced it (here 7 + the request's image count, so each turn differs from the backend's
+    ``version``), and every request of the session ``fail`` after its first turn fails for good."""
+
+    def __init__(self, inner: HFBackend, fail: str | None = None):
+        self.inner, self.fail, self.version, self.sessions = inner, fail, 0, []
+        self.codec = inner.codec
+
+    def generate(self, requests, **kw):
+        import dataclasses
+
+        from worldloop.actor.generation import GenResult
+
+        out = []
+        for req, res in zip(requests, self.inner.generate(requests, **kw)):
+            self.sessions.append(req.session)
+            if req.session == self.fail and len(req.images) > 1:
+                out.append(GenResult([], [], "", False, error="no usable inference server within 3 s"))
+            else:
+                out.append(dataclasses.replace(res, version=7 + len(req.images)))
+        return out
+
+
+def test_per_result_versions_sessions_and_failed_generations(backend) -> None:
+    specs = [EpisodeSpec(LAKE, s, KW, max_turns=2, trajectory_id=f"ep{s}") for s in (3, 4)]
+    probe = _ServerLike(backend)
+    played = play_episodes(probe, specs, sampling=Sampling(0.0, 1.0, 12))
+    two_turns = [t for t in played if len(t.turns) == 2]
+    assert two_turns, [t.end_reason for t in played]
+    for traj in played:  # each turn records the version of its own response, not the backend's
+        assert [t.policy_version for t in traj.turns] == [8, 9][: len(traj.turns)]
+    assert set(probe.sessions) == {"ep3", "ep4"}  # every request names its episode
+    # a generation that failed for good drops its episode whole (no turns: the actor refunds it)
+    tid = two_turns[0].trajectory_id
+    failing = _ServerLike(backend, fail=tid)
+    again = {t.trajectory_id: t for t in play_episodes(failing, specs, sampling=Sampling(0.0, 1.0, 12))}
+    assert again[tid].end_reason == "server_error" and again[tid].turns == []
+    other = next(t for k, t in again.items() if k != tid)
+    assert other.end_reason != "server_error" and other.turns

@@ -57,6 +57,11 @@ def test_unknown_key_is_named() -> None:
     ("trainer.pad_to_multiple=big", "trainer.pad_to_multiple", "must be one of ['auto']"),
     ("trainer.logprob_chunk_tokens=0", "trainer.logprob_chunk_tokens", "must be in [1, 1048576]"),
     ("trainer.liger=maybe", "trainer.liger", "expected true/false"),
+    ("actor.servers=[localhost:8000]", "actor.servers", "http:// or https://"),
+    ("actor.server_retry_s=0", "actor.server_retry_s", "must be > 0"),
+    ("serve.port=70000", "serve.port", "must be in (0, 65536) (a TCP port)"),
+    ("serve.tensor_parallel_size=0", "serve.tensor_parallel_size", "must be >= 1"),
+    ("serve.extra_args=--enforce-eager", "serve.extra_args", "expected a list"),
 ])
 def test_bad_value_is_named(override: str, key: str, words: str) -> None:
     e = _error(overrides=(override,))

@@ -19,6 +19,19 @@ from worldloop.common.metrics import CATALOG, exported_names, free_port
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 METRIC_RE = re.compile(r"\bworldloop_[a-z0-9_]+")
+VLLM_RE = re.compile(r"\bvllm:[a-z0-9_:]+")  # vLLM's own metrics, on the inference servers' /metrics
+
+
+def _vllm_declared() -> set[str] | None:
+    """The metric names vLLM's metrics modules declare (read from its files, nothing imported:
+    vLLM takes seconds to import); None when vLLM is not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(list(spec.submodule_search_locations)[0]) / "v1" / "metrics"
+    return {m for f in folder.glob("*.py") for m in re.findall(r'"(vllm:[a-z0-9_:]+)"', f.read_text())}
 
 
 def _dashboard() -> dict:
@@ -35,8 +48,9 @@ def _variables() -> dict[str, dict]:
 
 
 def _query_problems(panels: list[dict], variables: list[dict], exported: set[str]) -> tuple[list[str], set[str]]:
-    """(what is wrong with the dashboard's queries, the worldloop metrics they name)."""
+    """(what is wrong with the dashboard's queries, the worldloop and vLLM metrics they name)."""
     problems, seen = [], set()
+    vllm = _vllm_declared()
     if not panels:
         problems.append("dashboard has no panels")
     for panel in panels:
@@ -44,12 +58,17 @@ def _query_problems(panels: list[dict], variables: list[dict], exported: set[str
             problems.append(f"panel {panel['title']!r} has no query")
         for t in panel["targets"]:
             names = METRIC_RE.findall(t["expr"])
-            if not names:
-                problems.append(f"panel {panel['title']!r} query {t['expr']!r} names no worldloop metric")
+            if not names and not VLLM_RE.findall(t["expr"]):
+                problems.append(f"panel {panel['title']!r} query {t['expr']!r} names no worldloop or vLLM metric")
             for n in names:
                 if n not in exported:
                     problems.append(f"panel {panel['title']!r} queries {n}, which no process exports")
                 seen.add(n)
+            for n in VLLM_RE.findall(t["expr"]):
+                seen.add(n)
+                base = re.sub(r"_(total|bucket|sum|count)$", "", n)
+                if vllm is not None and n not in vllm and base not in vllm:
+                    problems.append(f"panel {panel['title']!r} queries {n}, which vLLM does not declare")
     for var in variables:  # the variables' label_values() queries too
         for n in METRIC_RE.findall(var.get("definition", "")):
             if n not in exported:
@@ -72,6 +91,10 @@ def test_every_dashboard_query_names_an_exported_metric():
         "worldloop_judge_request_seconds_bucket",
         "worldloop_judge_failures_total",
         "worldloop_stream_backlog_messages",
+        "worldloop_server_weights_version",
+        "worldloop_actor_server_retries_total",
+        "vllm:num_requests_running",
+        "vllm:generation_tokens_total",
     ):
         assert needed in seen, f"no panel shows {needed}"
 
@@ -84,10 +107,14 @@ def test_dashboard_check_catches_a_misspelt_metric():
     name = METRIC_RE.findall(target["expr"])[0]
     target["expr"] = target["expr"].replace(name, name + "_typo", 1)
     panels[1]["targets"][0]["expr"] = "up"
+    panels[2]["targets"][0]["expr"] = "vllm:no_such_metric_total"
     variables.append({"name": "bogus", "definition": "label_values(worldloop_no_such_metric, instance)"})
     problems, _ = _query_problems(panels, variables, set(exported_names()))
+    vllm_typo = ([f"panel {panels[2]['title']!r} queries vllm:no_such_metric_total, which vLLM does not declare"]
+                 if _vllm_declared() is not None else [])
     assert problems == [f"panel {panels[0]['title']!r} queries {name}_typo, which no process exports",
-                        f"panel {panels[1]['title']!r} query 'up' names no worldloop metric",
+                        f"panel {panels[1]['title']!r} query 'up' names no worldloop or vLLM metric",
+                        *vllm_typo,
                         "variable bogus queries worldloop_no_such_metric, which no process exports"]
     assert _query_problems([], [], set())[0] == ["dashboard has no panels"]
     assert all(n.startswith("worldloop_") for n in CATALOG)
@@ -98,14 +125,15 @@ def test_every_query_filters_by_the_variables_and_uses_rate_interval():
     for panel in _panels():
         for t in panel["targets"]:
             expr = t["expr"]
-            # every selector of a worldloop metric carries the namespace, role and instance filters
-            for m in re.finditer(r"(worldloop_[a-z0-9_]+)\{([^}]*)\}", expr):
+            # every selector of a worldloop (or vLLM) metric carries the namespace, role and instance filters
+            for m in re.finditer(r"(worldloop_[a-z0-9_]+|vllm:[a-z0-9_:]+)\{([^}]*)\}", expr):
                 name, matchers = m.groups()
                 for var in ("namespace", "role", "instance"):
                     assert f'{var}=~"${var}"' in matchers, f"{panel['title']!r}: {name} lacks the {var} filter"
                 if re.sub(r"_(total|bucket)$", "", name) in with_env:
                     assert 'env=~"$env"' in matchers, f"{panel['title']!r}: {name} lacks the env filter"
             assert len(METRIC_RE.findall(expr)) == len(re.findall(r"worldloop_[a-z0-9_]+\{", expr)), expr
+            assert len(VLLM_RE.findall(expr)) == len(re.findall(r"vllm:[a-z0-9_:]+\{", expr)), expr
             # rate windows follow the scrape interval instead of a fixed window
             windows = re.findall(r"\[([^\]]+)\]", expr)
             assert all(w == "$__rate_interval" for w in windows), f"{panel['title']!r}: fixed window in {expr}"
@@ -130,7 +158,7 @@ def test_dashboard_is_importable_and_has_a_training_row():
         assert f"{name})" in v["definition"].replace(" ", ""), v["definition"]  # label_values(..., name)
     # rows: operations first, then the per-step training panels
     rows = [p for p in d["panels"] if p["type"] == "row"]
-    assert [r["title"] for r in rows] == ["Operations", "Training (per step)"]
+    assert [r["title"] for r in rows] == ["Operations", "Training (per step)", "Inference servers"]
     training_y = rows[1]["gridPos"]["y"]
     training = " ".join(t["expr"] for p in _panels() if p["gridPos"]["y"] > training_y for t in p["targets"])
     for name in ("worldloop_learner_loss", "worldloop_learner_kl", "worldloop_learner_entropy",
@@ -369,3 +397,39 @@ def test_run_sh_maps_gpus_and_keeps_the_password_off_the_command_line(tmp_path):
     assert run("learner", "0", WORLDLOOP_ACTOR_GPUS="0 1")[0] == "CUDA=unset"
     out = run("judge", "0", WORLDLOOP_REDIS_PASSWORD="p@ss word")
     assert out[-1] == "redis.url=redis://10.0.0.1:6390/0" and not any("p@ss" in a for a in out)
+    assert run("serve", "01", WORLDLOOP_SERVE_GPUS="0,1 2,3")[:5] == ["CUDA=2,3", "-m", "worldloop", "serve", "--config"]
+
+
+def test_supervisord_runs_the_inference_servers_asked_for(tmp_path):
+    """WORLDLOOP_NUM_SERVERS=2: server-00 and server-01 in the group, each `run.sh serve NN` on port
+    <prefix>NN with the weight channel of the env file, stopped and killed as a group; the default
+    (0) adds no process. Read with supervisord's own config parser (starting vLLM is for the
+    vllm tests)."""
+    script = """
+from supervisor.options import ServerOptions
+o = ServerOptions()
+o.realize(args=["-c", "%s"])
+for g in o.process_group_configs:
+    for pc in g.process_configs:
+        print(g.name + ":" + pc.name, pc.stopasgroup, pc.killasgroup, pc.command.replace(chr(10), " "), sep=chr(9))
+""" % (DEPLOY / "supervisord.conf")
+
+    def programs(**values) -> dict[str, str]:
+        env_file = tmp_path / "w.env"
+        env_file.write_text((DEPLOY / "worldloop.env").read_text() + "".join(f"{k}='{v}'\n" for k, v in {
+            "WORLDLOOP_PYTHON": sys.executable, "WORLDLOOP_LOG_DIR": tmp_path, "WORLDLOOP_SUPERVISOR_DIR": tmp_path,
+            **values}.items()))
+        res = subprocess.run(["bash", "-c", f'here={DEPLOY}; . {DEPLOY}/env.sh; exec "$WORLDLOOP_PYTHON" -c "$0"', script],
+                             env={"PATH": os.environ["PATH"], "WORLDLOOP_ENV_FILE": str(env_file)},
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        return {name: rest for name, *rest in (line.split("\t") for line in res.stdout.splitlines())}
+
+    assert not [name for name in programs() if ":server" in name]
+    two = programs(WORLDLOOP_NUM_SERVERS=2, WORLDLOOP_SERVE_PORT_PREFIX=71, WORLDLOOP_SERVE_HOST="0.0.0.0")
+    servers = {name: line for name, line in two.items() if ":server" in name}
+    assert sorted(servers) == ["worldloop:server-00", "worldloop:server-01"]
+    for i, (name, (stopasgroup, killasgroup, command)) in enumerate(sorted(servers.items())):
+        assert stopasgroup == killasgroup == "True"  # vLLM's engine and workers stop with the server
+        assert f"run.sh serve {i} --config" in command and f"--host 0.0.0.0 --port 710{i}" in command, command
+        assert "weights.pub_port=5555 weights.fetch_port=5556" in command

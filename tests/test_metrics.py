@@ -9,7 +9,7 @@ import pytest
 
 from worldloop.common.metrics import CATALOG, exported_names, metric, serve_metrics
 
-NAME = re.compile(r"^worldloop_(process|stream|weights|actor|judge|learner|eval|up)_[a-z0-9_]+$")
+NAME = re.compile(r"^worldloop_(process|stream|weights|actor|judge|learner|eval|server|up)_[a-z0-9_]+$")
 
 
 def test_serve_metrics_over_http() -> None:

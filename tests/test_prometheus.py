@@ -175,12 +175,21 @@ def _get(url: str, timeout: float = 10.0) -> dict:
         return json.loads(resp.read())
 
 
-def _dashboard_queries(ns: str, rate_window: str) -> list[tuple[str, str]]:
+SERVER_ROW = "Inference servers"  # panels of actor.backend=server's vLLM servers
+
+
+def _dashboard_queries(ns: str, rate_window: str, *, rows_out: tuple[str, ...] = ()) -> list[tuple[str, str]]:
     """(panel title, PromQL) of every dashboard query with its variables substituted as Grafana
-    does: this run's namespace, "All" (``.*``) for role, instance and env."""
+    does: this run's namespace, "All" (``.*``) for role, instance and env; none of the rows titled
+    in ``rows_out`` (a row's panels follow it)."""
     dash = json.loads((DEPLOY / "grafana" / "dashboards" / "worldloop.json").read_text())
     out = []
+    row = None
     for panel in dash["panels"]:
+        if panel["type"] == "row":
+            row = panel["title"]
+        if row in rows_out:
+            continue
         for t in panel.get("targets", []):
             expr = (t["expr"].replace("$__rate_interval", rate_window).replace("$namespace", ns)
                     .replace("$role", ".*").replace("$instance", ".*").replace("$env", ".*"))
@@ -324,8 +333,14 @@ def test_real_prometheus_scrapes_a_run_found_by_worldloop_sd(tmp_path, redis_url
             r.xadd(keys.rollouts, {b"data": b"not msgpack %d" % i})
             time.sleep(1.5)
 
-        queries = _dashboard_queries(ns, "30s")
+        # this run has no inference server (actor.backend hf): the server row's queries must parse
+        # and evaluate, but have no data to show
+        queries = _dashboard_queries(ns, "30s", rows_out=(SERVER_ROW,))
         missing: list[str] = []
+        params = {"start": started, "end": time.time(), "step": 2}
+        for title, expr in set(_dashboard_queries(ns, "30s")) - set(queries):
+            res = _get(f"{api}/query_range?" + urllib.parse.urlencode({**params, "query": expr}))
+            assert res["status"] == "success", (title, expr, res)
 
         def all_answer():
             missing.clear()

@@ -2,6 +2,7 @@
 
     worldloop up [CONFIG] [key.sub=value ...]        a whole local run (Redis, model, learner, actors, judge)
     worldloop actor --config CONFIG [overrides]      a rollout actor
+    worldloop serve --config CONFIG [--port P]       a vLLM inference server (actor.backend=server)
     worldloop judge --config CONFIG [overrides]      a judge worker process
     worldloop learner --config CONFIG [overrides]    the DeepSpeed learner
     worldloop eval --model PATH --envs a,b ...       evaluate a model on the env suite
@@ -43,9 +44,17 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "actor": (
         "worldloop.actor.process", "run",
         "run a rollout actor",
-        "Play num_envs episodes at once with the configured generation backend (hf or vllm), push finished "
+        "Play num_envs episodes at once with the configured generation backend (hf, vllm or server), push finished "
         "trajectories to the rollouts stream (or scored when the judge is off), and apply new weights from "
         "the learner's ZeroMQ channel between generations. Needs redis.url, weights.host and model.path.",
+    ),
+    "serve": (
+        "worldloop.serve", "run",
+        "run a vLLM inference server for actor.backend=server",
+        "Start `vllm serve` for model.path with worldloop's worker extension: the server loads every policy "
+        "version from the learner's ZeroMQ channel between requests, tags each response with the version that "
+        "produced it and answers GET /worldloop/info; actors reach it through actor.servers. Host and port "
+        "from serve.host/serve.port or --host/--port; vLLM settings from model.*, actor.vllm_* and serve.*.",
     ),
     "judge": (
         "worldloop.judge.process", "run",
@@ -162,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
                 p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
                 # the deepspeed launcher passes --local_rank=N (torchrun sets LOCAL_RANK instead)
                 p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+            elif name == "serve":
+                p.add_argument("--host", default=None, help="address to bind (default serve.host)")
+                p.add_argument("--port", type=int, default=None, help="port to listen on (default serve.port)")
             elif name == "sd":
                 p.add_argument("--out", required=True, help="file_sd JSON file to write (replaced atomically)")
                 p.add_argument("--interval", type=float, default=None, help="refresh every S seconds until stopped")

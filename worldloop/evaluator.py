@@ -128,7 +128,7 @@ def run(cfg: Config, args: argparse.Namespace | None = None) -> int:
     with ProcessScaffold(cfg, "evaluator", proc_id, stop_message="evaluating the final version, then exiting") as proc:
         try:
             proc.set_phase("loading the generation backend")
-            backend = make_backend(cfg)
+            backend = make_backend(cfg, local=True)  # weights it sets itself: hf for actor.backend=server
             subscriber = subscriber_from_config(cfg)
             fetcher = WeightFetcher(subscriber, fetch_stop, have=backend.version)
             fetcher.start()

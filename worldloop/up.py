@@ -14,9 +14,11 @@ Steps, each logged:
    ``up.final_reserve_s``, becomes the learner's ``trainer.time_limit_s`` (it stops before an update
    that would end past it), so the whole run ends within the budget on a slower machine too;
 5. children: the learner, ``up.num_actors`` actors and ``up.num_judges`` judges (none when
-   ``judge.enabled`` is false), each ``python -m worldloop <role>`` with the resolved config written
-   to ``<run_dir>/config.yaml``, output in ``<run_dir>/logs/<name>.log``; a crashed actor or judge is
-   restarted (at most ``MAX_RESTARTS`` times each), a crashed learner too, with ``--resume``;
+   ``judge.enabled`` is false), and with ``actor.backend=server`` and no ``actor.servers`` one
+   inference server (:func:`worldloop.serve.plan_local_servers`), each ``python -m worldloop
+   <role>`` with the resolved config written to ``<run_dir>/config.yaml``, output in
+   ``<run_dir>/logs/<name>.log``; a crashed actor, judge or server is restarted (at most
+   ``MAX_RESTARTS`` times each), a crashed learner too, with ``--resume``;
 6. a live progress line (step, episodes/s, success rate, reward, staleness) built from the learner's
    ``metrics.jsonl`` and from scraping every child's ``/metrics`` (the URLs come from the process
    heartbeats in Redis);
@@ -49,6 +51,7 @@ from worldloop.common.control import list_processes, read_control, write_control
 from worldloop.common.keys import Keys
 from worldloop.common.versions import write_versions
 from worldloop.plot import plot_metrics
+from worldloop.serve import plan_local_servers
 
 if TYPE_CHECKING:
     from worldloop.common.redis_local import LocalRedis
@@ -276,9 +279,11 @@ def run(cfg: Config, args) -> int:
         stop["preparing"] = False
         learner_time_budget(cfg, time.monotonic() - started)
         config_path = run_dir / "config.yaml"
+        servers = plan_local_servers(cfg, config_path)  # actor.backend=server: sets actor.servers
         config_path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         write_control(r, keys, run_state="running")
         children = _children(cfg, config_path, run_dir)
+        children += [Child(name, "server", argv, run_dir / "logs" / f"{name}.log") for name, argv in servers]
         env = _child_env(len(children))
         for c in children:
             c.start(env)

