@@ -125,10 +125,15 @@ class MetricsConfig(Section):
 class ModelConfig(Section):
     """The policy model, and how `worldloop up` makes the embedded tiny one."""
 
-    path: str = Field("models/tiny-qwen2.5-vl", description="a local HF model directory (Qwen2.5-VL family or a "
-                                                            "text-only causal LM); no hub downloads")
-    make_tiny_if_missing: bool = Field(True, description="build the embedded tiny model (local tokenizer + small "
-                                                         "Qwen2.5-VL config) if `path` is missing")
+    # worldloop/bootstrap/store.py: shipped (worldloop/warmstarts/), cached ($XDG_CACHE_HOME/worldloop/models) or built
+    path: str | None = Field(None, description="a local HF model directory (Qwen2.5-VL family or a text-only causal "
+                                               "LM; no hub downloads), used as it is when it exists; null = the warm "
+                                               "start of the config's recipe (the tiny model, grounding, SFT: shipped "
+                                               "with the package, cached on this machine, or made on the spot)")
+    make_tiny_if_missing: bool = Field(True, description="when `path` is null or does not exist, use the warm start of "
+                                                         "the config's recipe (shipped, cached or made on the spot; "
+                                                         "nothing is written to `path`); false = a missing model is "
+                                                         "an error")
     tiny_copy_pretrain_steps: int = Field(0, ge=0, description="steps of in-context copy pre-training of a newly made "
                                                                "tiny model before SFT (0: none)")
     tiny_grounding_steps: int = Field(0, ge=0, description="steps of grounding pre-training of a newly made tiny model "

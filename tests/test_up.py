@@ -156,48 +156,34 @@ def test_a_clean_exit_is_restarted_only_while_the_run_goes_on(tmp_path, redis_ur
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_during_grounding_stops_up_at_once_and_leaves_no_half_made_model(tmp_path, sig):
     """Grounding and SFT run inside `worldloop up` for minutes: Ctrl-C (or supervisor's SIGTERM) there
-    must end the run now, with its private redis-server, and must not leave a model.path that the
-    next run would take as prepared (it would skip grounding and SFT)."""
-    model = tmp_path / "model"
+    must end the run now, with its private redis-server, and must leave nothing in the model cache
+    that the next run would take as prepared (it would skip grounding and SFT)."""
     cfg_path = tmp_path / "up.yaml"
     cfg_path.write_text(yaml.safe_dump({
         "run": {"name": "sig", "run_dir": str(tmp_path / "run")},
         "redis": {"url": None},
-        "model": {"path": str(model), "make_tiny_if_missing": True, "max_image_side": 56,
-                  "tiny_grounding_steps": 100_000, "tiny_grounding_batch_size": 2},
+        "model": {"max_image_side": 56, "tiny_grounding_steps": 100_000, "tiny_grounding_batch_size": 2},
         "actor": {"max_turns": 2, "envs": [{"id": "worldloop/FrozenLake-v0",
                                             "kwargs": {"size": 3, "min_actions_to_succeed": 2, "render_mode": "vision",
                                                        "image_size": 56}}]},
         "sft": {"enabled": False},
         "trainer": {"total_steps": 1},
     }))
-    up = Child(["up", str(cfg_path)], tmp_path / "up.log")
+    cache = tmp_path / "cache"
+    up = Child(["up", str(cfg_path)], tmp_path / "up.log", env={"XDG_CACHE_HOME": str(cache)})
     try:
         wait_for(lambda: "model: grounding pre-training" in up.output(None), "grounding to start", 240, [up])
         time.sleep(2.0)  # into its steps
         url = re.search(r"started a local redis-server at (\S+)", up.output(None)).group(1)
         assert redis.Redis.from_url(url).ping()  # up's own redis-server
+        models = cache / "worldloop" / "models"
+        assert any(".build-" in p.name for p in models.iterdir())  # the build runs in a temporary folder
         os.kill(up.pid, sig)
         rc = up.wait(timeout=60)  # a liveness bound: without the fix it ran all 100,000 steps first
     finally:
         up.kill()
     assert rc == 130, up.describe()
-    assert not (model / "config.json").exists()  # nothing a later run would take as a finished model
-    assert (tmp_path / "model.partial" / "config.json").exists()
+    # nothing a later run would take as a finished model, and no half-made one left behind
+    assert [p.name for p in models.iterdir() if not p.name.endswith(".lock")] == [], up.describe()
     with pytest.raises(redis.ConnectionError):  # stopped with the run
         redis.Redis.from_url(url, socket_connect_timeout=2).ping()
-
-
-def test_a_partial_model_left_by_a_stopped_run_is_made_again(tmp_path):
-    from worldloop.bootstrap.pipeline import prepare_model
-
-    model = tmp_path / "model"
-    stale = tmp_path / "model.partial"
-    stale.mkdir()
-    (stale / "config.json").write_text("{}")  # what a run stopped mid-grounding left
-    cfg = load_config(None, [f"model.path={model}", "model.make_tiny_if_missing=true", "model.max_image_side=56",
-                             "model.tiny_grounding_steps=0", "sft.enabled=false"])
-    assert prepare_model(cfg, tmp_path) == model
-    assert not stale.exists()
-    made = json.loads((model / "config.json").read_text())
-    assert made.get("model_type") == "qwen2_5_vl"

@@ -6,10 +6,11 @@ Steps, each logged:
    ``versions.json`` (Python's and the learning-relevant packages' versions, :func:`worldloop.common.versions.package_versions`);
 2. Redis: ``redis.url`` when given, else a private ``redis-server`` (system or bundled) whose data
    lives in the run directory;
-3. model: :func:`worldloop.bootstrap.pipeline.prepare_model`: when ``model.path`` does not exist and
-   ``model.make_tiny_if_missing``, the embedded tiny Qwen2.5-VL model is made on the spot, grounded
-   and, with ``sft.enabled``, warm-started by SFT on solver demonstrations (observation/prediction
-   fields included), writing ``grounding.json`` and ``sft.json``;
+3. model: :func:`worldloop.bootstrap.store.prepare_model`: an existing ``model.path`` as it is, else
+   the warm start of the config's recipe: shipped with the package (used at once), cached on this
+   machine, or made on the spot (the tiny model, grounding pre-training and SFT) and cached;
+   ``model.json`` says which (source and recipe hash), ``grounding.json`` and ``sft.json`` hold the
+   recipe's reports;
 4. time budget: with ``up.time_limit_s``, what is left of it after the model is made, less
    ``up.final_reserve_s``, becomes the learner's ``trainer.time_limit_s`` (it stops before an update
    that would end past it), so the whole run ends within the budget on a slower machine too;
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from worldloop.bootstrap.pipeline import prepare_model
+from worldloop.bootstrap.store import prepare_model
 from worldloop.common.config import Config, to_dict
 from worldloop.common.control import list_processes, read_control, write_control
 from worldloop.common.keys import Keys
