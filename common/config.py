@@ -331,6 +331,19 @@ class TrainerConfig(Section):
                             description="held-out evaluation while training: every eval_every policy versions, "
                                         "eval_episodes seeds per env from eval.seed_start on; 0 = off")
     eval_episodes: int = Field(32, ge=1, description="held-out episodes per env of each evaluation while training")
+    final_eval_episodes: int | None = Field(None, ge=1, json_schema_extra={"note": "null = eval_episodes"},
+                                            description="held-out episodes per env of the final evaluation, played after "
+                                                        "the learner stopped (the first eval_episodes of them are the "
+                                                        "in-run seeds); null = eval_episodes")
+    # worldloop/eval/cpu.py: the in-run evaluations' CPU against the sum of every process's heartbeat cpu_s
+    eval_cpu_share: Float = Field(0.15, gt=0, le=1, description="the in-run evaluations may take at most this share of "
+                                                               "the run's CPU seconds (all processes): an evaluation "
+                                                               "starts only while the last one's cost still fits, "
+                                                               "otherwise it waits and then takes the newest version; "
+                                                               "version 0 and the final evaluation always run")
+    eval_nice: int = Field(10, ge=0, le=19, json_schema_extra={"note": "0 = the same priority as the rest of the run"},
+                           description="the evaluator lowers its CPU scheduling priority by this much (os.nice), so that "
+                                       "the actors and the learner come first")
     final_eval_wait_s: Float = Field(300.0, ge=0, json_schema_extra={"unit": "seconds", "note": "0 = do not wait"},
                                      description="after the last step the learner waits up to this long for a live "
                                                  "evaluator's evaluation of the final version, so that TensorBoard/wandb get "

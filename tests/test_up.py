@@ -43,7 +43,7 @@ def test_up_completes_three_steps_despite_a_killed_actor(tmp_path, redis_url):
         },
         "judge": {"enabled": True, "scorers": {"default": ["rule"]}},
         "trainer": {"total_steps": 3, "train_batch_size": 4, "ppo_mini_batch_size": 2, "micro_batch_size": 1,
-                    "checkpoint_every": 2, "eval_every": 2, "eval_episodes": 2},
+                    "checkpoint_every": 2, "eval_every": 2, "eval_episodes": 2, "final_eval_episodes": 3},
         "sft": {"enabled": True, "episodes": 4, "epochs": 1},
         "up": {"num_actors": 2, "num_judges": 1, "progress_interval_s": 1.0},
     }))
@@ -88,19 +88,36 @@ def test_up_completes_three_steps_despite_a_killed_actor(tmp_path, redis_url):
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [x for x in lines if "step" in x]
     assert [s["step"] for s in steps][-1] >= 3
-    # held-out evaluation during training: the start (v0) and the final version, in both files
+    # held-out evaluation during training: the start (v0) in-run, and the final version on the final
+    # evaluation's seeds after the learner stopped, in both files
     evals = [json.loads(line)["eval"] for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     versions = [e["policy_version"] for e in evals]
-    assert versions[0] == 0 and versions[-1] == steps[-1]["policy_version"] and versions == sorted(set(versions)), (
-        f"evaluated versions {versions}, final v{steps[-1]['policy_version']}\n{out[-3000:]}{run_logs()}")
+    in_run = [e["policy_version"] for e in evals if not e["final"]]
+    assert versions[0] == 0 and in_run == sorted(set(in_run)) and [e["final"] for e in evals][-1], (
+        f"evaluated versions {versions}\n{out[-3000:]}{run_logs()}")
+    assert versions[-1] == steps[-1]["policy_version"], f"final v{steps[-1]['policy_version']}, evaluated {versions}"
     assert [x["eval"] for x in lines if "eval" in x] == evals
     # the learner kept its trackers open for the final evaluation (TensorBoard/wandb get it too)
     final = steps[-1]["policy_version"]
     assert f"the final version v{final}'s held-out evaluation is in the trackers" in (run_dir / "logs" / "learner.log").read_text()
     for e in evals:
-        assert e["episodes"] == {"frozenlake": 2, "all": 2}
+        n_env = 3 if e["final"] else 2
+        assert e["episodes"] == {"frozenlake": n_env, "all": n_env}
         k, n = e["successes"]["all"], e["episodes"]["all"]
         assert e["success_rate"]["all"] == k / n and e["ci95"]["all"][0] <= k / n <= e["ci95"]["all"][1]
+        # first-turn reading: every first turn of the 3x3 FrozenLake asks for an observation and is scored
+        reading = e["first_turn_reading"]
+        assert reading["turns"] == {"frozenlake": n_env, "all": n_env}
+        assert reading["rate"]["all"] == reading["right"]["all"] / n_env
+        # the evaluator's CPU: its evaluations' seconds against the run's, from the heartbeats
+        assert e["cpu_s"] > 0 and 0 < e["cpu"]["in_run_eval_s"] <= e["cpu"]["evaluator_s"] < e["cpu"]["run_s"]
+    # the made model: where it came from, and the recipe's reports
+    model = json.loads((run_dir / "model.json").read_text())
+    assert model["source"] in ("built", "cache") and model["recipe"]["recipe_hash"] == model["recipe_hash"]
+    assert json.loads((run_dir / "sft.json").read_text())["demonstrations"] == 4
+    cpu = json.loads((run_dir / "cpu.json").read_text())
+    assert set(cpu["seconds"]) == {"learner", "actor", "judge", "evaluator"} and 0 < cpu["share"]["evaluator"] < 1
+    assert "the evaluator's share" in out
     assert "held-out success at v" in out
     assert (run_dir / "training.png").stat().st_size > 1000
     scrapes = json.loads((run_dir / "scrapes.json").read_text())

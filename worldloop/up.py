@@ -24,7 +24,8 @@ Steps, each logged:
 7. the end: after ``trainer.total_steps`` or the time limit (the learner exits 0) or on Ctrl-C/SIGTERM the control
    record says ``stopped``, children get SIGTERM (then SIGKILL), ``training.png`` is drawn from
    ``metrics.jsonl`` (:mod:`worldloop.plot`), ``scrapes.json`` records which processes were scraped and
-   ``process_metrics.json`` the last scrape of each (its metric sums: idle seconds, episodes, ...).
+   ``process_metrics.json`` the last scrape of each (its metric sums: idle seconds, episodes, ...)
+   and ``cpu.json`` the CPU seconds per role and the evaluator's share of them.
 """
 
 from __future__ import annotations
@@ -362,8 +363,43 @@ def _finish(r, keys: Keys, children: list[Child], progress: Progress, run_dir: P
     _stop_children(children)
     (run_dir / "scrapes.json").write_text(json.dumps(progress.scraped, indent=2))
     (run_dir / "process_metrics.json").write_text(json.dumps(progress.last_values, indent=1))
+    _cpu_summary(progress, run_dir)
     drew = plot_metrics(run_dir / "metrics.jsonl", run_dir / "training.png")
     print(f"\nworldloop up: {'plot' if drew else 'empty plot'} in {run_dir / 'training.png'}", flush=True)
+
+
+def _cpu_summary(progress: Progress, run_dir: Path) -> dict:
+    """``cpu.json``: CPU seconds per role from the last scrape of every process (for the evaluator
+    the learner's end, before its final evaluation) and the in-run evaluations' share of the run's
+    CPU by the evaluator's own count (its newest record); printed in one line."""
+    from worldloop.eval.cpu import cpu_by_role
+
+    cpu = cpu_by_role(progress.last_values)
+    in_run = [rec["eval"].get("cpu") for rec in _eval_records(run_dir / "eval.jsonl") if not rec["eval"].get("final")]
+    cpu["in_run_eval"] = in_run[-1] if in_run else None
+    (run_dir / "cpu.json").write_text(json.dumps(cpu, indent=2))
+    if cpu["total_s"]:
+        share = cpu["share"].get("evaluator")
+        line = (f"worldloop up: CPU seconds by role {cpu['seconds']}"
+                + (f"; the evaluator's share {share:.1%}" if share is not None else ""))
+        if in_run and in_run[-1] and in_run[-1].get("in_run_eval_share") is not None:
+            line += f" (in-run evaluations {in_run[-1]['in_run_eval_share']:.1%})"
+        print(line, flush=True)
+    return cpu
+
+
+def _eval_records(path: Path) -> list[dict]:
+    """The readable lines of a JSONL file that hold an ``eval`` record (none: no file)."""
+    out = []
+    if path.exists():
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("eval"), dict):
+                out.append(rec)
+    return out
 
 
 @dataclass
