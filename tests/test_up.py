@@ -111,6 +111,9 @@ def test_up_completes_three_steps_despite_a_killed_actor(tmp_path, redis_url):
         assert reading["rate"]["all"] == reading["right"]["all"] / n_env
         # the evaluator's CPU: its evaluations' seconds against the run's, from the heartbeats
         assert e["cpu_s"] > 0 and 0 < e["cpu"]["in_run_eval_s"] <= e["cpu"]["evaluator_s"] < e["cpu"]["run_s"]
+    # the in-run evaluations' share of the run's CPU when it stopped, before the final evaluation
+    at_stop = evals[-1]["cpu_at_stop"]
+    assert at_stop["in_run_eval_s"] == evals[-1]["cpu"]["in_run_eval_s"] and at_stop["run_s"] < evals[-1]["cpu"]["run_s"]
     # the made model: where it came from, and the recipe's reports
     model = json.loads((run_dir / "model.json").read_text())
     assert model["source"] in ("built", "cache") and model["recipe"]["recipe_hash"] == model["recipe_hash"]

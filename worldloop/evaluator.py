@@ -25,7 +25,8 @@ Each evaluation is one line ``{"eval": {...}}`` in ``<run_dir>/eval.jsonl`` and 
 ``<run_dir>/metrics.jsonl``: policy version, ``final``, episodes, successes and the success rate
 with its 95% Wilson interval per env and over all, mean episode reward, seconds, ``cpu_s`` (its own
 CPU seconds), ``cpu`` (:meth:`CpuBudget.snapshot`: the in-run evaluations' and the evaluator's
-share of the run's CPU so far) and ``first_turn_reading`` (per env, the share of first turns whose
+share of the run's CPU so far; the final record also ``cpu_at_stop``, the same when the run
+stopped: the in-run evaluations' share of the whole run) and ``first_turn_reading`` (per env, the share of first turns whose
 ``<observation>`` reads the board right: :func:`worldloop.eval.reading.first_turn_reading`). On
 ``/metrics``: ``worldloop_eval_success_rate{env}``, ``worldloop_eval_first_turn_reading_accuracy{env}``,
 ``worldloop_eval_cpu_share``, ``worldloop_eval_policy_version``. ``worldloop up`` starts it when
@@ -197,17 +198,28 @@ class Evaluations:
         self.final = held_out_specs(cfg, final_episodes(cfg))
         self.redis = connect(cfg.redis.url, cfg.redis.socket_timeout_s)
         self.observed_at = float("-inf")
+        self.at_stop: dict | None = None  # the CPU when the run stopped: the in-run evaluations' share
 
-    def may_start(self) -> bool:
-        """Whether the CPU budget lets an in-run evaluation start now (the heartbeats read at most
-        every OBSERVE_S)."""
-        if time.monotonic() - self.observed_at >= OBSERVE_S:
+    def observe(self, force: bool = False) -> None:
+        """Read the run's CPU from the heartbeats (at most every OBSERVE_S unless ``force``)."""
+        if force or time.monotonic() - self.observed_at >= OBSERVE_S:
             self.observed_at = time.monotonic()
             try:
                 self.budget.observe(list_processes(self.redis, self.proc.keys), f"evaluator:{self.proc.proc_id}")
             except Exception as e:  # Redis away: decide on what was seen
                 log.debug("reading the heartbeats: %s", e)
+
+    def may_start(self) -> bool:
+        """Whether the CPU budget lets an in-run evaluation start now."""
+        self.observe()
         return self.budget.allows()
+
+    def stopped(self) -> None:
+        """The run stopped: what the in-run evaluations took of its CPU is final now."""
+        self.observe(force=True)
+        self.at_stop = self.budget.snapshot()
+        log.info("the run stopped: the in-run evaluations took %.1f of its %.1f CPU seconds (%s)",
+                 self.at_stop["in_run_eval_s"], self.at_stop["run_s"], self.at_stop["in_run_eval_share"])
 
     def evaluate(self, final: bool) -> int:
         """One evaluation of the backend's version (the final set, or an in-run one charged to the
@@ -223,6 +235,8 @@ class Evaluations:
         if not final:
             self.budget.charge(rec["cpu_s"])
         rec.update(final=final, cpu=self.budget.snapshot())
+        if final and self.at_stop is not None:
+            rec["cpu_at_stop"] = self.at_stop
         write_record(self.run_dir, rec)
         log.info("v%d held-out success %s, first-turn reading %s (n=%d, %.0fs, %.1f CPU s; in-run evaluation "
                  "share of the run's CPU %s)%s", v,
@@ -256,6 +270,7 @@ def _evaluate_until_final(cfg: Config, proc, backend, fetcher, evals: Evaluation
         if final is None and proc.should_stop():
             final = int(proc.control.get("policy_version") or backend.version)
             final_by = time.monotonic() + FINAL_FETCH_S
+            evals.stopped()
         if final is not None and backend.version < final and not from_disk:
             from_disk = True
             proc.set_phase(f"loading the final version v{final} from its checkpoint")

@@ -369,21 +369,24 @@ def _finish(r, keys: Keys, children: list[Child], progress: Progress, run_dir: P
 
 
 def _cpu_summary(progress: Progress, run_dir: Path) -> dict:
-    """``cpu.json``: CPU seconds per role from the last scrape of every process (for the evaluator
-    the learner's end, before its final evaluation) and the in-run evaluations' share of the run's
-    CPU by the evaluator's own count (its newest record); printed in one line."""
+    """``cpu.json``: CPU seconds per role from the last scrape of every process (the evaluator's
+    final evaluation included when the learner waited for it) and, by the evaluator's own count,
+    the in-run evaluations' share of the run's CPU until the run stopped (the final record's
+    ``cpu_at_stop``, else the newest record's ``cpu``); printed in one line."""
     from worldloop.eval.cpu import cpu_by_role
 
     cpu = cpu_by_role(progress.last_values)
-    in_run = [rec["eval"].get("cpu") for rec in _eval_records(run_dir / "eval.jsonl") if not rec["eval"].get("final")]
-    cpu["in_run_eval"] = in_run[-1] if in_run else None
+    records = [rec["eval"] for rec in _eval_records(run_dir / "eval.jsonl")]
+    last = records[-1] if records else {}
+    cpu["in_run_eval"] = last.get("cpu_at_stop") or last.get("cpu")
     (run_dir / "cpu.json").write_text(json.dumps(cpu, indent=2))
     if cpu["total_s"]:
         share = cpu["share"].get("evaluator")
         line = (f"worldloop up: CPU seconds by role {cpu['seconds']}"
-                + (f"; the evaluator's share {share:.1%}" if share is not None else ""))
-        if in_run and in_run[-1] and in_run[-1].get("in_run_eval_share") is not None:
-            line += f" (in-run evaluations {in_run[-1]['in_run_eval_share']:.1%})"
+                + (f"; the evaluator's share {share:.1%} (its final evaluation included)" if share is not None else ""))
+        in_run = (cpu["in_run_eval"] or {}).get("in_run_eval_share")
+        if in_run is not None:
+            line += f"; in-run evaluations {in_run:.1%} of the run's CPU (budget {cpu['in_run_eval']['budget_share']:.0%})"
         print(line, flush=True)
     return cpu
 
