@@ -68,7 +68,8 @@ def _held_out(ax, evals: list[dict], fmt: str, color: str, label: str) -> None:
     lo = [e["ci95"]["all"][0] for e in evals]
     hi = [e["ci95"]["all"][1] for e in evals]
     n = evals[-1]["episodes"].get("all")
-    ax.errorbar(vs, rate, yerr=[[r - a for r, a in zip(rate, lo)], [b - r for r, b in zip(rate, hi)]],
+    # max(0, ...): the Wilson bound of 0 or n successes can pass the rate by a rounding error
+    ax.errorbar(vs, rate, yerr=[[max(0.0, r - a) for r, a in zip(rate, lo)], [max(0.0, b - r) for r, b in zip(rate, hi)]],
                 fmt=fmt, color=color, capsize=3, label=f"{label} ({n} episodes, 95% CI)")
 
 
