@@ -136,7 +136,7 @@ def write_record(run_dir: Path, rec: dict) -> None:
     for env, rate in (rec.get("first_turn_reading") or {}).get("rate", {}).items():
         if rate is not None:
             metric("worldloop_eval_first_turn_reading_accuracy").labels(env=env).set(rate)
-    share = (rec.get("cpu") or {}).get("in_run_eval_share")
+    share = (rec.get("cpu_at_stop") or rec.get("cpu") or {}).get("in_run_eval_share")
     if share is not None:
         metric("worldloop_eval_cpu_share").set(share)
     metric("worldloop_eval_policy_version").set(rec["policy_version"])
