@@ -88,7 +88,7 @@ def bench_env(env: str, steps: int | None, episodes: int, seed_start: int | None
     if row_file.exists():
         print(f"== {env}: done before, reusing {row_file}", flush=True)
         return json.loads(row_file.read_text())
-    run_dir, model_dir = base / "run", base / "model"
+    run_dir = base / "run"
     base.mkdir(parents=True, exist_ok=True)
     # the run's own periodic evaluator plays the bench's range too: a tuning run (--seed-start on
     # another range) must not show its curve on the report seeds
@@ -99,10 +99,9 @@ def bench_env(env: str, steps: int | None, episodes: int, seed_start: int | None
     else:
         import shutil
 
-        for d in (run_dir, model_dir):  # an interrupted up: start it again from scratch
-            shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(run_dir, ignore_errors=True)  # an interrupted up: start it again from scratch
         print(f"== {env}: worldloop up ({steps or cfg.trainer.total_steps} learner steps) -> {run_dir}", flush=True)
-        up_s = _cli(["up", str(config), f"run.run_dir={run_dir}", f"model.path={model_dir}", *ups], base / "up.log")
+        up_s = _cli(["up", str(config), f"run.run_dir={run_dir}", *ups], base / "up.log")
         (base / "up.done").write_text(f"{up_s:.1f}")
         print(f"== {env}: worldloop up took {up_s:.0f} s", flush=True)
     sft = json.loads((run_dir / "sft.json").read_text())
@@ -113,6 +112,8 @@ def bench_env(env: str, steps: int | None, episodes: int, seed_start: int | None
               "--max-turns", str(cfg.actor.max_turns), "--temperature", str(cfg.actor.temperature), "--concurrency", "32",
               f"eval.seed_start={seed_start}", f"eval.sampling={sampling}", *overrides]
     results = {}
+    # the warm start the run started from: shipped, cached or made by up (model.json says which)
+    model_dir = json.loads((run_dir / "model.json").read_text())["path"]
     for name, model in (("sft", model_dir), ("rl", run_dir)):
         # batch-mode folders keep the names they had before keyed sampling existed (resumable)
         eval_dir = base / (f"eval-{name}" if sampling == "batch" else f"eval-{name}-{sampling}")

@@ -125,10 +125,15 @@ class MetricsConfig(Section):
 class ModelConfig(Section):
     """The policy model, and how `worldloop up` makes the embedded tiny one."""
 
-    path: str = Field("models/tiny-qwen2.5-vl", description="a local HF model directory (Qwen2.5-VL family or a "
-                                                            "text-only causal LM); no hub downloads")
-    make_tiny_if_missing: bool = Field(True, description="build the embedded tiny model (local tokenizer + small "
-                                                         "Qwen2.5-VL config) if `path` is missing")
+    # worldloop/bootstrap/store.py: shipped (worldloop/warmstarts/), cached ($XDG_CACHE_HOME/worldloop/models) or built
+    path: str | None = Field(None, description="a local HF model directory (Qwen2.5-VL family or a text-only causal "
+                                               "LM; no hub downloads), used as it is when it exists; null = the warm "
+                                               "start of the config's recipe (the tiny model, grounding, SFT: shipped "
+                                               "with the package, cached on this machine, or made on the spot)")
+    make_tiny_if_missing: bool = Field(True, description="when `path` is null or does not exist, use the warm start of "
+                                                         "the config's recipe (shipped, cached or made on the spot; "
+                                                         "nothing is written to `path`); false = a missing model is "
+                                                         "an error")
     tiny_copy_pretrain_steps: int = Field(0, ge=0, description="steps of in-context copy pre-training of a newly made "
                                                                "tiny model before SFT (0: none)")
     tiny_grounding_steps: int = Field(0, ge=0, description="steps of grounding pre-training of a newly made tiny model "
@@ -384,6 +389,19 @@ class TrainerConfig(Section):
                             description="held-out evaluation while training: every eval_every policy versions, "
                                         "eval_episodes seeds per env from eval.seed_start on; 0 = off")
     eval_episodes: int = Field(32, ge=1, description="held-out episodes per env of each evaluation while training")
+    final_eval_episodes: int | None = Field(None, ge=1, json_schema_extra={"note": "null = eval_episodes"},
+                                            description="held-out episodes per env of the final evaluation, played after "
+                                                        "the learner stopped (the first eval_episodes of them are the "
+                                                        "in-run seeds); null = eval_episodes")
+    # worldloop/eval/cpu.py: the in-run evaluations' CPU against the sum of every process's heartbeat cpu_s
+    eval_cpu_share: Float = Field(0.15, gt=0, le=1, description="the in-run evaluations may take at most this share of "
+                                                               "the run's CPU seconds (all processes): an evaluation "
+                                                               "starts only while the last one's cost still fits, "
+                                                               "otherwise it waits and then takes the newest version; "
+                                                               "version 0 and the final evaluation always run")
+    eval_nice: int = Field(10, ge=0, le=19, json_schema_extra={"note": "0 = the same priority as the rest of the run"},
+                           description="the evaluator lowers its CPU scheduling priority by this much (os.nice), so that "
+                                       "the actors and the learner come first")
     final_eval_wait_s: Float = Field(300.0, ge=0, json_schema_extra={"unit": "seconds", "note": "0 = do not wait"},
                                      description="after the last step the learner waits up to this long for a live "
                                                  "evaluator's evaluation of the final version, so that TensorBoard/wandb get "

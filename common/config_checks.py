@@ -181,6 +181,18 @@ def check_grounding_seeds(cfg: Any) -> None:
     _check_disjoint("model.tiny_grounding_seed_start", "grounding pre-training seeds", *_grounding_seeds(cfg), others)
 
 
+def check_evaluator_seeds(cfg: Any) -> None:
+    """With `trainer.eval_every` > 0, the run evaluator's held-out seeds [`eval.seed_start`, +
+    the larger of `trainer.eval_episodes` and `trainer.final_eval_episodes`) overlap none of the RL,
+    demonstration or grounding pre-training seeds."""
+    t = cfg.trainer
+    if t.eval_every <= 0:
+        return
+    n = max(t.eval_episodes, t.final_eval_episodes or 0)
+    _check_disjoint("eval.seed_start", "the run evaluator's held-out seeds", cfg.eval.seed_start, cfg.eval.seed_start + n,
+                    training_seed_ranges(cfg))
+
+
 def training_seed_ranges(cfg: Any) -> list[tuple[str, int, int]]:
     """(what, lo, hi) of every seed range a run trains on: RL, and the SFT demonstrations and
     grounding pre-training levels where they are on. Held-out seeds must miss all of them."""
@@ -215,7 +227,7 @@ def check_curve_keys(cfg: Any) -> None:
 
 CROSS_CHECKS: tuple[Callable[[Any], None], ...] = (
     check_mini_batch, check_groups, check_kl_loss, check_observation_advantage, check_env_weights, check_rl_seeds,
-    check_demonstration_seeds, check_grounding_seeds, check_curve_keys,
+    check_demonstration_seeds, check_grounding_seeds, check_evaluator_seeds, check_curve_keys,
 )
 
 

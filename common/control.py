@@ -35,8 +35,9 @@ def write_control(r, keys: Keys, **fields) -> None:
 
 def register_process(r, keys: Keys, role: str, proc_id: str, metrics_port: int | None, host: str = "127.0.0.1",
                      extra: dict | None = None) -> None:
-    """Heartbeat: record that this process is alive and where its /metrics is (call every few seconds);
-    ``extra`` adds fields such as the process's current ``phase`` (see ``common/process.py``)."""
+    """Heartbeat: record that this process is alive, where its /metrics is and its CPU seconds so far
+    (``cpu_s``, every thread; the run's evaluator sums them to keep to its CPU share) (call every few
+    seconds); ``extra`` adds fields such as the process's current ``phase`` (see ``common/process.py``)."""
     info = {
         **(extra or {}),
         "role": role,
@@ -44,6 +45,7 @@ def register_process(r, keys: Keys, role: str, proc_id: str, metrics_port: int |
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "metrics_url": metrics_url(host, metrics_port) if metrics_port else None,
+        "cpu_s": round(time.process_time(), 3),
         "seen_at": time.time(),
     }
     r.hset(keys.procs, f"{role}:{proc_id}", json.dumps(info))

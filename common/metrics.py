@@ -94,6 +94,9 @@ CATALOG: dict[str, Spec] = {
     "worldloop_eval_success_rate": Spec("gauge", "Held-out success rate of the newest evaluated policy version", ("env",)),
     "worldloop_eval_policy_version": Spec("gauge", "Policy version of the newest held-out evaluation"),
     "worldloop_eval_episodes": Spec("counter", "Held-out episodes played"),
+    "worldloop_eval_first_turn_reading_accuracy": Spec(
+        "gauge", "Share of the newest evaluation's first turns whose observation the rule judge scores 1.0", ("env",)),
+    "worldloop_eval_cpu_share": Spec("gauge", "The in-run evaluations' share of the run's CPU seconds so far"),
     "worldloop_actor_admitted_episodes": Spec("counter", "Episodes admitted by the run's admission budget"),
     "worldloop_actor_admission_wait_seconds": Spec("counter", "Seconds the actor had room for episodes but no admission budget"),
     "worldloop_actor_idle_seconds": Spec("counter", "Seconds the actor generated nothing (no admitted episode running)"),

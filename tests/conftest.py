@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,11 @@ if str(ROOT) not in sys.path:
 
 # DeepSpeed JIT-compiles small CPU ops once; keep them in one cached folder.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
+# models made on the spot are cached under $XDG_CACHE_HOME (worldloop/bootstrap/store.py): the tests'
+# (and their child processes') go to a folder of this session, never to the user's cache
+_CACHE = tempfile.mkdtemp(prefix="worldloop-test-cache-")
+os.environ["XDG_CACHE_HOME"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, True)
 
 from worldloop.common.redis_local import LocalRedis  # noqa: E402
 

@@ -149,6 +149,22 @@ def test_held_out_seeds_must_miss_every_training_range() -> None:
     check_held_out_seeds(off, 5_000_000, 10)
 
 
+def test_the_run_evaluators_seeds_final_ones_included_miss_every_training_range() -> None:
+    # the preset: in-run 64 and final 512 seeds from 10,000,000: [10_000_000, 10_000_512) is held out
+    cfg = load_config("configs/tiny-frozenlake.yaml")
+    assert (cfg.trainer.eval_episodes, cfg.trainer.final_eval_episodes) == (64, 512)
+    # the final evaluation's seeds reach into the grounding levels [30_000_000, ...): 29_999_900 + 512 > 30M
+    with pytest.raises(ConfigError, match="run evaluator's held-out seeds") as e:
+        load_config("configs/tiny-frozenlake.yaml", ["eval.seed_start=29999900"])
+    assert e.value.key == "eval.seed_start"
+    load_config("configs/tiny-frozenlake.yaml", ["eval.seed_start=29999900", "trainer.final_eval_episodes=64"])
+    load_config("configs/tiny-frozenlake.yaml", ["eval.seed_start=29999900", "trainer.eval_every=0"])  # no evaluator
+    with pytest.raises(ConfigError, match=r"must be in \(0, 1\]"):
+        load_config(None, ["trainer.eval_cpu_share=0"])
+    with pytest.raises(ConfigError, match="trainer.eval_nice"):
+        load_config(None, ["trainer.eval_nice=20"])
+
+
 def test_file_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
@@ -205,7 +221,7 @@ def test_the_lowest_accepted_redis_timings_and_the_presets_values() -> None:
     ("trainer.actor_lr=false", "trainer.actor_lr", "expected a number, got bool False"),
     ("run.name=3", "run.name", "expected a string, got int 3"),
     ("judge.scorers={default: [magic]}", "judge.scorers", "must name scorers out of rule, llm, hybrid, got {'default': ['magic']}"),
-    ("source=x.yaml", "source", "unknown key (known keys here: actor, eval, judge, metrics, model, redis, run, sft, trainer, up, weights)"),
+    ("source=x.yaml", "source", "unknown key (known keys here: actor, eval, judge, metrics, model, redis, run, serve, sft, trainer, up, weights)"),
 ])
 def test_each_kind_of_error_names_the_dotted_key_and_the_reason(override: str, key: str, reason: str) -> None:
     e = _error(overrides=(override,))

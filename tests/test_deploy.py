@@ -95,6 +95,8 @@ def test_every_dashboard_query_names_an_exported_metric():
         "worldloop_actor_server_retries_total",
         "vllm:num_requests_running",
         "vllm:generation_tokens_total",
+        "worldloop_eval_first_turn_reading_accuracy",
+        "worldloop_eval_success_rate",
     ):
         assert needed in seen, f"no panel shows {needed}"
 
@@ -121,7 +123,8 @@ def test_dashboard_check_catches_a_misspelt_metric():
 
 
 def test_every_query_filters_by_the_variables_and_uses_rate_interval():
-    with_env = {"worldloop_actor_episodes", "worldloop_actor_successes", "worldloop_learner_success_rate"}
+    with_env = {"worldloop_actor_episodes", "worldloop_actor_successes", "worldloop_learner_success_rate",
+                "worldloop_eval_success_rate", "worldloop_eval_first_turn_reading_accuracy"}
     for panel in _panels():
         for t in panel["targets"]:
             expr = t["expr"]

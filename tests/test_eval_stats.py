@@ -26,6 +26,9 @@ def test_wilson_interval_by_hand() -> None:
     low, high = wilson_interval(8, 8, z=1.96)
     assert high == 1.0 and low == pytest.approx(1 - 2 * 0.2401 / 1.4802, abs=1e-5)
     assert wilson_interval(0, 0) == (0.0, 1.0)
+    # the interval always holds the rate, rounding errors included (0 of 3 gave a bound of 5.6e-17)
+    assert wilson_interval(0, 3)[0] == 0.0
+    assert all(lo <= k / n <= hi for n in range(1, 80) for k in range(n + 1) for lo, hi in [wilson_interval(k, n)])
 
 
 def test_sign_test_by_hand() -> None:

@@ -46,6 +46,13 @@ def test_the_wheel_holds_one_import_root_and_its_data(wheel: Path) -> None:
                  "worldloop/actor/process.py", "worldloop/judge/process.py", "worldloop/learner/process.py",
                  "worldloop/envs/grid/sokoban.py", "worldloop/eval/evaluate.py"):
         assert must in names, must
+    # the presets' warm starts ship whole: every tracked file of worldloop/warmstarts
+    shipped = subprocess.run(["git", "ls-files", "worldloop/warmstarts"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    for preset in ("tiny-frozenlake", "tiny-sokoban"):
+        for f in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "recipe.json"):
+            assert f"worldloop/warmstarts/{preset}/{f}" in shipped, f"{preset}/{f} is not tracked"
+    assert [f for f in shipped if f not in names] == []
     # every tracked preset and deployment file ships (dashboards, provisioning, alert rules, scripts)
     tracked = subprocess.run(["git", "ls-files", "configs", "deploy"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.split()
@@ -100,3 +107,8 @@ def test_a_fresh_venv_imports_worldloop_and_nothing_else(wheel: Path, tmp_path: 
     assert name == "tiny-sokoban" and str(env_dir) in source
     bad = run(str(py), "-c", "from worldloop.common.config import load_config; load_config('no-such-preset')")
     assert bad.returncode != 0 and "tiny-sokoban" in bad.stderr  # the error lists the presets
+    # a fresh install starts a preset from its shipped warm start, inside the installed package
+    where = run(str(script), "model", "resolve", "tiny-frozenlake")
+    assert where.returncode == 0, where.stderr
+    assert where.stdout.strip().startswith(str(env_dir)) and where.stdout.strip().endswith("warmstarts/tiny-frozenlake")
+    assert "shipped" in where.stderr

@@ -242,7 +242,9 @@ def test_real_prometheus_scrapes_a_run_found_by_worldloop_sd(tmp_path, redis_url
         "judge": {"enabled": True, "scorers": {"default": ["llm"]}, "base_url": fake.base_url,
                   "max_retries": 0, "timeout_s": 10.0},
         "trainer": {"total_steps": 1000, "train_batch_size": 2, "ppo_mini_batch_size": 2, "micro_batch_size": 1,
-                    "max_staleness": 1, "checkpoint_every": 1000},
+                    "max_staleness": 1, "checkpoint_every": 1000,
+                    # the evaluator: its v0 evaluation sets the held-out panels' gauges
+                    "eval_every": 1000, "eval_episodes": 2},
         "sft": {"enabled": False},
         "up": {"num_actors": 1, "num_judges": 1, "progress_interval_s": 5.0},
     }))
@@ -282,16 +284,16 @@ def test_real_prometheus_scrapes_a_run_found_by_worldloop_sd(tmp_path, redis_url
                 return False
 
         wait_for(ready, "prometheus to start", 60, children, extra=logs)
-        # every role is discovered through worldloop sd and scraped: up == 1 for learner, actor, judge
+        # every role is discovered through worldloop sd and scraped: up == 1 for learner, actor, judge, evaluator
         def roles_up():
             try:
                 got = query(f'up{{namespace="{ns}"}} == 1')
             except OSError:
                 return None
             roles = {s["metric"]["role"] for s in got}
-            return got if roles == {"learner", "actor", "judge"} else None
+            return got if roles == {"learner", "actor", "judge", "evaluator"} else None
 
-        scraped = wait_for(roles_up, "Prometheus to scrape learner, actor and judge", 300, children, extra=logs)
+        scraped = wait_for(roles_up, "Prometheus to scrape learner, actor, judge and evaluator", 300, children, extra=logs)
         advertised = advertised_host("0.0.0.0")
         assert all(s["metric"]["instance"].startswith(advertised + ":") for s in scraped), scraped
         assert all({"host", "process_id", "namespace"} <= set(s["metric"]) for s in scraped), scraped
@@ -364,8 +366,9 @@ def test_real_prometheus_scrapes_a_run_found_by_worldloop_sd(tmp_path, redis_url
         def label_values(label: str, match: str) -> list[str]:
             return _get(f"{api}/label/{label}/values?" + urllib.parse.urlencode({"match[]": match}))["data"]
         assert ns in label_values("namespace", "worldloop_process_up")
-        assert set(label_values("role", f'worldloop_process_up{{namespace="{ns}"}}')) == {"learner", "actor", "judge"}
-        assert len(label_values("instance", f'worldloop_process_up{{namespace="{ns}"}}')) == 3
+        assert set(label_values("role", f'worldloop_process_up{{namespace="{ns}"}}')) == {"learner", "actor", "judge",
+                                                                                          "evaluator"}
+        assert len(label_values("instance", f'worldloop_process_up{{namespace="{ns}"}}')) == 4
         assert label_values("env", f'worldloop_actor_episodes_total{{namespace="{ns}"}}') == ["frozenlake"]
 
         # every alert rule was evaluated without error, and the dead letters made above fire theirs

@@ -44,7 +44,7 @@ def test_up_completes_three_steps_despite_a_killed_actor(tmp_path, redis_url):
         },
         "judge": {"enabled": True, "scorers": {"default": ["rule"]}},
         "trainer": {"total_steps": 3, "train_batch_size": 4, "ppo_mini_batch_size": 2, "micro_batch_size": 1,
-                    "checkpoint_every": 2, "eval_every": 2, "eval_episodes": 2},
+                    "checkpoint_every": 2, "eval_every": 2, "eval_episodes": 2, "final_eval_episodes": 3},
         "sft": {"enabled": True, "episodes": 4, "epochs": 1},
         "up": {"num_actors": 2, "num_judges": 1, "progress_interval_s": 1.0},
     }))
@@ -89,19 +89,39 @@ def test_up_completes_three_steps_despite_a_killed_actor(tmp_path, redis_url):
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [x for x in lines if "step" in x]
     assert [s["step"] for s in steps][-1] >= 3
-    # held-out evaluation during training: the start (v0) and the final version, in both files
+    # held-out evaluation during training: the start (v0) in-run, and the final version on the final
+    # evaluation's seeds after the learner stopped, in both files
     evals = [json.loads(line)["eval"] for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     versions = [e["policy_version"] for e in evals]
-    assert versions[0] == 0 and versions[-1] == steps[-1]["policy_version"] and versions == sorted(set(versions)), (
-        f"evaluated versions {versions}, final v{steps[-1]['policy_version']}\n{out[-3000:]}{run_logs()}")
+    in_run = [e["policy_version"] for e in evals if not e["final"]]
+    assert versions[0] == 0 and in_run == sorted(set(in_run)) and [e["final"] for e in evals][-1], (
+        f"evaluated versions {versions}\n{out[-3000:]}{run_logs()}")
+    assert versions[-1] == steps[-1]["policy_version"], f"final v{steps[-1]['policy_version']}, evaluated {versions}"
     assert [x["eval"] for x in lines if "eval" in x] == evals
     # the learner kept its trackers open for the final evaluation (TensorBoard/wandb get it too)
     final = steps[-1]["policy_version"]
     assert f"the final version v{final}'s held-out evaluation is in the trackers" in (run_dir / "logs" / "learner.log").read_text()
     for e in evals:
-        assert e["episodes"] == {"frozenlake": 2, "all": 2}
+        n_env = 3 if e["final"] else 2
+        assert e["episodes"] == {"frozenlake": n_env, "all": n_env}
         k, n = e["successes"]["all"], e["episodes"]["all"]
         assert e["success_rate"]["all"] == k / n and e["ci95"]["all"][0] <= k / n <= e["ci95"]["all"][1]
+        # first-turn reading: every first turn of the 3x3 FrozenLake asks for an observation and is scored
+        reading = e["first_turn_reading"]
+        assert reading["turns"] == {"frozenlake": n_env, "all": n_env}
+        assert reading["rate"]["all"] == reading["right"]["all"] / n_env
+        # the evaluator's CPU: its evaluations' seconds against the run's, from the heartbeats
+        assert e["cpu_s"] > 0 and 0 < e["cpu"]["in_run_eval_s"] <= e["cpu"]["evaluator_s"] < e["cpu"]["run_s"]
+    # the in-run evaluations' share of the run's CPU when it stopped, before the final evaluation
+    at_stop = evals[-1]["cpu_at_stop"]
+    assert at_stop["in_run_eval_s"] == evals[-1]["cpu"]["in_run_eval_s"] and at_stop["run_s"] < evals[-1]["cpu"]["run_s"]
+    # the made model: where it came from, and the recipe's reports
+    model = json.loads((run_dir / "model.json").read_text())
+    assert model["source"] in ("built", "cache") and model["recipe"]["recipe_hash"] == model["recipe_hash"]
+    assert json.loads((run_dir / "sft.json").read_text())["demonstrations"] == 4
+    cpu = json.loads((run_dir / "cpu.json").read_text())
+    assert set(cpu["seconds"]) == {"learner", "actor", "judge", "evaluator"} and 0 < cpu["share"]["evaluator"] < 1
+    assert "the evaluator's share" in out
     assert "held-out success at v" in out
     assert (run_dir / "training.png").stat().st_size > 1000
     scrapes = json.loads((run_dir / "scrapes.json").read_text())
@@ -157,48 +177,34 @@ def test_a_clean_exit_is_restarted_only_while_the_run_goes_on(tmp_path, redis_ur
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_during_grounding_stops_up_at_once_and_leaves_no_half_made_model(tmp_path, sig):
     """Grounding and SFT run inside `worldloop up` for minutes: Ctrl-C (or supervisor's SIGTERM) there
-    must end the run now, with its private redis-server, and must not leave a model.path that the
-    next run would take as prepared (it would skip grounding and SFT)."""
-    model = tmp_path / "model"
+    must end the run now, with its private redis-server, and must leave nothing in the model cache
+    that the next run would take as prepared (it would skip grounding and SFT)."""
     cfg_path = tmp_path / "up.yaml"
     cfg_path.write_text(yaml.safe_dump({
         "run": {"name": "sig", "run_dir": str(tmp_path / "run")},
         "redis": {"url": None},
-        "model": {"path": str(model), "make_tiny_if_missing": True, "max_image_side": 56,
-                  "tiny_grounding_steps": 100_000, "tiny_grounding_batch_size": 2},
+        "model": {"max_image_side": 56, "tiny_grounding_steps": 100_000, "tiny_grounding_batch_size": 2},
         "actor": {"max_turns": 2, "envs": [{"id": "worldloop/FrozenLake-v0",
                                             "kwargs": {"size": 3, "min_actions_to_succeed": 2, "render_mode": "vision",
                                                        "image_size": 56}}]},
         "sft": {"enabled": False},
         "trainer": {"total_steps": 1},
     }))
-    up = Child(["up", str(cfg_path)], tmp_path / "up.log")
+    cache = tmp_path / "cache"
+    up = Child(["up", str(cfg_path)], tmp_path / "up.log", env={"XDG_CACHE_HOME": str(cache)})
     try:
         wait_for(lambda: "model: grounding pre-training" in up.output(None), "grounding to start", 240, [up])
         time.sleep(2.0)  # into its steps
         url = re.search(r"started a local redis-server at (\S+)", up.output(None)).group(1)
         assert redis.Redis.from_url(url).ping()  # up's own redis-server
+        models = cache / "worldloop" / "models"
+        assert any(".build-" in p.name for p in models.iterdir())  # the build runs in a temporary folder
         os.kill(up.pid, sig)
         rc = up.wait(timeout=60)  # a liveness bound: without the fix it ran all 100,000 steps first
     finally:
         up.kill()
     assert rc == 130, up.describe()
-    assert not (model / "config.json").exists()  # nothing a later run would take as a finished model
-    assert (tmp_path / "model.partial" / "config.json").exists()
+    # nothing a later run would take as a finished model, and no half-made one left behind
+    assert [p.name for p in models.iterdir() if not p.name.endswith(".lock")] == [], up.describe()
     with pytest.raises(redis.ConnectionError):  # stopped with the run
         redis.Redis.from_url(url, socket_connect_timeout=2).ping()
-
-
-def test_a_partial_model_left_by_a_stopped_run_is_made_again(tmp_path):
-    from worldloop.bootstrap.pipeline import prepare_model
-
-    model = tmp_path / "model"
-    stale = tmp_path / "model.partial"
-    stale.mkdir()
-    (stale / "config.json").write_text("{}")  # what a run stopped mid-grounding left
-    cfg = load_config(None, [f"model.path={model}", "model.make_tiny_if_missing=true", "model.max_image_side=56",
-                             "model.tiny_grounding_steps=0", "sft.enabled=false"])
-    assert prepare_model(cfg, tmp_path) == model
-    assert not stale.exists()
-    made = json.loads((model / "config.json").read_text())
-    assert made.get("model_type") == "qwen2_5_vl"

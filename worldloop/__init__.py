@@ -19,7 +19,8 @@ contracts       ``worldloop.common.{config, schemas, keys, modeling, logprobs}``
 
 In the source tree each subpackage is a top-level folder of the repository (``actor/``,
 ``common/``, ...) mapped under ``worldloop`` by ``pyproject.toml``; this folder holds the
-applications. Presets ship as ``worldloop.configs``, deployment files as ``worldloop.deploy``.
+applications. Presets ship as ``worldloop.configs``, their ready warm starts (weights, tokenizer,
+``recipe.json``) as data in ``worldloop/warmstarts/<preset>/``, deployment files as ``worldloop.deploy``.
 """
 
 from importlib import metadata as _metadata

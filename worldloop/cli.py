@@ -9,6 +9,8 @@
     worldloop status --config CONFIG                 streams, lag, versions, actors, failures
     worldloop config show [CONFIG] [overrides]       the resolved config as YAML (or what is wrong)
     worldloop show PATH [--out FILE]                 an HTML page of eval / sampled episodes
+    worldloop model build CONFIG [overrides] [--out DIR]   build the model a run of CONFIG starts from
+    worldloop model resolve CONFIG [overrides]       print where that model is (shipped, cached or built)
     worldloop --version                              the installed version
 
 Every subcommand but ``show`` loads the config first, so a bad key or value fails here,
@@ -36,7 +38,8 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
         "worldloop.up", "run",
         "run a whole local training job",
         "Start everything a training run needs on this machine: a local Redis when redis.url is null, "
-        "the embedded tiny model when model.path does not exist (with a short SFT warm start), then the "
+        "the model (model.path when it exists, else the warm start of the config's recipe: shipped, cached, or "
+        "made on the spot by grounding pre-training and SFT), then the "
         "learner, up.num_actors actors and up.num_judges judges as child processes. Shows a live progress "
         "line, stops on Ctrl-C or after trainer.total_steps, and leaves run_dir with metrics.jsonl, a plot, "
         "checkpoints and logs.",
@@ -105,6 +108,14 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
         "<observation> beside the true state, its <prediction> beside the next true state, the judge's "
         "scores, the actions and the rewards. Needs no config.",
     ),
+    "model": (
+        "worldloop.bootstrap.store", "model_command",
+        "build or locate the model a run starts from",
+        "`worldloop model build CONFIG [key.sub=value ...] [--out DIR]` makes the warm start of CONFIG's recipe "
+        "(the tiny model, grounding pre-training, SFT) reproducibly, with a recipe.json beside the weights, into DIR "
+        "or the user's cache. `worldloop model resolve CONFIG [...]` prints the directory a run of CONFIG starts "
+        "from (model.path, a shipped model, the cache, or built into the cache), for processes started by hand.",
+    ),
     "sd": (
         "worldloop.sd", "run",
         "write Prometheus file_sd targets from the heartbeats",
@@ -116,6 +127,8 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
 
 # subcommands that take no config (everything else loads and validates one first)
 NO_CONFIG: frozenset[str] = frozenset({"show"})
+# subcommands that load model.path: a null one is resolved first (shipped or cached, never built here)
+NEEDS_MODEL: frozenset[str] = frozenset({"actor", "learner", "evaluator"})
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -137,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "up":
             p.add_argument("config_file", nargs="?", default=None, help="YAML config (e.g. configs/tiny-sokoban.yaml)")
             p.add_argument("--config", "-c", default=None, help=argparse.SUPPRESS)
+            p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides, values parsed as YAML")
+        elif name == "model":
+            p.add_argument("action", choices=["build", "resolve"],
+                           help="build: make the model afresh; resolve: print where a run's model is")
+            p.add_argument("config_file", nargs="?", default=None, help="YAML config or preset (e.g. tiny-frozenlake)")
+            p.add_argument("--config", "-c", default=None, help=argparse.SUPPRESS)
+            p.add_argument("--out", "-o", default=None, help="build: the folder to write (default: the user's cache)")
             p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides, values parsed as YAML")
         elif name == "config":
             p.add_argument("action", choices=["show"], help="show: print the resolved config as YAML")
@@ -247,7 +267,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"worldloop {args.command}: not built yet in this version of worldloop", file=sys.stderr)
         return 2
     try:
+        _resolve_model_path(cfg, args.command)
         rc = fn(cfg, args)
+    except FileNotFoundError as e:  # no model to start from (and none may be made here)
+        if args.command != "model" and (args.command not in NEEDS_MODEL or cfg.model.path):
+            raise
+        print(f"worldloop {args.command}: {e}", file=sys.stderr)
+        return 2
     except ConfigError as e:
         print(f"worldloop {args.command}: bad configuration: {e}", file=sys.stderr)
         return 2
@@ -257,6 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     return int(rc or 0)
+
+
+def _resolve_model_path(cfg: Config, command: str) -> None:
+    """A role that loads ``model.path`` gets the model of the config's recipe for a null one."""
+    if command in NEEDS_MODEL and not cfg.model.path:
+        from worldloop.bootstrap.store import resolve_model
+
+        cfg.model.path = str(resolve_model(cfg, build=False).path)
 
 
 def _plain(obj: Any) -> Any:

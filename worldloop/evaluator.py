@@ -1,24 +1,36 @@
 """``worldloop evaluator``: held-out success while a run trains, off the learner's path.
 
-Every ``trainer.eval_every`` policy versions the evaluator plays one fixed set of held-out episodes
+Every ``trainer.eval_every`` policy versions the evaluator plays a fixed set of held-out episodes
 with the newest weights: for each env of ``actor.envs``, ``trainer.eval_episodes`` seeds from
 ``eval.seed_start`` on (checked disjoint from the training seeds by the config), ``actor.max_turns``
 turns, ``eval.temperature``. It is a process of its own, like an actor: it loads ``model.path``
-(the start of the run: version 0 is evaluated first, so the curve starts at the SFT warm start),
+(the start of the run: version 0 is evaluated first, so the curve starts at the warm start),
 takes new weights from the learner's ZeroMQ channel in the background, and never slows the
-learner (on a small machine it does share the CPU with the actors).
+learner's step itself.
+
+**CPU.** On a small machine it shares the cores with the actors and the learner, so it keeps to a
+budget: at scheduling priority ``trainer.eval_nice`` (``os.nice``), and an in-run evaluation
+starts only while the in-run evaluations so far and the next one stay within
+``trainer.eval_cpu_share`` of the run's CPU seconds (every process's ``cpu_s`` heartbeat:
+:class:`worldloop.eval.cpu.CpuBudget`); a deferred evaluation waits and then takes the newest
+version. Once the run stops (the control record says ``stopped``), it plays the **final
+evaluation**: the learner's final version on ``trainer.final_eval_episodes`` seeds per env (the
+in-run seeds and more), with the machine to itself. The learner writes a checkpoint after its last
+step before it says ``stopped`` and then closes its weight channel, so a stopping evaluator that
+has not fetched the final version takes it from that checkpoint's ``hf/`` export when it can read
+the run directory (as under ``worldloop up``); otherwise it waits up to ``FINAL_FETCH_S`` for the
+channel. Then it exits.
 
 Each evaluation is one line ``{"eval": {...}}`` in ``<run_dir>/eval.jsonl`` and in
-``<run_dir>/metrics.jsonl`` (policy version, episodes, successes and the success rate with its 95%
-Wilson interval per env and over all, mean episode reward, seconds), and the gauges
-``worldloop_eval_success_rate{env}``/``worldloop_eval_policy_version`` on ``/metrics``.
-``worldloop up`` starts it when ``trainer.eval_every > 0`` and waits for the evaluation of the
-final version before it stops the run; when the control record says ``stopped`` the evaluator
-first evaluates the newest version it has not evaluated yet, then exits. The learner writes a
-checkpoint after its last step before it says ``stopped`` and then closes its weight channel, so a
-stopping evaluator that has not fetched the final version takes it from that checkpoint's ``hf/``
-export when it can read the run directory (as under ``worldloop up``); otherwise it waits up to
-``FINAL_FETCH_S`` for the channel.
+``<run_dir>/metrics.jsonl``: policy version, ``final``, episodes, successes and the success rate
+with its 95% Wilson interval per env and over all, mean episode reward, seconds, ``cpu_s`` (its own
+CPU seconds), ``cpu`` (:meth:`CpuBudget.snapshot`: the in-run evaluations' and the evaluator's
+share of the run's CPU so far; the final record also ``cpu_at_stop``, the same when the run
+stopped: the in-run evaluations' share of the whole run) and ``first_turn_reading`` (per env, the share of first turns whose
+``<observation>`` reads the board right: :func:`worldloop.eval.reading.first_turn_reading`). On
+``/metrics``: ``worldloop_eval_success_rate{env}``, ``worldloop_eval_first_turn_reading_accuracy{env}``,
+``worldloop_eval_cpu_share``, ``worldloop_eval_policy_version``. ``worldloop up`` starts it when
+``trainer.eval_every > 0`` and waits for the final evaluation before it stops the run.
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -34,24 +47,28 @@ from worldloop.actor.backends import make_backend
 from worldloop.actor.process import WeightFetcher
 from worldloop.actor.rollout import EpisodeSpec, Sampling, env_name, play_episodes
 from worldloop.common.config import Config, ConfigError
-from worldloop.common.control import default_proc_id
+from worldloop.common.control import default_proc_id, list_processes
 from worldloop.common.files import append_lines
 from worldloop.common.metrics import metric
 from worldloop.common.process import ProcessScaffold
 from worldloop.common.schemas import total_turn_reward
+from worldloop.eval.cpu import CpuBudget
+from worldloop.eval.reading import first_turn_reading
 from worldloop.eval.stats import wilson_interval
 
 log = logging.getLogger("worldloop.evaluator")
 
 POLL_S = 0.2
 FINAL_FETCH_S = 120.0  # how long a stopping evaluator waits for the learner's final version
+OBSERVE_S = 2.0  # the run's CPU is read from the heartbeats (sent every 2 s) at most this often
 
 
-def held_out_specs(cfg: Config) -> list[EpisodeSpec]:
-    """The fixed evaluation set: ``trainer.eval_episodes`` held-out seeds per env of ``actor.envs``."""
+def held_out_specs(cfg: Config, episodes: int | None = None) -> list[EpisodeSpec]:
+    """The fixed evaluation set: ``episodes`` (default ``trainer.eval_episodes``) held-out seeds per
+    env of ``actor.envs``."""
     out = []
     for e in cfg.actor.envs:
-        for i in range(cfg.trainer.eval_episodes):
+        for i in range(cfg.trainer.eval_episodes if episodes is None else episodes):
             out.append(EpisodeSpec(env_id=e.id, seed=cfg.eval.seed_start + i, env_kwargs=dict(e.kwargs or {}),
                                    env_name=e.name or env_name(e.id), max_turns=cfg.actor.max_turns))
     return out
@@ -103,6 +120,12 @@ def checkpoint_weights(cfg: Config, run_dir: Path, version: int) -> dict | None:
         return None
 
 
+def final_episodes(cfg: Config) -> int:
+    """Held-out episodes per env of the final evaluation (``trainer.final_eval_episodes``, or else
+    ``trainer.eval_episodes``)."""
+    return cfg.trainer.final_eval_episodes or cfg.trainer.eval_episodes
+
+
 def write_record(run_dir: Path, rec: dict) -> None:
     line = json.dumps({"eval": rec}) + "\n"
     for name in ("eval.jsonl", "metrics.jsonl"):
@@ -110,6 +133,12 @@ def write_record(run_dir: Path, rec: dict) -> None:
     for env, rate in rec["success_rate"].items():
         if rate is not None:
             metric("worldloop_eval_success_rate").labels(env=env).set(rate)
+    for env, rate in (rec.get("first_turn_reading") or {}).get("rate", {}).items():
+        if rate is not None:
+            metric("worldloop_eval_first_turn_reading_accuracy").labels(env=env).set(rate)
+    share = (rec.get("cpu_at_stop") or rec.get("cpu") or {}).get("in_run_eval_share")
+    if share is not None:
+        metric("worldloop_eval_cpu_share").set(share)
     metric("worldloop_eval_policy_version").set(rec["policy_version"])
     metric("worldloop_eval_episodes").inc(rec["episodes"]["all"])
 
@@ -121,7 +150,8 @@ def run(cfg: Config, args: argparse.Namespace | None = None) -> int:
 
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    specs = held_out_specs(cfg)
+    if cfg.trainer.eval_nice:
+        os.nice(cfg.trainer.eval_nice)  # the actors and the learner come first
     proc_id = f"evaluator-{default_proc_id()}"
     backend = subscriber = fetcher = None
     fetch_stop = threading.Event()  # the fetcher outlives a stop request: the final version still comes
@@ -133,7 +163,8 @@ def run(cfg: Config, args: argparse.Namespace | None = None) -> int:
             fetcher = WeightFetcher(subscriber, fetch_stop, have=backend.version)
             fetcher.start()
             proc.ready()
-            _evaluate_until_final(cfg, proc, backend, fetcher, specs, run_dir)
+            evals = Evaluations(cfg, proc, backend, run_dir, CpuBudget(cfg.trainer.eval_cpu_share))
+            _evaluate_until_final(cfg, proc, backend, fetcher, evals)
         finally:
             fetch_stop.set()
             if fetcher is not None:
@@ -152,13 +183,74 @@ def _check_config(cfg: Config) -> None:
         raise ConfigError("trainer.eval_every", "the evaluator needs eval_every > 0 (evaluate every N versions)")
     if not cfg.redis.url:
         raise ConfigError("redis.url", "the evaluator needs the run's Redis (worldloop up sets it)")
-    if not (Path(cfg.model.path) / "config.json").exists():
+    if not cfg.model.path or not (Path(cfg.model.path) / "config.json").exists():
         raise ConfigError("model.path", f"no model directory at {cfg.model.path!r} (no config.json)")
 
 
-def _evaluate_until_final(cfg: Config, proc, backend, fetcher, specs: list[EpisodeSpec], run_dir: Path) -> None:
-    """Evaluate every ``trainer.eval_every`` versions as the weights arrive; once the run stops,
-    evaluate the learner's final version (from the channel or its checkpoint) and return."""
+class Evaluations:
+    """The evaluations of one evaluator: in-run ones within the CPU budget, and the final one."""
+
+    def __init__(self, cfg: Config, proc, backend, run_dir: Path, budget: CpuBudget):
+        from worldloop.common.streams import connect
+
+        self.cfg, self.proc, self.backend, self.run_dir, self.budget = cfg, proc, backend, run_dir, budget
+        self.in_run = held_out_specs(cfg)
+        self.final = held_out_specs(cfg, final_episodes(cfg))
+        self.redis = connect(cfg.redis.url, cfg.redis.socket_timeout_s)
+        self.observed_at = float("-inf")
+        self.at_stop: dict | None = None  # the CPU when the run stopped: the in-run evaluations' share
+
+    def observe(self, force: bool = False) -> None:
+        """Read the run's CPU from the heartbeats (at most every OBSERVE_S unless ``force``)."""
+        if force or time.monotonic() - self.observed_at >= OBSERVE_S:
+            self.observed_at = time.monotonic()
+            try:
+                self.budget.observe(list_processes(self.redis, self.proc.keys), f"evaluator:{self.proc.proc_id}")
+            except Exception as e:  # Redis away: decide on what was seen
+                log.debug("reading the heartbeats: %s", e)
+
+    def may_start(self) -> bool:
+        """Whether the CPU budget lets an in-run evaluation start now."""
+        self.observe()
+        return self.budget.allows()
+
+    def stopped(self) -> None:
+        """The run stopped: what the in-run evaluations took of its CPU is final now."""
+        self.observe(force=True)
+        self.at_stop = self.budget.snapshot()
+        log.info("the run stopped: the in-run evaluations took %.1f of its %.1f CPU seconds (%s)",
+                 self.at_stop["in_run_eval_s"], self.at_stop["run_s"], self.at_stop["in_run_eval_share"])
+
+    def evaluate(self, final: bool) -> int:
+        """One evaluation of the backend's version (the final set, or an in-run one charged to the
+        budget), recorded; returns that version."""
+        specs = self.final if final else self.in_run
+        v = self.backend.version
+        self.proc.set_phase(f"evaluating v{v} on {len(specs)} held-out episodes" + (" (final)" if final else ""))
+        t0, cpu0 = time.monotonic(), time.process_time()
+        trajs = evaluate(self.backend, self.cfg, specs)
+        rec = summarize(trajs, v, time.monotonic() - t0)
+        rec["first_turn_reading"] = first_turn_reading(trajs, self.cfg.judge)
+        rec["cpu_s"] = round(time.process_time() - cpu0, 2)
+        if not final:
+            self.budget.charge(rec["cpu_s"])
+        rec.update(final=final, cpu=self.budget.snapshot())
+        if final and self.at_stop is not None:
+            rec["cpu_at_stop"] = self.at_stop
+        write_record(self.run_dir, rec)
+        log.info("v%d held-out success %s, first-turn reading %s (n=%d, %.0fs, %.1f CPU s; in-run evaluation "
+                 "share of the run's CPU %s)%s", v,
+                 {k: round(x, 3) for k, x in rec["success_rate"].items() if x is not None},
+                 {k: round(x, 3) for k, x in rec["first_turn_reading"]["rate"].items() if x is not None},
+                 rec["episodes"]["all"], rec["seconds"], rec["cpu_s"], rec["cpu"]["in_run_eval_share"],
+                 " (final)" if final else "")
+        return v
+
+
+def _evaluate_until_final(cfg: Config, proc, backend, fetcher, evals: Evaluations) -> None:
+    """Evaluate every ``trainer.eval_every`` versions as the weights arrive and the CPU budget
+    allows; once the run stops, play the final evaluation of the learner's final version (from the
+    channel or its checkpoint) and return."""
     done: int | None = None
     final: int | None = None  # the learner's version when the run stopped
     final_by = 0.0
@@ -178,10 +270,11 @@ def _evaluate_until_final(cfg: Config, proc, backend, fetcher, specs: list[Episo
         if final is None and proc.should_stop():
             final = int(proc.control.get("policy_version") or backend.version)
             final_by = time.monotonic() + FINAL_FETCH_S
+            evals.stopped()
         if final is not None and backend.version < final and not from_disk:
             from_disk = True
             proc.set_phase(f"loading the final version v{final} from its checkpoint")
-            got = checkpoint_weights(cfg, run_dir, final)
+            got = checkpoint_weights(cfg, evals.run_dir, final)
             if got is not None:
                 backend.update_weights(got, final)
                 log.info("took the final version v%d from the run's checkpoint", final)
@@ -190,24 +283,15 @@ def _evaluate_until_final(cfg: Config, proc, backend, fetcher, specs: list[Episo
             proc.set_phase(f"fetching the final version v{final}")
             time.sleep(POLL_S)
             continue
-        due = done is None or backend.version >= done + cfg.trainer.eval_every
-        if due or (final is not None and done != backend.version):
-            done = _evaluate_now(cfg, proc, backend, specs, run_dir)
-            continue
         if final is not None:
+            if done != backend.version or final_episodes(cfg) != cfg.trainer.eval_episodes:
+                evals.evaluate(final=True)
             return
-        proc.set_phase(f"waiting for version {done + cfg.trainer.eval_every}")
+        if done is None or backend.version >= done + cfg.trainer.eval_every:
+            if evals.may_start():
+                done = evals.evaluate(final=False)
+                continue
+            proc.set_phase(f"v{backend.version} due: waiting for the CPU budget (trainer.eval_cpu_share)")
+        else:
+            proc.set_phase(f"waiting for version {done + cfg.trainer.eval_every}")
         time.sleep(POLL_S)
-
-
-def _evaluate_now(cfg: Config, proc, backend, specs: list[EpisodeSpec], run_dir: Path) -> int:
-    """One evaluation of the backend's version, recorded; returns that version."""
-    v = backend.version
-    proc.set_phase(f"evaluating v{v} on {len(specs)} held-out episodes")
-    t0 = time.monotonic()
-    rec = summarize(evaluate(backend, cfg, specs), v, time.monotonic() - t0)
-    write_record(run_dir, rec)
-    log.info("v%d held-out success %s (n=%d, %.0fs)", v,
-             {k: round(x, 3) for k, x in rec["success_rate"].items() if x is not None},
-             rec["episodes"]["all"], rec["seconds"])
-    return v

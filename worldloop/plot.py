@@ -5,7 +5,8 @@ Public API::
 
     plot_metrics(metrics_path, out_png, window=5) -> bool
 
-Left: held-out success over policy versions with 95% intervals (the evaluator's ``eval`` lines)
+Left: held-out success over policy versions with 95% intervals (the evaluator's ``eval`` lines:
+the in-run points joined by a line, the final evaluation, ``final`` true, a diamond of its own)
 beside the training-batch success rate and its moving average over ``window`` steps. Right: the
 mean trajectory reward of the training batches by component. Needs matplotlib (the ``plot``
 extra); without it nothing is drawn and a warning is logged.
@@ -58,19 +59,29 @@ def _moving(xs: list[float], window: int) -> list[float]:
     return out
 
 
+def _held_out(ax, evals: list[dict], fmt: str, color: str, label: str) -> None:
+    """Held-out success of ``evals`` over policy versions with their 95% intervals."""
+    if not evals:
+        return
+    vs = [e["policy_version"] for e in evals]
+    rate = [e["success_rate"].get("all") for e in evals]
+    lo = [e["ci95"]["all"][0] for e in evals]
+    hi = [e["ci95"]["all"][1] for e in evals]
+    n = evals[-1]["episodes"].get("all")
+    # max(0, ...): the Wilson bound of 0 or n successes can pass the rate by a rounding error
+    ax.errorbar(vs, rate, yerr=[[max(0.0, r - a) for r, a in zip(rate, lo)], [max(0.0, b - r) for r, b in zip(rate, hi)]],
+                fmt=fmt, color=color, capsize=3, label=f"{label} ({n} episodes, 95% CI)")
+
+
 def _success_panel(ax, rows: list[dict], evals: list[dict], window: int) -> None:
     steps = [r["step"] for r in rows]
     train = _series(rows, "success_rate", "all")
     ax.plot(steps, train, ".", color="0.7", label="training batch")
     ax.plot(steps, _moving(train, window), "-", color="0.35", label=f"training batch, moving mean of {window}")
-    if evals:
-        vs = [e["policy_version"] for e in evals]
-        rate = [e["success_rate"].get("all") for e in evals]
-        lo = [e["ci95"]["all"][0] for e in evals]
-        hi = [e["ci95"]["all"][1] for e in evals]
-        n = evals[-1]["episodes"].get("all")
-        ax.errorbar(vs, rate, yerr=[[r - a for r, a in zip(rate, lo)], [b - r for r, b in zip(rate, hi)]],
-                    fmt="o-", color="C0", capsize=3, label=f"held-out ({n} episodes, 95% CI)")
+    in_run = [e for e in evals if not e.get("final")]
+    final = [e for e in evals if e.get("final")]
+    _held_out(ax, in_run, "o-", "C0", "held-out")
+    _held_out(ax, final, "D", "C3", "final held-out")
     ax.set_title("success rate")
     ax.set_xlabel("learner step = policy version")
     ax.set_ylim(-0.02, 1.02)

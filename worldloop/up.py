@@ -6,10 +6,11 @@ Steps, each logged:
    ``versions.json`` (Python's and the learning-relevant packages' versions, :func:`worldloop.common.versions.package_versions`);
 2. Redis: ``redis.url`` when given, else a private ``redis-server`` (system or bundled) whose data
    lives in the run directory;
-3. model: :func:`worldloop.bootstrap.pipeline.prepare_model`: when ``model.path`` does not exist and
-   ``model.make_tiny_if_missing``, the embedded tiny Qwen2.5-VL model is made on the spot, grounded
-   and, with ``sft.enabled``, warm-started by SFT on solver demonstrations (observation/prediction
-   fields included), writing ``grounding.json`` and ``sft.json``;
+3. model: :func:`worldloop.bootstrap.store.prepare_model`: an existing ``model.path`` as it is, else
+   the warm start of the config's recipe: shipped with the package (used at once), cached on this
+   machine, or made on the spot (the tiny model, grounding pre-training and SFT) and cached;
+   ``model.json`` says which (source and recipe hash), ``grounding.json`` and ``sft.json`` hold the
+   recipe's reports;
 4. time budget: with ``up.time_limit_s``, what is left of it after the model is made, less
    ``up.final_reserve_s``, becomes the learner's ``trainer.time_limit_s`` (it stops before an update
    that would end past it), so the whole run ends within the budget on a slower machine too;
@@ -25,7 +26,8 @@ Steps, each logged:
 7. the end: after ``trainer.total_steps`` or the time limit (the learner exits 0) or on Ctrl-C/SIGTERM the control
    record says ``stopped``, children get SIGTERM (then SIGKILL), ``training.png`` is drawn from
    ``metrics.jsonl`` (:mod:`worldloop.plot`), ``scrapes.json`` records which processes were scraped and
-   ``process_metrics.json`` the last scrape of each (its metric sums: idle seconds, episodes, ...).
+   ``process_metrics.json`` the last scrape of each (its metric sums: idle seconds, episodes, ...)
+   and ``cpu.json`` the CPU seconds per role and the evaluator's share of them.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from worldloop.bootstrap.pipeline import prepare_model
+from worldloop.bootstrap.store import prepare_model
 from worldloop.common.config import Config, to_dict
 from worldloop.common.control import list_processes, read_control, write_control
 from worldloop.common.keys import Keys
@@ -366,8 +368,46 @@ def _finish(r, keys: Keys, children: list[Child], progress: Progress, run_dir: P
     _stop_children(children)
     (run_dir / "scrapes.json").write_text(json.dumps(progress.scraped, indent=2))
     (run_dir / "process_metrics.json").write_text(json.dumps(progress.last_values, indent=1))
+    _cpu_summary(progress, run_dir)
     drew = plot_metrics(run_dir / "metrics.jsonl", run_dir / "training.png")
     print(f"\nworldloop up: {'plot' if drew else 'empty plot'} in {run_dir / 'training.png'}", flush=True)
+
+
+def _cpu_summary(progress: Progress, run_dir: Path) -> dict:
+    """``cpu.json``: CPU seconds per role from the last scrape of every process (the evaluator's
+    final evaluation included when the learner waited for it) and, by the evaluator's own count,
+    the in-run evaluations' share of the run's CPU until the run stopped (the final record's
+    ``cpu_at_stop``, else the newest record's ``cpu``); printed in one line."""
+    from worldloop.eval.cpu import cpu_by_role
+
+    cpu = cpu_by_role(progress.last_values)
+    records = [rec["eval"] for rec in _eval_records(run_dir / "eval.jsonl")]
+    last = records[-1] if records else {}
+    cpu["in_run_eval"] = last.get("cpu_at_stop") or last.get("cpu")
+    (run_dir / "cpu.json").write_text(json.dumps(cpu, indent=2))
+    if cpu["total_s"]:
+        share = cpu["share"].get("evaluator")
+        line = (f"worldloop up: CPU seconds by role {cpu['seconds']}"
+                + (f"; the evaluator's share {share:.1%} (its final evaluation included)" if share is not None else ""))
+        in_run = (cpu["in_run_eval"] or {}).get("in_run_eval_share")
+        if in_run is not None:
+            line += f"; in-run evaluations {in_run:.1%} of the run's CPU (budget {cpu['in_run_eval']['budget_share']:.0%})"
+        print(line, flush=True)
+    return cpu
+
+
+def _eval_records(path: Path) -> list[dict]:
+    """The readable lines of a JSONL file that hold an ``eval`` record (none: no file)."""
+    out = []
+    if path.exists():
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("eval"), dict):
+                out.append(rec)
+    return out
 
 
 @dataclass

@@ -1,29 +1,23 @@
-"""The model a run starts from, made from the config: (config) -> (model directory).
+"""The steps that make the model a run starts from: (config, empty directory) -> model.
 
 Public API::
 
-    prepare_model(cfg, run_dir) -> Path              # ``worldloop up``, before any process starts
     build_model(cfg, model_dir) -> Iterator[(step, report)]   # the steps below, in order
     make_tiny(cfg, model_dir) -> Path                 # 1. the embedded tiny model
     ground(cfg, model_dir) -> dict                    # 2. grounding pre-training (grounding.json)
     warm_start(cfg, model_dir, probe_prompts=SFT_PROBE_SEEDS) -> dict   # 3. SFT (sft.json)
-
-``model.path`` holding a ``config.json`` is used as it is. Otherwise, with
-``model.make_tiny_if_missing``, the model is made, grounded (``model.tiny_grounding_steps`` > 0)
-and warm-started (``sft.enabled``) in ``<model.path>.partial`` and moved to ``model.path`` only
-when whole: a run stopped half-way (Ctrl-C in grounding) leaves no ``model.path`` that a later
-run would take as finished and train without its grounding or warm start. Each step's report is
-written to ``<run_dir>/<step>.json`` as soon as the step ends.
+    env_specs(cfg) -> list[dict]                      # the envs grounding and SFT play
+    demonstrations(cfg, codec, n, seed_start) -> list[Trajectory]   # SFT's, as warm_start plays them
 
 The steps read the config here and call the config-free libraries ``tiny_model``, ``grounding``
-and ``sft`` with explicit arguments.
+and ``sft`` with explicit arguments. Which model a run uses, where it is kept and how a build is
+made reproducible and recorded is :mod:`worldloop.bootstrap.store`'s business; what in the config
+decides the model is :mod:`worldloop.bootstrap.recipe`'s.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -34,27 +28,6 @@ from worldloop.common.config import GROUNDING_EVAL_BOARDS, SFT_PROBE_SEEDS, Conf
 # never loads them into the supervising process
 
 log = logging.getLogger(__name__)
-
-
-def prepare_model(cfg: Config, run_dir: str | Path) -> Path:
-    """The directory of the model the run starts from (``model.path``), made first when missing
-    (see the module docstring); raises FileNotFoundError when it is missing and may not be made."""
-    path = Path(cfg.model.path)
-    if (path / "config.json").exists():
-        log.info("model: %s", path)
-        return path
-    if not cfg.model.make_tiny_if_missing:
-        raise FileNotFoundError(f"model.path {str(path)!r} has no config.json and model.make_tiny_if_missing is false")
-    work = path.with_name(path.name + ".partial")
-    if work.exists():
-        log.info("model: removing %s, left by a run stopped while it prepared the model", work)
-        shutil.rmtree(work)
-    log.info("model: making the embedded tiny model in %s", path)
-    for step, report in build_model(cfg, work):
-        (Path(run_dir) / f"{step}.json").write_text(json.dumps(report, indent=2))
-    work.rename(path)
-    log.info("model: ready at %s", path)
-    return path
 
 
 def build_model(cfg: Config, model_dir: Path) -> Iterator[tuple[str, dict]]:
@@ -78,7 +51,9 @@ def make_tiny(cfg: Config, model_dir: Path) -> Path:
     return make_tiny_model(model_dir, seed=cfg.run.seed, copy_pretrain_steps=cfg.model.tiny_copy_pretrain_steps)
 
 
-def _env_specs(cfg: Any) -> list[dict]:
+def env_specs(cfg: Any) -> list[dict]:
+    """``{"id", "kwargs"}`` of every env of ``actor.envs``: what grounding and SFT play (``kwargs``
+    as they are; ``train_kwargs`` are the actors' alone)."""
     return [{"id": e.id, "kwargs": dict(e.kwargs)} for e in cfg.actor.envs]
 
 
@@ -97,7 +72,7 @@ def ground(cfg: Any, model_dir: str | Path) -> dict:
         if p["step"] % every == 0:
             log.info("grounding: step %d/%d loss %.3f", p["step"], p["steps"], p["loss"])
 
-    report = grounding_pretrain(model_dir, _env_specs(cfg), m.tiny_grounding_steps,
+    report = grounding_pretrain(model_dir, env_specs(cfg), m.tiny_grounding_steps,
                                 seed_start=m.tiny_grounding_seed_start, max_image_side=m.max_image_side,
                                 batch_size=m.tiny_grounding_batch_size, lr=m.tiny_grounding_lr, seed=cfg.run.seed,
                                 freeze_vision=m.freeze_vision, eval_boards=GROUNDING_EVAL_BOARDS, progress=progress,
@@ -108,6 +83,16 @@ def ground(cfg: Any, model_dir: str | Path) -> dict:
              100 * report["after_agent"]["first"], 100 * report["before_agent"]["first"],
              100 * report["after_agent"]["exact"])
     return report
+
+
+def demonstrations(cfg: Any, codec: Any, n: int, seed_start: int) -> list:
+    """``n`` SFT demonstrations on seeds ``seed_start`` on, exactly as :func:`warm_start` plays them
+    (the config's envs, ``actor.max_turns``, ``sft.turn_plan`` and answer style)."""
+    from worldloop.bootstrap.sft import demonstration_style, make_demonstrations
+
+    s = cfg.sft
+    return make_demonstrations(env_specs(cfg), n, seed_start, codec, cfg.actor.max_turns,
+                               distinct_moves=s.turn_plan == "distinct", **demonstration_style(s))
 
 
 def warm_start(cfg: Any, model_dir: str | Path, *, probe_prompts: int = SFT_PROBE_SEEDS) -> dict:
@@ -129,11 +114,10 @@ def warm_start(cfg: Any, model_dir: str | Path, *, probe_prompts: int = SFT_PROB
     model_dir = Path(model_dir)
     s, a = cfg.sft, cfg.actor
     codec = ChatCodec(model_dir, max_image_side=cfg.model.max_image_side)
-    specs = _env_specs(cfg)
+    specs = env_specs(cfg)
     start = time.monotonic()
     style = demonstration_style(s)
-    demos = make_demonstrations(specs, s.episodes, s.seed_start, codec, a.max_turns,
-                                distinct_moves=s.turn_plan == "distinct", **style)
+    demos = demonstrations(cfg, codec, s.episodes, s.seed_start)
     probes = make_demonstrations(specs, probe_prompts, s.seed_start + s.episodes, codec, 1, **style)
     log.info("sft: %d demonstrations (%d turns) in %.1fs", len(demos), sum(len(d.turns) for d in demos),
              time.monotonic() - start)

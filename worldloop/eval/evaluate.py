@@ -419,7 +419,7 @@ def _options(cfg: Config, args: argparse.Namespace) -> _Options:
         names = [m for n in args.envs.split(",") if n.strip() for m in SUITES.get(n.strip(), [n.strip()])]
     if names is not None and not names:
         raise ConfigError("--envs", "names no env")
-    out = Path(pick("output", e.output) or Path("runs") / f"eval-{_slug(args.model or cfg.model.path)}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = Path(pick("output", e.output) or Path("runs") / f"eval-{_slug(args.model or cfg.model.path or 'warmstart')}-{time.strftime('%Y%m%d-%H%M%S')}")
     return _Options(episodes, max_turns, concurrency, pick("prompt_format", e.prompt_format),
                     pick("state_format", e.state_format), settings, names, out)
 

@@ -2,7 +2,7 @@
 
 Public API::
 
-    failure_breakdown(records) -> dict   # records: the lines of a `worldloop eval` episodes.jsonl
+    failure_breakdown(records, judge=None) -> dict   # records: the lines of a `worldloop eval` episodes.jsonl
     format_breakdown(result) -> str      # a markdown table of it
     python -m worldloop.eval.failures OUT/episodes.jsonl [...]
 
@@ -11,9 +11,11 @@ model's own responses, so the true state before every turn is known. Per turn, s
 turns and later turns:
 
 * ``well_formed``: the turn earned the format reward;
-* ``observation_right``: its ``<observation>`` starts with the true state's first relation, the
-  sentence grounding pre-training and the concise demonstrations put first (strategies without an
-  observation count as not right);
+* ``observation_right``: its ``<observation>`` reads the board right by the judge's ``rule``
+  scorer (grounding score 1.0 against the true state before the turn;
+  :func:`worldloop.eval.reading.reading_right`, the definition the run's evaluator reports as
+  first-turn reading accuracy; ``--rule-mode`` as the run's ``judge.rule_mode``); strategies
+  without an observation count as not right;
 * ``on_shortest_path``: at least one action ran and every executed action brought the solver's
   distance to the goal down by one (the turn followed some shortest plan);
 * the same, on turns whose observation was right and on turns whose observation was wrong: when
@@ -33,26 +35,30 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable
 
+from worldloop.common.config import JudgeConfig
+
 KINDS = ("first", "later")
 COUNTS = ("turns", "well_formed", "observation_right", "on_shortest_path", "right_reading_on_path",
           "wrong_reading_on_path", "dead_end")
 
 
-def _replay(env: Any, record: dict, tally: dict[str, dict[str, int]]) -> bool:
+def _replay(env: Any, record: dict, tally: dict[str, dict[str, int]], judge: JudgeConfig) -> bool:
     """Replay one episode into ``tally``; False when the replay does not end as recorded."""
+    from worldloop.actor.rollout import env_name
+    from worldloop.eval.reading import reading_right
+
     u = env.unwrapped
     env.reset(seed=int(record["seed"]))
     info: dict = {"success": False}
     for k, turn in enumerate(record.get("turns") or []):
         t = tally[KINDS[min(k, 1)]]
         state = u._current_state()
-        first = (state.get("relations") or [""])[0]
         before = u._distance_to_goal()
         _, _, terminated, truncated, info = env.step(turn["response"])
         ran = int(info["actions_executed"])
         after = u._distance_to_goal()
-        observation = (info.get("observation") or "").strip()
-        right = bool(first) and observation.startswith(first)
+        right = bool(reading_right(info.get("observation"), state, env_name(record["env_id"]),
+                                   format_rewarded=float(info.get("format_reward") or 0.0) > 0, judge=judge))
         on_path = ran > 0 and before - after == ran
         t["turns"] += 1
         t["well_formed"] += bool(info["format_ok"])
@@ -66,8 +72,9 @@ def _replay(env: Any, record: dict, tally: dict[str, dict[str, int]]) -> bool:
     return bool(info.get("success")) == bool(record.get("success"))
 
 
-def failure_breakdown(records: Iterable[dict]) -> dict:
-    """Per-turn counts and rates (see the module docstring) of finished, error-free episode records."""
+def failure_breakdown(records: Iterable[dict], judge: JudgeConfig | None = None) -> dict:
+    """Per-turn counts and rates (see the module docstring) of finished, error-free episode records;
+    ``judge``: the run's judge config (its ``rule_mode``), default the defaults."""
     import gymnasium
 
     from worldloop import envs  # noqa: F401  (registers worldloop/* ids)
@@ -87,7 +94,7 @@ def failure_breakdown(records: Iterable[dict]) -> dict:
             skipped += 1
             continue
         trial = {k: dict.fromkeys(COUNTS, 0) for k in KINDS}
-        if not _replay(env, rec, trial):
+        if not _replay(env, rec, trial, judge or JudgeConfig()):
             mismatched += 1
             continue
         for k in KINDS:
@@ -135,10 +142,13 @@ def format_breakdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m worldloop.eval.failures", description=__doc__.split("\n")[0])
     ap.add_argument("episodes", nargs="+", help="episodes.jsonl files written by `worldloop eval`")
+    ap.add_argument("--rule-mode", choices=["f1", "vagen"], default="f1",
+                    help="how the rule judge scores an observation (the run's judge.rule_mode; default f1)")
     args = ap.parse_args(argv)
+    judge = JudgeConfig(rule_mode=args.rule_mode)
     for path in args.episodes:
         records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-        print(f"## {path}\n\n{format_breakdown(failure_breakdown(records))}\n")
+        print(f"## {path}\n\n{format_breakdown(failure_breakdown(records, judge))}\n")
     return 0
 
 

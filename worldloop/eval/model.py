@@ -13,10 +13,12 @@ Local resolution, in order:
 1. a learner checkpoint (``state.json`` inside, ``learner/checkpoint.py`` layout): its ``hf/`` export
    when present; otherwise the policy's DeepSpeed state (``policy/ds``) is consolidated into the base
    model's architecture (``model.path`` of the run's ``config.yaml`` two folders up, written by
-   ``worldloop up``, else ``model.path`` of the eval config) and saved once under ``scratch``;
+   ``worldloop up``, else ``model.path`` of the eval config, or for a null one the shipped or cached
+   warm start of its recipe) and saved once under ``scratch``;
 2. a checkpoints folder (``latest`` or ``step_*`` inside) or a run directory (``checkpoints/``
    inside): its newest complete checkpoint, then as 1;
-3. a Hugging Face model directory (``config.json`` inside).
+3. a Hugging Face model directory (``config.json`` inside); no ``--model`` and a null ``model.path``:
+   the shipped or cached warm start of the config's recipe (:func:`worldloop.bootstrap.store.resolve_model`).
 
 The model's ``name`` (what records are keyed by) is the absolute path of the loaded directory, plus
 ``@v<policy version>`` for checkpoints.
@@ -64,7 +66,7 @@ def resolve_model(model: str | None, *, base_url: str | None, cfg: Config, scrat
         if not model:
             raise ModelNotFound("--base-url needs --model NAME (the model id the endpoint serves)")
         return ModelRef("remote", model, source=f"{model} at {base_url}")
-    p = Path(model or cfg.model.path)
+    p = Path(model or cfg.model.path or _recipe_model(cfg))
     if not p.exists():
         raise ModelNotFound(f"model directory {str(p)!r} does not exist (give a local model directory, a learner "
                             "checkpoint or run directory, or a model name with --base-url)")
@@ -84,6 +86,17 @@ def resolve_model(model: str | None, *, base_url: str | None, cfg: Config, scrat
                             "(no state.json) nor a run directory (no checkpoints/)")
     path = p.resolve()
     return ModelRef("local", str(path), path, None, source=str(path))
+
+
+def _recipe_model(cfg: Config) -> Path:
+    """No model named and ``model.path`` null: the warm start of the config's recipe, shipped or
+    cached (never built here)."""
+    from worldloop.bootstrap.store import resolve_model as resolve_warm_start
+
+    try:
+        return resolve_warm_start(cfg, build=False).path
+    except FileNotFoundError as e:
+        raise ModelNotFound(f"no --model and model.path is null: {e}") from None
 
 
 def _from_checkpoint(ckpt: Path, cfg: Config, scratch: Path) -> ModelRef:
@@ -108,13 +121,18 @@ def _base_model_dir(ckpt: Path, cfg: Config) -> Path:
         from worldloop.common.config import load_config
 
         try:
-            candidates.append(Path(load_config(run_cfg).model.path))
+            run_model = load_config(run_cfg).model.path
+            if run_model:
+                candidates.append(Path(run_model))
         except ValueError as e:
             log.warning("cannot read %s: %s", run_cfg, e)
-    candidates.append(Path(cfg.model.path))
+    if cfg.model.path:
+        candidates.append(Path(cfg.model.path))
     for c in candidates:
         if (c / "config.json").is_file():
             return c
+    if not cfg.model.path:
+        return _recipe_model(cfg)
     raise ModelNotFound(f"checkpoint {ckpt} has no hf/ export, and the base model to rebuild it from is not found "
                         f"(tried {', '.join(map(str, candidates))}: model.path of the run's config.yaml, then of "
                         "the eval config); pass model.path=<base model dir>")
