@@ -291,6 +291,15 @@ def test_repetition_tracker_penalises_frequent_wrong_sentences_only() -> None:
     assert tr.apply("The box is above.", None) == 0.0  # unscored (fallback) parts are not judged
 
 
+def test_repetition_top_k_zero_turns_the_penalty_off() -> None:
+    # judge.repetition_top_k: 0 means no penalty (the config's note); it used to raise on the
+    # second sentence (min() of an empty top-k)
+    tr = RepetitionTracker(top_k=0, threshold=0.7, penalty=0.1)
+    for _ in range(3):
+        assert tr.apply("The box is above. It is fine.", 0.0) == 0.0
+    assert tr.top == {}
+
+
 def test_gated_aggregation_argos_eq9() -> None:
     w = {"rule": 1.0, "llm": 1.0, "hybrid": 2.0}
     assert gated_aggregate([("rule", 0.4), ("llm", 1.0)], w, 0.5) == 0.4  # gate below tau: R = R_0

@@ -138,6 +138,8 @@ class RepetitionTracker:
 
     def observe(self, text: str | None) -> list[str]:
         sents = sentences_of(text)
+        if self.top_k <= 0:  # no penalty: nothing to keep
+            return sents
         for s in sents:
             self.counts[s] += 1
             c = self.counts[s]
