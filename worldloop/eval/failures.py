@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import typing
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -142,7 +143,7 @@ def format_breakdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m worldloop.eval.failures", description=__doc__.split("\n")[0])
     ap.add_argument("episodes", nargs="+", help="episodes.jsonl files written by `worldloop eval`")
-    ap.add_argument("--rule-mode", choices=["f1", "vagen"], default="f1",
+    ap.add_argument("--rule-mode", choices=list(typing.get_args(JudgeConfig.model_fields["rule_mode"].annotation)), default="f1",
                     help="how the rule judge scores an observation (the run's judge.rule_mode; default f1)")
     args = ap.parse_args(argv)
     judge = JudgeConfig(rule_mode=args.rule_mode)
