@@ -7,8 +7,13 @@ streams) and the roles' other Redis state (admission, counters, leases) build on
 
 Design decisions
 ----------------
+* **Threads.** One link (one client, one connection pool) is safe to share between threads:
+  redis-py checks a connection out of the pool for each call and drops a connection that failed
+  (the next checkout opens a new one). A retry never touches the pool: disconnecting it under the
+  other threads closed their sockets mid-call (``ValueError: I/O operation on closed file``), and
+  those errors are no Redis errors, so nothing retried them.
 * **Reconnects.** :meth:`RedisLink.call` runs a call and, on ConnectionError / TimeoutError /
-  BusyLoading (:data:`RETRYABLE`), reconnects with exponential backoff from 50 ms capped at
+  BusyLoading (:data:`RETRYABLE`), runs it again with exponential backoff from 50 ms capped at
   ``reconnect_max_s`` (metric ``worldloop_stream_reconnects``, a log line), forever unless the
   link was closed or its ``should_stop`` turned true (then the error is raised, so that a process
   asked to stop never hangs on an unreachable Redis). A NOGROUP reply (Redis restarted without
@@ -140,7 +145,6 @@ class RedisLink:
                 log.warning("redis %s (stream %s): %s; reconnecting in %.2fs", type(e).__name__, self.stream, e, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, self.reconnect_max_s)
-                self._reset()
             except ResponseError as e:
                 if "NOGROUP" not in str(e) or self.closed:
                     raise
@@ -149,13 +153,6 @@ class RedisLink:
     def on_nogroup(self) -> None:
         """A call got NOGROUP: a stream consumer replaces this to recreate its group; here it fails."""
         raise RuntimeError(f"stream {self.stream}: consumer group vanished")
-
-    def _reset(self) -> None:
-        try:
-            self.r.connection_pool.disconnect()
-        except Exception:  # a broken pool: start a new client below anyway
-            pass
-        self.r = connect(self.url, self.socket_timeout_s)
 
     def close(self) -> None:
         self.closed = True
