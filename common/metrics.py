@@ -46,6 +46,8 @@ CATALOG: dict[str, Spec] = {
     "worldloop_stream_reclaimed_messages": Spec("counter", "Messages reclaimed from dead consumers", ("stream",)),
     "worldloop_stream_deadletter_messages": Spec("counter", "Messages sent to the dead-letter stream", ("stream", "reason")),
     "worldloop_stream_reconnects": Spec("counter", "Reconnections after Redis errors", ("stream",)),
+    "worldloop_stream_refused_writes": Spec(
+        "counter", "Calls Redis refused and that were retried (OOM, MISCONF, READONLY, NOPERM)", ("stream", "reason")),
     "worldloop_stream_backpressure_seconds": Spec("counter", "Seconds a producer waited on a full stream", ("stream",)),
     "worldloop_stream_backpressure_blocked": Spec("gauge", "1 while a producer waits on a full stream", ("stream",)),
     "worldloop_stream_backlog_messages": Spec("gauge", "Entries not yet delivered to a consumer, as last seen by a producer", ("stream",)),

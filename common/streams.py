@@ -372,7 +372,13 @@ class StreamConsumer:
         group lists only the living. One that still holds entries stays until they are reclaimed."""
         def run(r: redis.Redis) -> list[str]:
             gone = []
-            for c in r.xinfo_consumers(self.stream, self.group):
+            try:
+                consumers = r.xinfo_consumers(self.stream, self.group)
+            except ResponseError as e:  # the stream is gone (Redis restarted without persistence)
+                if "no such key" not in str(e).lower():
+                    raise
+                return gone
+            for c in consumers:
                 name = _text(c.get("name"))
                 if name != self.consumer and int(c.get("pending") or 0) == 0 and int(c.get("idle") or 0) > idle_ms:
                     r.xgroup_delconsumer(self.stream, self.group, name)

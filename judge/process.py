@@ -30,6 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from worldloop.common.config import Config, ConfigError
@@ -201,6 +202,9 @@ class JudgeWorker:
     # ------------------------------------------------------------------ stats
 
     def _flush_stats(self, r) -> None:
+        """Add the counts not yet sent to the run-wide counters. Never raises: it also runs in
+        :meth:`run`'s ``finally``, where an error (Redis away, or refusing writes) would replace the
+        one that ended the judge; what was not sent goes out with a later flush."""
         now = {"judge_failures": self.llm.failures if self.llm else 0,
                "judge_fallbacks": self.scorer.fallbacks if self.scorer else 0}
         for name, value in now.items():
@@ -209,7 +213,8 @@ class JudgeWorker:
                 try:
                     stats_incr(r, self.keys, name, delta)
                     self._sent[name] = value
-                except (RedisConnectionError, RedisTimeoutError):
+                except RedisError as e:
+                    log.warning("judge %s: run-wide counters not sent yet: %s", self.proc_id, e)
                     return
 
 
