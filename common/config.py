@@ -65,6 +65,17 @@ class RedisConfig:
     # a process that has never reached Redis gives up after this long with "cannot reach Redis at
     # ..., check redis.url" (a wrong URL); once connected it reconnects for as long as it takes
     startup_timeout_s: float = 30.0
+    # an entry delivered this many times and never acked (a poison entry that kills or wedges each
+    # consumer that takes it) goes to the dead-letter stream with the reason, its budget given back
+    max_deliveries: int = 5
+    # a payload larger than this is dead-lettered when it is read (its first 64 KiB are kept)
+    max_message_mb: int = 64
+    # the dead-letter stream keeps about this many newest records (XADD MAXLEN ~)
+    deadletter_maxlen: int = 10_000
+    # fsync policy of the Redis `worldloop up` starts (deploy/: WORLDLOOP_REDIS_APPENDFSYNC): always =
+    # a host crash loses no acknowledged write; everysec = it may lose the last second of them
+    # (docs/architecture.md "Durability"); an external redis.url keeps its own setting
+    appendfsync: Literal["always", "everysec"] = "everysec"
 
 
 @dataclass
@@ -257,6 +268,9 @@ class TrainerConfig:
     checkpoint_every: int = 10
     keep_checkpoints: int = 3
     resume: bool = False
+    # one learner per namespace: its lease in Redis expires this long after its last renewal (every
+    # third of it); a learner restarted on the same host takes over a dead one's lease at once
+    lease_ttl_s: float = 30.0
     use_critic: bool = True  # false for grpo
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto = cuda:<LOCAL_RANK> when visible, else cpu
     # KL to the frozen reference: -kl_coef * KL as a per-token reward (VAGEN), or a loss term
@@ -371,6 +385,10 @@ class Config:
 _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "redis.max_backlog": (lambda v: v >= 1, "must be >= 1"),
     "redis.startup_timeout_s": (lambda v: v > 0, "must be > 0"),
+    "redis.max_deliveries": (lambda v: v >= 2, "must be >= 2 (1 would dead-letter every reclaimed entry)"),
+    "redis.max_message_mb": (lambda v: v >= 1, "must be >= 1"),
+    "redis.deadletter_maxlen": (lambda v: v >= 100, "must be >= 100"),
+    "trainer.lease_ttl_s": (lambda v: v >= 3, "must be >= 3 seconds (renewed every third of it)"),
     "redis.url": (
         lambda v: v is None or v.startswith(("redis://", "rediss://", "unix://")),
         "must start with redis://, rediss:// or unix://",

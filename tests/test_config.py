@@ -50,6 +50,11 @@ def test_unknown_key_is_named() -> None:
     ("weights.max_bytes=-1", "weights.max_bytes", "must be >= 0"),
     ("up.time_limit_s=0", "up.time_limit_s", "must be > 0 seconds or null"),
     ("trainer.time_limit_s=-5", "trainer.time_limit_s", "must be > 0 seconds or null"),
+    ("redis.max_deliveries=1", "redis.max_deliveries", "must be >= 2"),
+    ("redis.max_message_mb=0", "redis.max_message_mb", "must be >= 1"),
+    ("redis.deadletter_maxlen=10", "redis.deadletter_maxlen", "must be >= 100"),
+    ("redis.appendfsync=no", "redis.appendfsync", "must be one of"),
+    ("trainer.lease_ttl_s=1", "trainer.lease_ttl_s", "must be >= 3 seconds"),
 ])
 def test_bad_value_is_named(override: str, key: str, words: str) -> None:
     e = _error(overrides=(override,))
