@@ -38,18 +38,61 @@ class Message:
     reclaimed: bool
 
 
+# KEYS: stream, stats hash; ARGV: group, n, id_1 .. id_n, counter_1 .. counter_n ('' = none)
+# Only an entry this call acks (XACK 1) adds to its counter: a call retried after its reply was
+# lost finds its entries acked and counts nothing again.
+ACK_LUA = """
+local n = tonumber(ARGV[2])
+local acked = 0
+for i = 1, n do
+  local id = ARGV[2 + i]
+  if redis.call('XACK', KEYS[1], ARGV[1], id) == 1 then
+    acked = acked + 1
+    local c = ARGV[2 + n + i]
+    if c ~= '' then redis.call('HINCRBY', KEYS[2], c, 1) end
+  end
+  redis.call('XDEL', KEYS[1], id)
+end
+return acked
+"""
+
+# KEYS: stream, dead-letter stream, stats hash; ARGV: group, id, record, maxlen, counter ('' = none),
+# data field. 1: moved; 0: the entry was no longer pending (a retry after a lost reply, or another
+# consumer finished it): nothing written twice
+DEADLETTER_LUA = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', ARGV[6], ARGV[3])
+redis.call('XDEL', KEYS[1], ARGV[2])
+if ARGV[5] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[5], 1) end
+return 1
+"""
+
+# the head of an oversized payload that its dead-letter record keeps
+_OVERSIZED_KEPT = 65536
+
+
+def consumer_limits(redis_cfg: Any) -> dict[str, int]:
+    """The StreamConsumer keywords a role takes from its ``redis`` config section."""
+    return {"max_message_bytes": int(redis_cfg.max_message_mb) * 2**20, "deadletter_maxlen": int(redis_cfg.deadletter_maxlen)}
+
+
 class StreamConsumer:
-    """Reads one stream as ``consumer`` of ``group``; see the module docstring for the guarantees."""
+    """Reads one stream as ``consumer`` of ``group``; see the module docstring for the guarantees.
+
+    ``max_message_bytes``: a larger payload is dead-lettered when read (kind ``too_large``, its
+    first 64 KiB kept). ``deadletter_maxlen``: the dead-letter stream is trimmed to about this many
+    records (XADD MAXLEN ~). ``stats_key``: run-wide counters (a hash, e.g. Keys.stats) that dead
+    letters and counted acks increment in the same script as the ack, once per entry acked.
+    """
 
     def __init__(self, url: str, stream: str, group: str, consumer: str, *,
                  decode: Callable[[bytes], Any] | None = None, deadletter_stream: str | None = None,
                  block_ms: int = 1000, claim_idle_ms: int = 60000, reconnect_max_s: float = 30.0,
                  socket_timeout_s: float = 10.0, should_stop: Callable[[], bool] | None = None,
-                 startup_timeout_s: float | None = None, stats_key: str | None = None):
+                 startup_timeout_s: float | None = None, stats_key: str | None = None,
+                 max_message_bytes: int | None = None, deadletter_maxlen: int = 10_000):
         self.stream = stream
         self.group = group
-        # run-wide counters (a hash, e.g. Keys.stats) that dead letters and counted acks increment in
-        # the same MULTI as the ack: exact and cumulative across restarts of this consumer
         self.stats_key = stats_key
         self.consumer = consumer
         self.decode = decode
@@ -57,10 +100,14 @@ class StreamConsumer:
         self.deadletter_stream = deadletter_stream or f"{stream}:deadletter"
         self.block_ms = block_ms
         self.claim_idle_ms = claim_idle_ms
+        self.max_message_bytes = max_message_bytes
+        self.deadletter_maxlen = deadletter_maxlen
         # a blocking XREADGROUP must return before the socket times out
         self._link = RedisLink(url, stream, reconnect_max_s, max(socket_timeout_s, block_ms / 1000 + 5),
                                should_stop=should_stop, startup_timeout_s=startup_timeout_s)
         self._link.on_nogroup = self._create_group
+        self._ack_script = self._link.r.register_script(ACK_LUA)
+        self._deadletter_script = self._link.r.register_script(DEADLETTER_LUA)
         self._claim_cursor = "0-0"
         self._m = {
             "consumed": metric("worldloop_stream_consumed_messages").labels(stream=stream),
@@ -169,6 +216,11 @@ class StreamConsumer:
                 self._deadletter(eid, packb({_text(k): v for k, v in (fields or {}).items()}),
                                  f"entry has no '{DATA_FIELD.decode()}' field", "missing_data")
                 continue
+            if self.max_message_bytes is not None and len(payload) > self.max_message_bytes:
+                self._deadletter(eid, payload[:_OVERSIZED_KEPT], f"payload of {len(payload)} bytes is larger than "
+                                 f"the limit of {self.max_message_bytes} (redis.max_message_mb); its first "
+                                 f"{min(len(payload), _OVERSIZED_KEPT)} bytes are kept here", "too_large")
+                continue
             try:
                 value = self.decode(payload) if self.decode else payload
             except Exception as e:  # any decode failure means a poison message, never a crash
@@ -180,24 +232,17 @@ class StreamConsumer:
 
     # ------------------------------------------------------------------ acking
 
-    def ack(self, ids: Iterable[str], count_metric: bool = True, counts: dict[str, int] | None = None) -> int:
-        """XACK + XDEL the entries in one MULTI; return how many were still pending. ``counts``
-        (counter name -> n) are added to ``stats_key`` in the same MULTI, so a fate counted at its
-        ack is counted exactly once even when the consumer dies and another decides it again."""
+    def ack(self, ids: Iterable[str], count_metric: bool = True, counters: dict[str, str] | None = None) -> int:
+        """XACK + XDEL the entries (one script); return how many were still pending. ``counters``
+        (entry id -> counter name) adds 1 to that counter of ``stats_key`` for each entry this call
+        acks, in the same script, so a fate counted at its ack counts exactly once: also when the
+        consumer dies and another decides the entry again, and when a reply is lost and retried."""
         ids = list(ids)
         if not ids:
             return 0
-
-        def run(r: redis.Redis) -> int:
-            p = r.pipeline(transaction=True)
-            p.xack(self.stream, self.group, *ids)
-            p.xdel(self.stream, *ids)
-            for name, n in (counts or {}).items():
-                if n and self.stats_key:
-                    p.hincrby(self.stats_key, name, int(n))
-            return int(p.execute()[0])
-
-        n = self._link.call(run)
+        names = [(counters or {}).get(i, "") if self.stats_key else "" for i in ids]
+        n = int(self._link.call(lambda r: self._ack_script(
+            keys=[self.stream, self.stats_key or self.stream], args=[self.group, len(ids), *ids, *names], client=r)))
         if count_metric:
             self._m["acked"].inc(n)
         return n
@@ -210,22 +255,20 @@ class StreamConsumer:
         """The ``stats_key`` counter of dead letters of ``kind`` from this stream."""
         return f"deadletter_{self.stream.rsplit(':', 1)[-1]}_{kind}"
 
-    def _deadletter(self, entry_id: str, payload: bytes, reason: str, kind: str) -> None:
+    def _deadletter(self, entry_id: str, payload: bytes, reason: str, kind: str) -> bool:
+        """Record, ack and delete in one script; False when the entry was no longer pending (nothing
+        written: a retry after a lost reply, or another consumer finished it)."""
         reason = reason if len(reason) <= _MAX_REASON_CHARS else reason[:_MAX_REASON_CHARS] + "..."
         record = packb(deadletter_message(reason, self.stream, entry_id, self.consumer, payload, time.time()))
-
-        def run(r: redis.Redis) -> None:
-            p = r.pipeline(transaction=True)
-            p.xadd(self.deadletter_stream, {DATA_FIELD: record})
-            p.xack(self.stream, self.group, entry_id)
-            p.xdel(self.stream, entry_id)
-            if self.stats_key:
-                p.hincrby(self.stats_key, self.deadletter_counter(kind), 1)
-            p.execute()
-
-        self._link.call(run)
+        counter = self.deadletter_counter(kind) if self.stats_key else ""
+        moved = int(self._link.call(lambda r: self._deadletter_script(
+            keys=[self.stream, self.deadletter_stream, self.stats_key or self.stream],
+            args=[self.group, entry_id, record, self.deadletter_maxlen, counter, DATA_FIELD], client=r)))
+        if not moved:
+            return False
         self._m_dead.labels(stream=self.stream, reason=kind).inc()
         log.warning("stream %s entry %s -> %s: %s", self.stream, entry_id, self.deadletter_stream, reason[:200])
+        return True
 
     def prune_consumers(self, idle_ms: int) -> list[str]:
         """Delete the group's other consumers that hold nothing and were idle longer than

@@ -11,9 +11,12 @@ caller acknowledges once its work is durable.
 Design decisions
 ----------------
 * **Ack = XACK + XDEL.** A consumer acknowledges AND deletes an entry (one
-  MULTI pipeline) only after the caller says the work is durable (e.g. the
+  Lua script) only after the caller says the work is durable (e.g. the
   judge has XADDed the scored trajectory). So ``XLEN`` of a stream equals its
   backlog: entries not yet delivered plus entries delivered but not yet acked.
+  A run-wide counter of an entry's fate is added in the same script, and only
+  when that script's XACK acked the entry: a call retried after its reply was
+  lost counts nothing twice.
   One consumer group per stream is assumed (rollouts -> judges, scored ->
   learner); a second group on the same stream would lose entries.
 * **Backpressure.** A producer blocks while the stream's *undelivered* backlog
@@ -31,11 +34,14 @@ Design decisions
   are idle longer than ``claim_idle_ms`` (a restarted consumer reclaims its own).
   An XADD retried after a lost reply may duplicate an entry, and a reclaimed
   entry may have been half-processed: downstream dedups by trajectory id.
-* **Poison messages.** An entry whose ``data`` field is missing or whose
-  ``decode`` raises goes to the dead-letter stream (``worldloop.common.schemas``
-  ``deadletter_message``: reason, source stream, entry id, consumer, time,
-  original bytes) and is acked+deleted in the same MULTI; it is never returned
-  and never crashes the consumer. Entries deleted while pending (XAUTOCLAIM
+* **Poison messages.** An entry whose ``data`` field is missing, whose payload
+  is larger than ``max_message_bytes`` or whose ``decode`` raises goes to the
+  dead-letter stream (``worldloop.common.schemas`` ``deadletter_message``:
+  reason, source stream, entry id, consumer, time, original bytes) and is
+  acked+deleted in the same script, which writes nothing when the entry was no
+  longer pending (one record per entry, also after a lost reply); it is never
+  returned and never crashes the consumer. The dead-letter stream is trimmed to
+  about ``deadletter_maxlen`` records. Entries deleted while pending (XAUTOCLAIM
   finds their id but no entry) are acked and skipped.
 * **Reconnects.** Every Redis call goes through the one retry wrapper of
   :class:`worldloop.common.redis_link.RedisLink` (reconnect with capped

@@ -39,6 +39,7 @@ from worldloop.common.keys import ROLLOUTS_GROUP, Keys
 from worldloop.common.metrics import metric
 from worldloop.common.process import HEARTBEAT_S, ProcessScaffold
 from worldloop.common.schemas import SchemaError, decode_trajectory, encode_trajectory
+from worldloop.common.stream_consumer import consumer_limits
 from worldloop.common.streams import DUPLICATE, FORWARDED, LOST_RACE, Forwarder, Message, StreamConsumer, connect
 from worldloop.judge.llm import LLMClient, api_key_from_env
 from worldloop.judge.scoring import TrajectoryScorer, fallback_trajectory, needs_llm
@@ -95,7 +96,8 @@ class JudgeWorker:
                 consumer = StreamConsumer(cfg.redis.url, self.keys.rollouts, ROLLOUTS_GROUP, self.proc_id,
                                           decode=decode_trajectory, deadletter_stream=self.keys.deadletter,
                                           block_ms=cfg.redis.block_ms, claim_idle_ms=cfg.redis.claim_idle_ms,
-                                          stats_key=self.keys.stats, **links)  # dead letters counted run-wide
+                                          stats_key=self.keys.stats, **consumer_limits(cfg.redis),
+                                          **links)  # dead letters counted run-wide
                 forwarder = Forwarder(cfg.redis.url, self.keys.rollouts, ROLLOUTS_GROUP, self.keys.scored,
                                       self.keys.judge_forwarded, max_backlog=cfg.redis.max_backlog,
                                       dedup_window_s=cfg.judge.dedup_window_s, **links)

@@ -75,6 +75,7 @@ from worldloop.common.admission import Admission
 from worldloop.common.metrics import metric
 from worldloop.common.modeling import ChatCodec, SequenceLayout, build_sequence
 from worldloop.common.schemas import Trajectory, decode_trajectory, packb
+from worldloop.common.stream_consumer import consumer_limits
 from worldloop.common.streams import Message, RedisLink, StreamConsumer
 
 log = logging.getLogger(__name__)
@@ -235,7 +236,7 @@ class ScoredSource:
             deadletter_stream=keys.deadletter, block_ms=min(cfg.redis.block_ms, 1000),
             claim_idle_ms=cfg.redis.claim_idle_ms, reconnect_max_s=cfg.redis.reconnect_max_s,
             socket_timeout_s=cfg.redis.socket_timeout_s, startup_timeout_s=cfg.redis.startup_timeout_s,
-            stats_key=keys.stats,
+            stats_key=keys.stats, **consumer_limits(cfg.redis),
         )
         self.consumer_name = consumer_name
         # retire trained ids, refund the ones that can never be trained (common/admission.py)
@@ -389,7 +390,7 @@ class ScoredSource:
 
     def _drop(self, items: list[Item], reason: str, why: str, final: bool) -> None:
         """Drop entries for one reason; their run-wide counter ``learner_dropped_<reason>`` is added in
-        the same MULTI as their ack (now when ``final``, else at the next checkpoint's ack), so each
+        the same script as their ack (now when ``final``, else at the next checkpoint's ack), so each
         counts once even when a restarted learner decides the same entry again."""
         n = len(items)
         self.dropped[reason] = self.dropped.get(reason, 0) + n
@@ -397,7 +398,8 @@ class ScoredSource:
         for it in items:  # one line per entry: bench/chaos.py accounts for every drop from these lines
             log.info("dropping %s trajectory %s (entry %s): %s", reason, it.trajectory_id, it.entry_id, why)
         if final:
-            self.consumer.ack([it.entry_id for it in items], counts={f"learner_dropped_{reason}": n})
+            self.consumer.ack([it.entry_id for it in items],
+                              counters={it.entry_id: f"learner_dropped_{reason}" for it in items})
         else:
             for it in items:
                 self._held[it.entry_id] = it.nbytes
@@ -427,12 +429,8 @@ class ScoredSource:
         n = 0
         for start in range(0, len(ids), 512):
             chunk = ids[start : start + 512]
-            counts: dict[str, int] = {}
-            for i in chunk:
-                if i in self._held_drops:
-                    name = f"learner_dropped_{self._held_drops[i]}"
-                    counts[name] = counts.get(name, 0) + 1
-            n += self.consumer.ack(chunk, counts=counts)
+            n += self.consumer.ack(chunk, counters={i: f"learner_dropped_{self._held_drops[i]}"
+                                                    for i in chunk if i in self._held_drops})
         self._held.clear()
         self._held_drops.clear()
         self.dedup.mark_durable()
