@@ -29,6 +29,9 @@ The budget never leaks, so the run never stalls:
   the actor settles once its XADD returned, and over a slow link (200 ms each way) the judge and
   the learner can have scored and trained the trajectory before that; counting it again there
   leaked one slot each time until every actor waited for admission and the run stalled.
+* whoever dead-letters an entry (a judge or the learner: undecodable, too large, delivered
+  ``redis.max_deliveries`` times, unusable) **refunds** the trajectory it names
+  (:meth:`Admission.refund_payload`, the consumers' ``on_deadletter`` hook);
 * the learner **refunds** an admitted trajectory it cannot train (dead-lettered, unusable, stale)
   and **retires** the ones it trains. Both go through the set ``<ns>:admission:ids`` of ids
   admitted and not yet retired: SREM answers whether this is the first time, so a refund happens
@@ -53,6 +56,7 @@ from typing import Callable
 from worldloop.common.keys import Keys
 from worldloop.common.metrics import metric
 from worldloop.common.redis_link import RedisLink
+from worldloop.common.schemas import trajectory_id_of
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +196,12 @@ class Admission:
         if refund and n:
             metric("worldloop_learner_admission_refunds").inc(n)
         return n
+
+    def refund_payload(self, payload: bytes) -> int:
+        """Give back the budget of the trajectory a dead-lettered payload holds (when it names one and
+        that id is still admitted): the hook of a StreamConsumer's ``on_deadletter``."""
+        tid = trajectory_id_of(payload)
+        return self.release([tid], refund=True) if tid else 0
 
     def reset(self) -> None:
         """Forget the admissions of an earlier run in this namespace (a fresh, non-resumed learner),

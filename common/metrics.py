@@ -103,6 +103,7 @@ CATALOG: dict[str, Spec] = {
     "worldloop_judge_retries": Spec("counter", "Retried LLM judge requests"),
     "worldloop_judge_cache_hits": Spec("counter", "Judge requests answered from the cache"),
     "worldloop_judge_fallbacks": Spec("counter", "Scores replaced by the flagged fallback"),
+    "worldloop_judge_abandoned_entries": Spec("counter", "Entries whose handling failed, left pending for a retry"),
     "worldloop_judge_in_flight": Spec("gauge", "LLM judge requests in flight"),
     "worldloop_judge_score": Spec("histogram", "Judge scores", ("field",), (0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)),
     # ---- learner

@@ -36,6 +36,9 @@ class Message:
     payload: bytes
     value: Any
     reclaimed: bool
+    # attempts at it so far (the group's delivery counter, XPENDING): 1 for a fresh entry; a reclaimed
+    # one's count goes up when the caller attempts it (StreamConsumer.attempt)
+    deliveries: int = 1
 
 
 # KEYS: stream, stats hash; ARGV: group, n, id_1 .. id_n, counter_1 .. counter_n ('' = none)
@@ -80,7 +83,12 @@ class StreamConsumer:
     """Reads one stream as ``consumer`` of ``group``; see the module docstring for the guarantees.
 
     ``max_message_bytes``: a larger payload is dead-lettered when read (kind ``too_large``, its
-    first 64 KiB kept). ``deadletter_maxlen``: the dead-letter stream is trimmed to about this many
+    first 64 KiB kept). ``max_deliveries``: :meth:`attempt` dead-letters (kind ``poison``) a
+    reclaimed entry already attempted this often, instead of letting the caller work on it again
+    (each consumer that took it died or gave up on it); :attr:`Message.deliveries` holds the count. ``reclaim``: False for a consumer that holds its
+    own pending entries on purpose (the learner: it re-reads them with :meth:`read_own_pending` when
+    it restarts, and must not reclaim them from itself). ``on_deadletter(payload)`` runs after each
+    entry this consumer dead-lettered (e.g. an admission refund). ``deadletter_maxlen``: the dead-letter stream is trimmed to about this many
     records (XADD MAXLEN ~). ``stats_key``: run-wide counters (a hash, e.g. Keys.stats) that dead
     letters and counted acks increment in the same script as the ack, once per entry acked.
     """
@@ -90,7 +98,9 @@ class StreamConsumer:
                  block_ms: int = 1000, claim_idle_ms: int = 60000, reconnect_max_s: float = 30.0,
                  socket_timeout_s: float = 10.0, should_stop: Callable[[], bool] | None = None,
                  startup_timeout_s: float | None = None, stats_key: str | None = None,
-                 max_message_bytes: int | None = None, deadletter_maxlen: int = 10_000):
+                 max_message_bytes: int | None = None, deadletter_maxlen: int = 10_000,
+                 max_deliveries: int | None = None, reclaim: bool = True,
+                 on_deadletter: Callable[[bytes], Any] | None = None):
         self.stream = stream
         self.group = group
         self.stats_key = stats_key
@@ -102,6 +112,9 @@ class StreamConsumer:
         self.claim_idle_ms = claim_idle_ms
         self.max_message_bytes = max_message_bytes
         self.deadletter_maxlen = deadletter_maxlen
+        self.max_deliveries = max_deliveries
+        self.reclaim = reclaim
+        self.on_deadletter = on_deadletter
         # a blocking XREADGROUP must return before the socket times out
         self._link = RedisLink(url, stream, reconnect_max_s, max(socket_timeout_s, block_ms / 1000 + 5),
                                should_stop=should_stop, startup_timeout_s=startup_timeout_s)
@@ -134,7 +147,7 @@ class StreamConsumer:
         block = self.block_ms if block_ms is None else block_ms
         if block / 1000 + 1 > self._link.socket_timeout_s:
             raise ValueError(f"block_ms={block} is longer than the socket timeout allows")
-        out = self._decode_all(self._reclaim(count), reclaimed=True)
+        out = self._decode_all(*self._reclaim(count), reclaimed=True) if self.reclaim else []
         if len(out) < count:
             fresh = self._link.call(lambda r: r.xreadgroup(
                 self.group, self.consumer, {self.stream: ">"}, count=count - len(out),
@@ -146,18 +159,27 @@ class StreamConsumer:
     def read_own_pending(self, page: int = 256) -> list[Message]:
         """Every entry still pending for this consumer name (what a previous process of the same
         name read and never acked), decoded like :meth:`read`: undecodable ones go to the
-        dead-letter stream, ones deleted while pending are acked and skipped."""
+        dead-letter stream, ones deleted while pending are acked and skipped. Reading them counts
+        one more delivery of each (:attr:`Message.deliveries`)."""
         cursor, out = "0-0", []
         while True:
-            res = self._link.call(lambda r: r.xreadgroup(self.group, self.consumer, {self.stream: cursor}, count=page))
-            entries = res[0][1] if res else []
+            def page_of(r: redis.Redis) -> tuple[list, list]:
+                res = r.xreadgroup(self.group, self.consumer, {self.stream: cursor}, count=page)
+                entries = res[0][1] if res else []
+                if not entries:
+                    return entries, []
+                return entries, r.xpending_range(self.stream, self.group, min=entries[0][0], max=entries[-1][0],
+                                                 count=len(entries), consumername=self.consumer)
+
+            entries, pending = self._link.call(page_of)
             if not entries:
                 return out
             cursor = _text(entries[-1][0])
             gone = [_text(eid) for eid, fields in entries if not fields]
             if gone:
                 self.ack(gone, count_metric=False)
-            out += self._decode_all([(eid, fields) for eid, fields in entries if fields], reclaimed=True)
+            counts = {_text(row["message_id"]): int(row["times_delivered"]) for row in pending}
+            out += self._decode_all([(eid, fields) for eid, fields in entries if fields], counts, reclaimed=True)
 
     def touch(self, ids: list[str]) -> int:
         """Reset the idle time of entries this consumer still works on (XCLAIM to itself), so that a
@@ -180,8 +202,10 @@ class StreamConsumer:
             log.warning("stream %s: could not refresh %s's pending entries: %s", self.stream, self.consumer, e)
             return 0
 
-    def _reclaim(self, count: int) -> list[tuple[bytes, dict]]:
-        """XAUTOCLAIM (JUSTID) idle entries, fetch the ones that still exist, ack the deleted ones."""
+    def _reclaim(self, count: int) -> tuple[list[tuple[bytes, dict]], dict[str, int]]:
+        """Idle entries of any consumer of the group (XAUTOCLAIM JUSTID, which counts no delivery),
+        those that still exist, and how often each was attempted so far (XPENDING's counter, which
+        :meth:`attempt` moves on); deleted ones are acked."""
         def claim(r: redis.Redis) -> list:
             return r.xautoclaim(self.stream, self.group, self.consumer, self.claim_idle_ms,
                                 start_id=self._claim_cursor, count=count, justid=True)
@@ -190,36 +214,63 @@ class StreamConsumer:
         ids = self._link.call(claim)
         self._claim_cursor = "0-0" if len(ids) < count else _next_id(ids[-1])
         if not ids:
-            return []
+            return [], {}
 
         def fetch(r: redis.Redis) -> list:
             p = r.pipeline(transaction=False)
             for i in ids:
                 p.xrange(self.stream, i, i)
+                p.xpending_range(self.stream, self.group, min=i, max=i, count=1)
             return p.execute()
 
         found = self._link.call(fetch)
-        entries = [rows[0] for rows in found if rows]
-        gone = [i for i, rows in zip(ids, found) if not rows]
+        entries, counts, gone = [], {}, []
+        for i, rows, pending in zip(ids, found[0::2], found[1::2]):
+            if rows:
+                entries.append(rows[0])
+                counts[_text(i)] = int(pending[0]["times_delivered"]) if pending else 1
+            else:
+                gone.append(i)
         if gone:
             log.info("stream %s: %d pending entries were deleted; acking them", self.stream, len(gone))
             self.ack(gone, count_metric=False)
         self._m["reclaimed"].inc(len(entries))
-        return entries
+        return entries, counts
 
-    def _decode_all(self, entries: Iterable[tuple[bytes, dict]], reclaimed: bool) -> list[Message]:
+    def attempt(self, m: Message) -> bool:
+        """Count one more attempt at a reclaimed entry before working on it (a fresh one's first
+        attempt is its delivery). Past ``max_deliveries`` attempts it is dead-lettered as ``poison``
+        instead (False): every consumer that took it died or gave up on it. The count is the
+        group's own delivery counter (XPENDING), set with XCLAIM RETRYCOUNT, so it lives and dies
+        with the pending entry; an entry merely reclaimed, and not worked on, is not counted."""
+        if not m.reclaimed or self.max_deliveries is None:
+            return True
+        n = m.deliveries + 1
+        if n > self.max_deliveries:
+            self._deadletter(m.id, m.payload, f"attempted {m.deliveries} times and never acknowledged "
+                             f"(redis.max_deliveries={self.max_deliveries}): every consumer that took it died or "
+                             "gave up on it", "poison")
+            return False
+        self._link.call(lambda r: r.xclaim(self.stream, self.group, self.consumer, 0, [m.id], retrycount=n, justid=True))
+        m.deliveries = n
+        return True
+
+    def _decode_all(self, entries: Iterable[tuple[bytes, dict]], deliveries: dict[str, int] | None = None, *,
+                    reclaimed: bool) -> list[Message]:
         out = []
         for entry_id, fields in entries:
             eid = _text(entry_id)
+            n = (deliveries or {}).get(eid, 1)
             payload = (fields or {}).get(DATA_FIELD)
             if payload is None:
                 self._deadletter(eid, packb({_text(k): v for k, v in (fields or {}).items()}),
                                  f"entry has no '{DATA_FIELD.decode()}' field", "missing_data")
                 continue
             if self.max_message_bytes is not None and len(payload) > self.max_message_bytes:
-                self._deadletter(eid, payload[:_OVERSIZED_KEPT], f"payload of {len(payload)} bytes is larger than "
-                                 f"the limit of {self.max_message_bytes} (redis.max_message_mb); its first "
-                                 f"{min(len(payload), _OVERSIZED_KEPT)} bytes are kept here", "too_large")
+                self._deadletter(eid, payload, f"payload of {len(payload)} bytes is larger than the limit of "
+                                 f"{self.max_message_bytes} (redis.max_message_mb); its first "
+                                 f"{min(len(payload), _OVERSIZED_KEPT)} bytes are kept here", "too_large",
+                                 keep=_OVERSIZED_KEPT)
                 continue
             try:
                 value = self.decode(payload) if self.decode else payload
@@ -227,7 +278,7 @@ class StreamConsumer:
                 self._deadletter(eid, payload, f"decode failed: {type(e).__name__}: {e}", "decode_error")
                 continue
             self._m["consumed"].inc()
-            out.append(Message(id=eid, payload=payload, value=value, reclaimed=reclaimed))
+            out.append(Message(id=eid, payload=payload, value=value, reclaimed=reclaimed, deliveries=n))
         return out
 
     # ------------------------------------------------------------------ acking
@@ -255,11 +306,12 @@ class StreamConsumer:
         """The ``stats_key`` counter of dead letters of ``kind`` from this stream."""
         return f"deadletter_{self.stream.rsplit(':', 1)[-1]}_{kind}"
 
-    def _deadletter(self, entry_id: str, payload: bytes, reason: str, kind: str) -> bool:
-        """Record, ack and delete in one script; False when the entry was no longer pending (nothing
+    def _deadletter(self, entry_id: str, payload: bytes, reason: str, kind: str, keep: int | None = None) -> bool:
+        """Record (the payload, or its first ``keep`` bytes), ack and delete in one script, then run
+        ``on_deadletter`` with the whole payload; False when the entry was no longer pending (nothing
         written: a retry after a lost reply, or another consumer finished it)."""
         reason = reason if len(reason) <= _MAX_REASON_CHARS else reason[:_MAX_REASON_CHARS] + "..."
-        record = packb(deadletter_message(reason, self.stream, entry_id, self.consumer, payload, time.time()))
+        record = packb(deadletter_message(reason, self.stream, entry_id, self.consumer, payload[:keep], time.time()))
         counter = self.deadletter_counter(kind) if self.stats_key else ""
         moved = int(self._link.call(lambda r: self._deadletter_script(
             keys=[self.stream, self.deadletter_stream, self.stats_key or self.stream],
@@ -268,6 +320,8 @@ class StreamConsumer:
             return False
         self._m_dead.labels(stream=self.stream, reason=kind).inc()
         log.warning("stream %s entry %s -> %s: %s", self.stream, entry_id, self.deadletter_stream, reason[:200])
+        if self.on_deadletter is not None:
+            self.on_deadletter(payload)
         return True
 
     def prune_consumers(self, idle_ms: int) -> list[str]:

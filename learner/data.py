@@ -38,8 +38,11 @@ drops decided since the last checkpoint. Drops whose fate cannot change (stale e
 the last checkpointed version, or duplicates of checkpointed work) are acked at once. When the
 payload bytes held pass ``trainer.max_pending_mb`` the learner checkpoints early (process.py),
 and at start it refuses a ``max_pending_mb`` larger than half of Redis's ``maxmemory`` (when
-Redis reports one). Entries the consumer's periodic XAUTOCLAIM hands back to us while we hold
-them are recognised by entry id and ignored.
+Redis reports one). The learner's consumer does not reclaim idle entries (all of the group's
+pending entries are its own, held on purpose); a restart re-reads them. An entry read by
+``redis.max_deliveries`` learner processes in a row that each died before a checkpoint held its
+fate is dead-lettered as ``poison`` instead of being trained again; whatever the learner
+dead-letters gives its admission budget back.
 
 Dedup window
 ------------
@@ -237,7 +240,11 @@ class ScoredSource:
             claim_idle_ms=cfg.redis.claim_idle_ms, reconnect_max_s=cfg.redis.reconnect_max_s,
             socket_timeout_s=cfg.redis.socket_timeout_s, startup_timeout_s=cfg.redis.startup_timeout_s,
             stats_key=keys.stats, **consumer_limits(cfg.redis),
+            # the learner holds its entries pending until a checkpoint: it must not reclaim them from
+            # itself (their delivery counts would grow); a restart re-reads them (recover)
+            reclaim=False, on_deadletter=lambda payload: self.admission.refund_payload(payload),
         )
+        self.max_deliveries = cfg.redis.max_deliveries
         self.consumer_name = consumer_name
         # retire trained ids, refund the ones that can never be trained (common/admission.py)
         self.admission = Admission(cfg.redis.url, keys, max_staleness=cfg.trainer.max_staleness,
@@ -303,7 +310,7 @@ class ScoredSource:
 
     def _decide(self, m: Message) -> None:
         if m.id in self._held or m.id in self._buffered_ids:
-            return  # our own pending entry handed back by XAUTOCLAIM: already decided
+            return  # an entry of ours seen again (its delivery was lost with a Redis restart): decided
         traj = m.value
         tid = traj.trajectory_id
         oldest = oldest_version(traj)
@@ -319,13 +326,20 @@ class ScoredSource:
         if tid in self.dedup or tid in self._buffered_tids:
             self._drop([item], "duplicate", f"trajectory {tid} was already trained on", self.dedup.is_durable(tid))
             return
+        if m.deliveries > self.max_deliveries:
+            # read again by max_deliveries learner processes in a row that each died before a
+            # checkpoint held its fate: a poison entry, not trained again (refunded by the hook)
+            self._m_dropped.labels(reason="poison").inc()
+            self.consumer.deadletter(m, f"learner: trajectory {tid} was read {m.deliveries} times by learners that "
+                                     f"died before a checkpoint (redis.max_deliveries={self.max_deliveries})", "poison")
+            self._lose(traj.group_id)
+            return
         try:
             item.layout = check_usable(traj, vocab_size=self.vocab_size, max_len=self.cfg.model.max_model_len,
                                        codec=self.codec)
-        except Unusable as e:
+        except Exception as e:  # Unusable, or a check that broke on it: never a crash of the learner
             self._m_dropped.labels(reason="unusable").inc()
             self.consumer.deadletter(m, f"learner: unusable trajectory {tid}: {e}", kind="unusable")
-            self.admission.release([tid], refund=True)
             self._lose(traj.group_id)
             return
         self._buffered_ids.add(m.id)
