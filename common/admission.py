@@ -19,7 +19,8 @@ trained, and an episode admitted while its actor held weights ``v_a`` is trained
 
 The budget never leaks, so the run never stalls:
 
-* every admitted id holds a **lease** (``<ns>:admission:leases``, expiry time) that its actor renews
+* every admitted id holds a **lease** (``<ns>:admission:leases``, expiry time by Redis's own clock,
+  so that no machine's clock skew can end a lease early or keep it late) that its actor renews
   while the episode runs (:meth:`Admission.renew`) and settles when the trajectory is in the
   stream (:meth:`Admission.settle`). A lease that expires (the actor was SIGKILLed, or its machine
   vanished) gives its budget back; any admission call reaps expired leases first and keeps those
@@ -49,7 +50,6 @@ actor's own values are used.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -60,10 +60,20 @@ from worldloop.common.schemas import trajectory_id_of
 
 log = logging.getLogger(__name__)
 
+# the time every lease is measured in: Redis's own clock (TIME), never a caller's, unless a test
+# passes an explicit time (ARGV now >= 0)
+_NOW_LUA = """
+local now = tonumber(ARGV[1])
+if now < 0 then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+"""
+
 # KEYS: admission hash, leases zset, ids set, expired set, control hash
-# ARGV: now, lease_s, max_staleness, batch, actor_version, n, id_1 .. id_n
-ADMIT_LUA = """
-local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[1])
+# ARGV: now (-1: Redis's clock), lease_s, max_staleness, batch, actor_version, n, id_1 .. id_n
+ADMIT_LUA = _NOW_LUA + """
+local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)
 for _, id in ipairs(expired) do
   redis.call('ZREM', KEYS[2], id)
   if redis.call('SREM', KEYS[3], id) == 1 then
@@ -81,7 +91,7 @@ local limit = (v + s + 1) * b
 local admitted = tonumber(redis.call('HGET', KEYS[1], 'admitted') or '0')
 local n = tonumber(ARGV[6])
 if admitted >= limit then return {0, admitted, limit} end
-local until_t = tonumber(ARGV[1]) + tonumber(ARGV[2])
+local until_t = now + tonumber(ARGV[2])
 for i = 1, n do
   local id = ARGV[6 + i]
   if redis.call('SADD', KEYS[3], id) == 1 then admitted = admitted + 1 end
@@ -89,6 +99,13 @@ for i = 1, n do
 end
 redis.call('HSET', KEYS[1], 'admitted', admitted)
 return {1, admitted, limit}
+"""
+
+# KEYS: leases zset; ARGV: now (-1: Redis's clock), lease_s, id_1 .. id_n (only ids still leased)
+RENEW_LUA = _NOW_LUA + """
+local until_t = now + tonumber(ARGV[2])
+for i = 3, #ARGV do redis.call('ZADD', KEYS[1], 'XX', until_t, ARGV[i]) end
+return #ARGV - 2
 """
 
 # KEYS: admission hash, leases zset, ids set, expired set; ARGV: id
@@ -159,17 +176,18 @@ class Admission:
         r = self.link.r
         self._admit, self._settle, self._release = (r.register_script(ADMIT_LUA), r.register_script(SETTLE_LUA),
                                                     r.register_script(RELEASE_LUA))
-        self._reset = r.register_script(RESET_LUA)
+        self._reset, self._renew = r.register_script(RESET_LUA), r.register_script(RENEW_LUA)
         self._keys4 = [keys.admission, keys.admission_leases, keys.admission_ids, keys.admission_expired]
 
     def admit(self, ids: list[str], actor_version: int, now: float | None = None) -> Decision:
-        """Admit all of ``ids`` (one group) or none; leases start ``now`` (wall-clock seconds,
-        default the current time; every actor's clock is used for its own leases)."""
+        """Admit all of ``ids`` (one group) or none; leases start now by Redis's clock (so no
+        machine's clock skew can expire a lease early or late), or at ``now`` when a test gives one."""
         if not ids:
             raise ValueError("admit needs at least one id")
         res = self.link.call(lambda r: self._admit(
             keys=[*self._keys4, self.keys.control],
-            args=[time.time() if now is None else now, self.lease_s, self.max_staleness, self.batch_size, int(actor_version), len(ids), *ids],
+            args=[-1 if now is None else now, self.lease_s, self.max_staleness, self.batch_size, int(actor_version),
+                  len(ids), *ids],
             client=r))
         ok, total, limit = (int(x) for x in res)
         if ok:
@@ -177,10 +195,11 @@ class Admission:
         return Decision(bool(ok), total, limit)
 
     def renew(self, ids: list[str], now: float | None = None) -> None:
-        """Extend the leases of episodes still running (only ids that still hold a lease)."""
+        """Extend the leases of episodes still running (only ids that still hold a lease), from now
+        by Redis's clock (or ``now``)."""
         if ids:
-            until_t = (time.time() if now is None else now) + self.lease_s
-            self.link.call(lambda r: r.zadd(self.keys.admission_leases, {i: until_t for i in ids}, xx=True))
+            self.link.call(lambda r: self._renew(keys=[self.keys.admission_leases],
+                                                 args=[-1 if now is None else now, self.lease_s, *ids], client=r))
 
     def settle(self, trajectory_id: str) -> None:
         """The trajectory is in the stream: its lease ends, its budget stays spent."""

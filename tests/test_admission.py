@@ -114,3 +114,25 @@ def test_a_settle_after_the_learner_trained_the_trajectory_counts_nothing(redis_
     assert a.release(["t5"], refund=True) == 0
     a.settle("t5")
     assert a.state()["admitted"] == 3 and a.state()["refunded"] == 1
+
+
+def test_leases_run_on_redis_clock_not_on_a_skewed_actor_clock(redis_url: str, monkeypatch) -> None:
+    """Issue 31, item 12: an actor whose machine's clock is an hour behind admits and renews
+    episodes; another process's admission call reaps expired leases. On the actor's clock those
+    leases expired an hour ago, and another actor took their budget while they ran. By Redis's
+    clock they hold for actor.admission_lease_s."""
+    import worldloop.common.admission as admission_module
+
+    skewed = _adm(redis_url, "skew", max_staleness=0, batch_size=2)
+    other = _adm(redis_url, "skew", max_staleness=0, batch_size=2)
+    real = time.time
+    with monkeypatch.context() as m:
+        m.setattr(admission_module, "time", type("Clock", (), {"time": staticmethod(lambda: real() - 3600)}),
+                  raising=False)
+        assert skewed.admit(["t1", "t2"], actor_version=0).admitted
+        skewed.renew(["t1", "t2"])
+    assert not other.admit(["t3"], actor_version=0).admitted  # the budget is still held
+    st = other.state()
+    assert st.get("expired", 0) == 0 and st["leases"] == 2
+    (_, expiry), = connect(redis_url).zrange(Keys("skew").admission_leases, 0, 0, withscores=True)
+    assert abs(expiry - (real() + 60.0)) < 30  # Redis's now (the same host here) + lease_s
