@@ -27,6 +27,8 @@ Design decisions
   gets :class:`WriteRefused`, a ConnectionError. A refused MULTI runs none of its commands, and
   Redis refuses a script (OOM, MISCONF, READONLY) at its first write, never after it wrote: neither
   leaves half of its writes behind.
+* **Fenced writes.** A script that finds another learner's fencing token
+  (:mod:`worldloop.common.lease`) fails with ``FENCED``: :class:`Fenced` is raised, never retried.
 * **Start-up.** Until a first call succeeds, the retrying gives up after ``startup_timeout_s`` with
   :class:`RedisUnreachable`: a wrong ``redis.url`` must not look like a slow start.
 * **Secrets.** A URL's password is never printed (:func:`redis_address` is what errors show); a
@@ -38,7 +40,7 @@ Public API::
     RedisLink(url, stream, reconnect_max_s, socket_timeout_s, *, should_stop=None, startup_timeout_s=None)
         .call(fn, should_stop=None) -> fn(client)    .on_nogroup()    .close()
     refusal(response_error) -> "OOM" | "MISCONF" | "READONLY" | "NOPERM" | None
-    RETRYABLE, RedisUnreachable, WriteRefused, REDIS_PASSWORD_ENV
+    RETRYABLE, RedisUnreachable, WriteRefused, Fenced, REDIS_PASSWORD_ENV
 """
 
 from __future__ import annotations
@@ -118,6 +120,11 @@ class WriteRefused(RedisConnectionError):
         super().__init__(f"redis refused a write ({reason}): {text}")
 
 
+class Fenced(RuntimeError):
+    """A fenced write script refused this process's write: another learner took the namespace's
+    lease (:mod:`worldloop.common.lease`). Never retried: the process must stop writing."""
+
+
 class RedisUnreachable(RuntimeError):
     """Redis was never reached within the start-up wait: most likely a wrong ``redis.url``."""
 
@@ -187,6 +194,8 @@ class RedisLink:
                 self._reconnects.inc()
                 log.warning("redis %s (stream %s): %s; reconnecting in %.2fs", type(e).__name__, self.stream, e, delay)
             except ResponseError as e:
+                if str(e).startswith("FENCED") or " FENCED " in str(e):
+                    raise Fenced(str(e)) from None
                 reason = refusal(e)
                 if reason is None:
                     if "NOGROUP" not in str(e) or self.closed:

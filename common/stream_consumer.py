@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable
 import redis
 from redis.exceptions import ResponseError
 
+from worldloop.common.lease import fence_lua
 from worldloop.common.metrics import metric
 from worldloop.common.redis_link import RETRYABLE, RedisLink
 from worldloop.common.schemas import deadletter_message, packb
@@ -41,10 +42,10 @@ class Message:
     deliveries: int = 1
 
 
-# KEYS: stream, stats hash; ARGV: group, n, id_1 .. id_n, counter_1 .. counter_n ('' = none)
-# Only an entry this call acks (XACK 1) adds to its counter: a call retried after its reply was
-# lost finds its entries acked and counts nothing again.
-ACK_LUA = """
+# KEYS: stream, stats hash, fence owner; ARGV: group, n, id_1 .. id_n, counter_1 .. counter_n ('' =
+# none), fence token. Only an entry this call acks (XACK 1) adds to its counter: a call retried after
+# its reply was lost finds its entries acked and counts nothing again.
+ACK_LUA = fence_lua(3, "#ARGV") + """
 local n = tonumber(ARGV[2])
 local acked = 0
 for i = 1, n do
@@ -59,10 +60,10 @@ end
 return acked
 """
 
-# KEYS: stream, dead-letter stream, stats hash; ARGV: group, id, record, maxlen, counter ('' = none),
-# data field. 1: moved; 0: the entry was no longer pending (a retry after a lost reply, or another
-# consumer finished it): nothing written twice
-DEADLETTER_LUA = """
+# KEYS: stream, dead-letter stream, stats hash, fence owner; ARGV: group, id, record, maxlen, counter
+# ('' = none), data field, fence token. 1: moved; 0: the entry was no longer pending (a retry after
+# a lost reply, or another consumer finished it): nothing written twice
+DEADLETTER_LUA = fence_lua(4, 7) + """
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', ARGV[6], ARGV[3])
 redis.call('XDEL', KEYS[1], ARGV[2])
@@ -88,7 +89,9 @@ class StreamConsumer:
     (each consumer that took it died or gave up on it); :attr:`Message.deliveries` holds the count. ``reclaim``: False for a consumer that holds its
     own pending entries on purpose (the learner: it re-reads them with :meth:`read_own_pending` when
     it restarts, and must not reclaim them from itself). ``on_deadletter(payload)`` runs after each
-    entry this consumer dead-lettered (e.g. an admission refund). ``deadletter_maxlen``: the dead-letter stream is trimmed to about this many
+    entry this consumer dead-lettered (e.g. an admission refund). ``fence``: (owner key, token) of
+    the learner lease (:mod:`worldloop.common.lease`): acks and dead letters fail with ``Fenced``
+    once another learner took the namespace. ``deadletter_maxlen``: the dead-letter stream is trimmed to about this many
     records (XADD MAXLEN ~). ``stats_key``: run-wide counters (a hash, e.g. Keys.stats) that dead
     letters and counted acks increment in the same script as the ack, once per entry acked.
     """
@@ -100,7 +103,7 @@ class StreamConsumer:
                  startup_timeout_s: float | None = None, stats_key: str | None = None,
                  max_message_bytes: int | None = None, deadletter_maxlen: int = 10_000,
                  max_deliveries: int | None = None, reclaim: bool = True,
-                 on_deadletter: Callable[[bytes], Any] | None = None):
+                 on_deadletter: Callable[[bytes], Any] | None = None, fence: tuple[str, str] | None = None):
         self.stream = stream
         self.group = group
         self.stats_key = stats_key
@@ -115,6 +118,7 @@ class StreamConsumer:
         self.max_deliveries = max_deliveries
         self.reclaim = reclaim
         self.on_deadletter = on_deadletter
+        self._fence_key, self._fence_token = fence or (stream, "")
         # a blocking XREADGROUP must return before the socket times out
         self._link = RedisLink(url, stream, reconnect_max_s, max(socket_timeout_s, block_ms / 1000 + 5),
                                should_stop=should_stop, startup_timeout_s=startup_timeout_s)
@@ -293,7 +297,8 @@ class StreamConsumer:
             return 0
         names = [(counters or {}).get(i, "") if self.stats_key else "" for i in ids]
         n = int(self._link.call(lambda r: self._ack_script(
-            keys=[self.stream, self.stats_key or self.stream], args=[self.group, len(ids), *ids, *names], client=r)))
+            keys=[self.stream, self.stats_key or self.stream, self._fence_key],
+            args=[self.group, len(ids), *ids, *names, self._fence_token], client=r)))
         if count_metric:
             self._m["acked"].inc(n)
         return n
@@ -314,8 +319,9 @@ class StreamConsumer:
         record = packb(deadletter_message(reason, self.stream, entry_id, self.consumer, payload[:keep], time.time()))
         counter = self.deadletter_counter(kind) if self.stats_key else ""
         moved = int(self._link.call(lambda r: self._deadletter_script(
-            keys=[self.stream, self.deadletter_stream, self.stats_key or self.stream],
-            args=[self.group, entry_id, record, self.deadletter_maxlen, counter, DATA_FIELD], client=r)))
+            keys=[self.stream, self.deadletter_stream, self.stats_key or self.stream, self._fence_key],
+            args=[self.group, entry_id, record, self.deadletter_maxlen, counter, DATA_FIELD, self._fence_token],
+            client=r)))
         if not moved:
             return False
         self._m_dead.labels(stream=self.stream, reason=kind).inc()

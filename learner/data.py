@@ -220,6 +220,7 @@ class ScoredSource:
         checkpoint_version_fn: Callable[[], int],
         dedup: DedupWindow,
         consumer_name: str = LEARNER_CONSUMER,
+        fence: tuple[str, str] | None = None,
     ):
         if cfg.redis.url is None:
             raise ConfigError("redis.url", "the learner needs a Redis URL (worldloop up passes its own)")
@@ -243,6 +244,7 @@ class ScoredSource:
             # the learner holds its entries pending until a checkpoint: it must not reclaim them from
             # itself (their delivery counts would grow); a restart re-reads them (recover)
             reclaim=False, on_deadletter=lambda payload: self.admission.refund_payload(payload),
+            fence=fence,  # the learner lease's: no ack once another learner took the namespace
         )
         self.max_deliveries = cfg.redis.max_deliveries
         self.consumer_name = consumer_name

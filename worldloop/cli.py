@@ -27,6 +27,8 @@ from typing import Any, Callable
 
 from worldloop import __version__
 from worldloop.common.config import Config, ConfigError, load_config, to_dict
+from worldloop.common.lease import LeaseHeld
+from worldloop.common.redis_link import Fenced
 from worldloop.common.streams import RedisUnreachable
 
 # subcommand -> (module, function, one-line help, long description)
@@ -242,6 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     except RedisUnreachable as e:  # a wrong redis.url: say so instead of retrying for ever
         print(f"worldloop {args.command}: {e}", file=sys.stderr)
         return 2
+    except LeaseHeld as e:  # a second learner on a namespace: name the first
+        print(f"worldloop {args.command}: {e}", file=sys.stderr)
+        return 2
+    except Fenced as e:  # this learner's namespace was taken over: it stopped writing
+        print(f"worldloop {args.command}: stopped: {e}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         return 130
     return int(rc or 0)
