@@ -28,7 +28,8 @@ from typing import Any, Callable
 from worldloop import __version__
 from worldloop.common.config import Config, ConfigError, load_config, to_dict
 from worldloop.common.lease import LeaseHeld
-from worldloop.common.redis_link import Fenced
+from worldloop.common.redis_link import REDIS_PASSWORD_ENV, Fenced
+from worldloop.common.secrets import redacted, redacted_override, url_password
 from worldloop.common.streams import RedisUnreachable
 
 # subcommand -> (module, function, one-line help, long description)
@@ -272,9 +273,11 @@ def config_command(cfg: Config, args: argparse.Namespace) -> int:
     import yaml
 
     source = getattr(args, "config_file", None) or getattr(args, "config", None) or "(built-in defaults)"
-    overrides = " ".join(args.overrides or []) or "none"
+    overrides = " ".join(redacted_override(o) for o in args.overrides or []) or "none"
     sys.stdout.write(f"# worldloop {__version__}: resolved config of {source}; overrides: {overrides}\n")
-    sys.stdout.write(yaml.safe_dump(_plain(to_dict(cfg)), sort_keys=False, default_flow_style=False, width=100))
+    if cfg.redis.url and url_password(cfg.redis.url):
+        sys.stdout.write(f"# redis.url's password is not printed: give it in ${REDIS_PASSWORD_ENV}\n")
+    sys.stdout.write(yaml.safe_dump(_plain(redacted(to_dict(cfg))), sort_keys=False, default_flow_style=False, width=100))
     sys.stdout.flush()
     return 0
 

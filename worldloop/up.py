@@ -43,6 +43,7 @@ from pathlib import Path
 import yaml
 
 from worldloop.common.config import Config, to_dict
+from worldloop.common.secrets import password_to_env, redacted
 from worldloop.common.control import list_processes, read_control, write_control
 from worldloop.common.keys import Keys
 from worldloop.common.versions import write_versions
@@ -371,6 +372,9 @@ def run(cfg: Config, args) -> int:
     print(f"worldloop up: run directory {run_dir}", flush=True)
     write_versions(run_dir)
 
+    # the password of an external redis.url goes to the children in the environment, never in
+    # config.yaml or on a command line (common/secrets.py)
+    password_to_env(cfg, os.environ)
     local_redis = None
     if cfg.redis.url is None:
         local_redis = LocalRedis(data_dir=str(run_dir / "redis")).start()
@@ -403,7 +407,7 @@ def run(cfg: Config, args) -> int:
         stop["preparing"] = False
         learner_time_budget(cfg, time.monotonic() - started)
         config_path = run_dir / "config.yaml"
-        config_path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        config_path.write_text(yaml.safe_dump(redacted(to_dict(cfg)), sort_keys=False))
         write_control(r, keys, run_state="running")
         env = dict(os.environ)
         env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.cwd() / ".torch_extensions"))
