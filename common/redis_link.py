@@ -55,6 +55,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoPermissionError, OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from worldloop.common.exposure import warn_open_redis
 from worldloop.common.metrics import metric
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ def connect(url: str, socket_timeout_s: float = 10.0) -> redis.Redis:
     """
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(f"redis url must start with redis://, rediss:// or unix://, got {url.split('@')[-1]!r}")
+    warn_open_redis(url, env_password=bool(os.environ.get(REDIS_PASSWORD_ENV)))
     return redis.Redis.from_url(
         url,
         # redis-py lets what the URL says override these keyword arguments

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
+from worldloop.common.exposure import check_redis_bind
 from worldloop.common.metrics import free_port
 
 
@@ -63,6 +64,7 @@ class LocalRedis:
         return f"redis://{auth}{self.host}:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> "LocalRedis":
+        check_redis_bind(self.host, self.password)  # reachable from other hosts: only with a password
         args = [
             find_redis_server(),
             "--port", str(self.port),

@@ -60,6 +60,7 @@ import torch
 
 from worldloop.common.config import Config, ConfigError
 from worldloop.common.control import control_fields, default_proc_id, list_processes, read_control
+from worldloop.common.exposure import warn_plain_weights
 from worldloop.common.files import append_lines
 from worldloop.common.keys import Keys
 from worldloop.common.lease import LearnerLease
@@ -199,6 +200,7 @@ class Learner:
             self.lease.hset(self.keys.control, control_fields(run_state="running"))
         self.proc.set_phase("recovering its own pending entries")
         self.source.recover()
+        warn_plain_weights("learner", cfg.weights.bind, cfg.weights.curve_server_secret)
         self.publisher = publisher_from_config(cfg)
         metric("worldloop_learner_max_turns").set(self.max_turns)
 
