@@ -10,6 +10,7 @@ set -a
 : "${WORLDLOOP_HEAD_NODE:=true}"
 : "${WORLDLOOP_SD_FILE:=$WORLDLOOP_RUN_DIR/prometheus-targets.json}"
 : "${WORLDLOOP_SD_INTERVAL:=10}"
+: "${WORLDLOOP_REDIS_APPENDFSYNC:=everysec}"   # always: a host crash loses no acknowledged write
 set +a
 for _v in WORLDLOOP_HOME WORLDLOOP_PYTHON WORLDLOOP_CONFIG WORLDLOOP_RUN_DIR WORLDLOOP_LOG_DIR \
           WORLDLOOP_SUPERVISOR_DIR WORLDLOOP_REDIS_PORT WORLDLOOP_REDIS_BIND WORLDLOOP_REDIS_URL \
@@ -23,6 +24,10 @@ for _v in WORLDLOOP_HOME WORLDLOOP_PYTHON WORLDLOOP_CONFIG WORLDLOOP_RUN_DIR WOR
 done
 case "$WORLDLOOP_LEARNER_STOPWAITSECS" in
   ''|*[!0-9]*) echo "worldloop deploy: WORLDLOOP_LEARNER_STOPWAITSECS must be whole seconds, got '$WORLDLOOP_LEARNER_STOPWAITSECS'" >&2; exit 2 ;;
+esac
+case "$WORLDLOOP_REDIS_APPENDFSYNC" in
+  always|everysec) ;;
+  *) echo "worldloop deploy: WORLDLOOP_REDIS_APPENDFSYNC must be always or everysec, got '$WORLDLOOP_REDIS_APPENDFSYNC'" >&2; exit 2 ;;
 esac
 case "$WORLDLOOP_HEAD_NODE" in
   true|false) ;;

@@ -13,7 +13,10 @@ for addr in $WORLDLOOP_REDIS_BIND; do
        fi ;;
   esac
 done
-args=(--port "$WORLDLOOP_REDIS_PORT" --bind "$WORLDLOOP_REDIS_BIND" --dir "$WORLDLOOP_RUN_DIR" --appendonly yes --daemonize no)
+# appendfsync: always = a host crash loses no acknowledged write; everysec = up to the last second
+# of them (docs/architecture.md "Durability")
+args=(--port "$WORLDLOOP_REDIS_PORT" --bind "$WORLDLOOP_REDIS_BIND" --dir "$WORLDLOOP_RUN_DIR" --appendonly yes
+      --appendfsync "${WORLDLOOP_REDIS_APPENDFSYNC:-everysec}" --daemonize no)
 if [ -n "${WORLDLOOP_REDIS_PASSWORD:-}" ]; then
   pw=${WORLDLOOP_REDIS_PASSWORD//\\/\\\\}
   exec redis-server - "${args[@]}" <<< "requirepass \"${pw//\"/\\\"}\""

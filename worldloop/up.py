@@ -5,7 +5,7 @@ Steps, each logged:
 1. run directory ``run.run_dir`` (default ``runs/<config>-<YYYYmmdd-HHMMSS>``) with ``logs/`` and
    ``versions.json`` (Python's and the learning-relevant packages' versions, :func:`worldloop.common.versions.package_versions`);
 2. Redis: ``redis.url`` when given, else a private ``redis-server`` (system or bundled) whose data
-   lives in the run directory;
+   (an append-only file fsynced by ``redis.appendfsync``) lives in the run directory;
 3. model: when ``model.path`` does not exist and ``model.make_tiny_if_missing``, the embedded tiny
    Qwen2.5-VL model is made on the spot and, with ``sft.enabled``, warm-started by SFT on solver
    demonstrations (observation/prediction fields included);
@@ -377,7 +377,9 @@ def run(cfg: Config, args) -> int:
     password_to_env(cfg, os.environ)
     local_redis = None
     if cfg.redis.url is None:
-        local_redis = LocalRedis(data_dir=str(run_dir / "redis")).start()
+        # persisted (AOF, redis.appendfsync): a Redis that dies with the run loses nothing acknowledged
+        local_redis = LocalRedis(data_dir=str(run_dir / "redis"), persist=True,
+                                 appendfsync=cfg.redis.appendfsync).start()
         cfg.redis.url = local_redis.url
         print(f"worldloop up: started a local redis-server at {cfg.redis.url}", flush=True)
     # ports left at 0 are chosen here, so several local runs can share a machine
