@@ -12,10 +12,14 @@ trained, and an episode admitted while its actor held weights ``v_a`` is trained
 * The version used is the *lower* of the learner's published one and the actor's own weights
   (``admit(..., actor_version=...)``): an actor that has not applied ``v`` yet is admitted as of
   its older weights, so its turns are never older than the bound allows.
-* GRPO groups are admitted whole (one call with all ``n_samples_per_seed`` ids) while any budget is
-  left, so a group may pass the bound by at most its size − 1. A stricter rule (the whole group
-  must fit) deadlocks: when one member of a group is refunded (it ended before its first turn), one
-  slot is free and no group fits it, while the learner still waits for that trajectory.
+* GRPO groups are admitted whole (one call with all ``n_samples_per_seed`` ids) when the whole
+  group fits the budget. Admitting a group while any budget was left let it pass the bound by its
+  size − 1: with groups of 8 and batches of 4 almost two versions, so that the last members of
+  such groups arrived stale (the chaos soak dropped a quarter of what it produced, all at
+  ``max_staleness + 1``). The fit rule alone could deadlock (one member of a group refunded: one
+  slot free, no group fits it, and the learner waits for a batch that cannot fill), so while fewer
+  than a batch are admitted and untrained (``admitted - v_learner * B < B``) a group is admitted
+  whenever any budget is left, passing the bound by at most its size − 1.
 
 The budget never leaks, so the run never stalls:
 
@@ -82,7 +86,8 @@ for _, id in ipairs(expired) do
     redis.call('SADD', KEYS[4], id)
   end
 end
-local v = tonumber(redis.call('HGET', KEYS[5], 'policy_version') or '0')
+local vl = tonumber(redis.call('HGET', KEYS[5], 'policy_version') or '0')
+local v = vl
 local va = tonumber(ARGV[5])
 if va < v then v = va end
 local s = tonumber(redis.call('HGET', KEYS[5], 'max_staleness') or ARGV[3])
@@ -90,7 +95,10 @@ local b = tonumber(redis.call('HGET', KEYS[5], 'train_batch_size') or ARGV[4])
 local limit = (v + s + 1) * b
 local admitted = tonumber(redis.call('HGET', KEYS[1], 'admitted') or '0')
 local n = tonumber(ARGV[6])
-if admitted >= limit then return {0, admitted, limit} end
+-- the whole group must fit; only while fewer than a batch are admitted and untrained (the learner
+-- waits for trajectories that no fitting group can bring) may a group pass the bound
+local starving = admitted < limit and admitted - vl * b < b
+if admitted + n > limit and not starving then return {0, admitted, limit} end
 local until_t = now + tonumber(ARGV[2])
 for i = 1, n do
   local id = ARGV[6 + i]

@@ -30,13 +30,21 @@ def test_the_budget_is_v_plus_s_plus_one_batches(redis_url: str) -> None:
     assert not a.admit(["t5"], actor_version=0).admitted
     d = a.admit(["t5", "t6"], actor_version=1)  # (1 + 1 + 1) * 2 = 6
     assert d.admitted and (d.total, d.limit) == (6, 6)
-    # a group is admitted whole while any budget is left (it may pass the bound by size - 1): a
-    # group that had to fit exactly would never fill the one slot a refunded member leaves
-    write_control(r, Keys("b1"), policy_version=2)  # limit 8
-    d = a.admit(["g1", "g2", "g3"], actor_version=2)
-    assert d.admitted and (d.total, d.limit) == (9, 8)
+    # a group is admitted whole only when it fits (issue 31: a group admitted while any budget was
+    # left passed the bound by its size - 1, and its last members arrived stale) ...
+    write_control(r, Keys("b1"), policy_version=2)  # limit 8: 2 left, 2 admitted and untrained
+    assert not a.admit(["g1", "g2", "g3"], actor_version=2).admitted
+    d = a.admit(["g1", "g2"], actor_version=2)
+    assert d.admitted and (d.total, d.limit) == (8, 8)
     assert not a.admit(["g4"], actor_version=2).admitted  # nothing left
-    assert a.state()["admitted"] == 9 and a.state()["leases"] == 9
+    # ... except while fewer than a batch are admitted and untrained: the learner waits for a batch
+    # that no fitting group can complete (a member refunded, a group larger than the budget left)
+    a.release(["g2"], refund=True)  # 7 admitted, v2 * B = 4 trained: 3 untrained, not starving
+    assert not a.admit(["h1", "h2"], actor_version=2).admitted
+    write_control(r, Keys("b1"), policy_version=3)  # limit 10; 6 trained: 1 untrained < B = 2
+    d = a.admit(["h1", "h2", "h3", "h4"], actor_version=3)
+    assert d.admitted and (d.total, d.limit) == (11, 10)  # passes the bound by at most its size - 1
+    assert a.state()["admitted"] == 11 and a.state()["leases"] == 11  # g2 gave its lease back
 
 
 def test_the_learners_bound_wins_over_the_actors_config(redis_url: str) -> None:
