@@ -161,6 +161,16 @@ redis.call('HSET', KEYS[1], 'admitted', #leased)
 return #leased
 """
 
+# KEYS: admission hash, ids set; ARGV: ids already in the streams: count each one not counted yet
+ADOPT_LUA = """
+local n = 0
+for i = 1, #ARGV do
+  if redis.call('SADD', KEYS[2], ARGV[i]) == 1 then n = n + 1 end
+end
+if n > 0 then redis.call('HINCRBY', KEYS[1], 'admitted', n) end
+return n
+"""
+
 
 @dataclass
 class Decision:
@@ -185,6 +195,7 @@ class Admission:
         self._admit, self._settle, self._release = (r.register_script(ADMIT_LUA), r.register_script(SETTLE_LUA),
                                                     r.register_script(RELEASE_LUA))
         self._reset, self._renew = r.register_script(RESET_LUA), r.register_script(RENEW_LUA)
+        self._adopt = r.register_script(ADOPT_LUA)
         self._keys4 = [keys.admission, keys.admission_leases, keys.admission_ids, keys.admission_expired]
 
     def admit(self, ids: list[str], actor_version: int, now: float | None = None) -> Decision:
@@ -230,13 +241,40 @@ class Admission:
         tid = trajectory_id_of(payload)
         return self.release([tid], refund=True) if tid else 0
 
-    def reset(self) -> None:
-        """Forget the admissions of an earlier run in this namespace (a fresh, non-resumed learner),
-        except the episodes in flight now: actors of this run may have started before the learner
-        (``worldloop up`` starts every child at once), and those still hold leases and will settle.
-        Trajectories they already pushed are forgotten; at worst the first batches get a few more
-        than the bound, which the learner drops as stale and refunds."""
-        self.link.call(lambda r: self._reset(keys=self._keys4, client=r))
+    def reset(self, streams: tuple[str, ...] = ()) -> int:
+        """Start the count again for a fresh (non-resumed) learner at version 0: forget the
+        admissions of an earlier run in this namespace, except the trajectories this learner will
+        still train or refund: the episodes in flight (they hold leases and will settle) and the
+        trajectories already in ``streams`` (``rollouts`` and ``scored``: pushed by this run's actors
+        before the learner was up, as ``worldloop up`` starts every child at once, or left by an
+        earlier run). Returns how many are counted.
+
+        Forgetting the pushed ones (as reset did before issue 31) was never made good: they were
+        trained all the same, so the count stayed short by them for the whole run, every one of
+        them a slot over the bound. The chaos soak's learner, up a minute after its actors, ran
+        about 16 over a window of 20 and dropped a fifth of its trajectories as stale. Scanning after
+        the leases are kept misses nothing: a trajectory pushed before the reset is in a stream (a
+        judge moves it from ``rollouts`` to ``scored`` atomically, and they are scanned in that
+        order), one pushed after it still held its lease."""
+        kept = int(self.link.call(lambda r: self._reset(keys=self._keys4, client=r)))
+        ids: set[str] = set()
+        for stream in streams:
+            start = "-"
+            while True:
+                rows = self.link.call(lambda r: r.xrange(stream, start, "+", count=256))
+                ids.update(t for t in (trajectory_id_of(f.get(b"data", b"")) for _, f in rows) if t)
+                if len(rows) < 256:
+                    break
+                start = "(" + (rows[-1][0].decode() if isinstance(rows[-1][0], bytes) else str(rows[-1][0]))
+        ids_sorted = sorted(ids)
+        adopted = 0
+        for i in range(0, len(ids_sorted), 512):
+            chunk = ids_sorted[i:i + 512]
+            adopted += int(self.link.call(lambda r: self._adopt(keys=[self.keys.admission, self.keys.admission_ids],
+                                                                args=chunk, client=r)))
+        log.info("admission reset: %d episodes in flight and %d trajectories already pushed count against the "
+                 "budget", kept, adopted)
+        return kept + adopted
 
     def state(self) -> dict[str, int]:
         raw = self.link.call(lambda r: r.hgetall(self.keys.admission)) or {}

@@ -83,17 +83,21 @@ def consumer_limits(redis_cfg: Any) -> dict[str, int]:
 class StreamConsumer:
     """Reads one stream as ``consumer`` of ``group``; see the module docstring for the guarantees.
 
-    ``max_message_bytes``: a larger payload is dead-lettered when read (kind ``too_large``, its
-    first 64 KiB kept). ``max_deliveries``: :meth:`attempt` dead-letters (kind ``poison``) a
-    reclaimed entry already attempted this often, instead of letting the caller work on it again
-    (each consumer that took it died or gave up on it); :attr:`Message.deliveries` holds the count. ``reclaim``: False for a consumer that holds its
-    own pending entries on purpose (the learner: it re-reads them with :meth:`read_own_pending` when
-    it restarts, and must not reclaim them from itself). ``on_deadletter(payload)`` runs after each
-    entry this consumer dead-lettered (e.g. an admission refund). ``fence``: (owner key, token) of
-    the learner lease (:mod:`worldloop.common.lease`): acks and dead letters fail with ``Fenced``
-    once another learner took the namespace. ``deadletter_maxlen``: the dead-letter stream is trimmed to about this many
-    records (XADD MAXLEN ~). ``stats_key``: run-wide counters (a hash, e.g. Keys.stats) that dead
-    letters and counted acks increment in the same script as the ack, once per entry acked.
+    * ``stats_key``: run-wide counters (a hash, e.g. Keys.stats) that dead letters and counted acks
+      increment in the same script as the ack, once per entry acked.
+    * ``max_message_bytes``: a larger payload is dead-lettered when read (kind ``too_large``, its
+      first 64 KiB kept); ``deadletter_maxlen``: the dead-letter stream is trimmed to about this many
+      records (XADD MAXLEN ~).
+    * ``max_deliveries``: :meth:`attempt` dead-letters (kind ``poison``) a reclaimed entry already
+      attempted this often instead of letting the caller work on it again (each consumer that took
+      it died or gave up on it); :attr:`Message.deliveries` holds the count.
+    * ``reclaim``: False for a consumer that holds its own pending entries on purpose (the learner:
+      it re-reads them with :meth:`read_own_pending` when it restarts, and must not reclaim them from
+      itself).
+    * ``on_deadletter(payload)`` runs after each entry this consumer dead-lettered (an admission
+      refund).
+    * ``fence``: (owner key, token) of the learner lease (:mod:`worldloop.common.lease`): acks and
+      dead letters fail with ``Fenced`` once another learner took the namespace.
     """
 
     def __init__(self, url: str, stream: str, group: str, consumer: str, *,

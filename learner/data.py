@@ -321,12 +321,16 @@ class ScoredSource:
         lag = version - oldest
         if lag > self.max_staleness:
             final = self.checkpoint_version_fn() - oldest > self.max_staleness
-            self._drop([item], "stale", f"lag {lag} > max_staleness {self.max_staleness}", final)
+            self._drop([item], "stale", f"lag {lag} > max_staleness {self.max_staleness} (oldest turn v{oldest}, "
+                       f"learner v{version}, actor {traj.actor_id}, group {traj.group_id})", final)
             self.admission.release([tid], refund=True)
             self._lose(traj.group_id)
             return
         if tid in self.dedup or tid in self._buffered_tids:
             self._drop([item], "duplicate", f"trajectory {tid} was already trained on", self.dedup.is_durable(tid))
+            # retired when it was trained; again here in case Redis forgot that (a host crash cut
+            # the second of the retirement off its append-only file): a no-op otherwise
+            self.admission.release([tid], refund=False)
             return
         if m.deliveries > self.max_deliveries:
             # read again by max_deliveries learner processes in a row that each died before a

@@ -144,3 +144,28 @@ def test_leases_run_on_redis_clock_not_on_a_skewed_actor_clock(redis_url: str, m
     assert st.get("expired", 0) == 0 and st["leases"] == 2
     (_, expiry), = connect(redis_url).zrange(Keys("skew").admission_leases, 0, 0, withscores=True)
     assert abs(expiry - (real() + 60.0)) < 30  # Redis's now (the same host here) + lease_s
+
+
+def test_a_fresh_learner_counts_what_its_actors_pushed_before_it_was_up(redis_url: str) -> None:
+    """Issue 31: `worldloop up` (and the chaos soak) start the actors with the learner, which is up
+    a minute later. The reset of a fresh learner forgot what they had pushed by then, although it
+    was trained all the same: the count stayed short by those for the whole run (every one a slot
+    over the bound) and a fifth of the soak arrived stale. Now the trajectories in the streams
+    count, beside the episodes in flight; what vanished (an earlier run's, lost with a Redis without
+    persistence) is forgotten."""
+    from worldloop.common.schemas import encode_trajectory
+    from worldloop.testing.trajectories import make_trajectory
+
+    keys = Keys("fresh")
+    a = _adm(redis_url, "fresh", max_staleness=4, batch_size=4)
+    assert a.admit(["r1", "r2", "s1", "gone", "fly"], actor_version=0).admitted
+    r = connect(redis_url)
+    for tid, stream in (("r1", keys.rollouts), ("r2", keys.rollouts), ("s1", keys.scored), ("s1", keys.scored)):
+        r.xadd(stream, {b"data": encode_trajectory(make_trajectory(tid))})
+    r.xadd(keys.scored, {b"data": b"\xc1 not a trajectory"})
+    for tid in ("r1", "r2", "s1", "gone"):
+        a.settle(tid)
+    assert a.reset((keys.rollouts, keys.scored)) == 4  # fly (in flight) + r1, r2, s1 (s1 twice counts once)
+    assert a.state()["admitted"] == 4
+    assert a.release(["gone"], refund=True) == 0  # forgotten: nothing to give back
+    assert a.release(["s1"], refund=True) == 1  # counted again: its refund gives back one slot
