@@ -14,9 +14,8 @@ trained, and an episode admitted while its actor held weights ``v_a`` is trained
   its older weights, so its turns are never older than the bound allows.
 * GRPO groups are admitted whole (one call with all ``n_samples_per_seed`` ids) when the whole
   group fits the budget. Admitting a group while any budget was left let it pass the bound by its
-  size − 1: with groups of 8 and batches of 4 almost two versions, so that the last members of
-  such groups arrived stale (the chaos soak dropped a quarter of what it produced, all at
-  ``max_staleness + 1``). The fit rule alone could deadlock (one member of a group refunded: one
+  size − 1: with groups of 8 and batches of 4 almost two versions, enough for the last members of
+  such groups to arrive stale. The fit rule alone could deadlock (one member of a group refunded: one
   slot free, no group fits it, and the learner waits for a batch that cannot fill), so while fewer
   than a batch are admitted and untrained (``admitted - v_learner * B < B``) a group is admitted
   whenever any budget is left, passing the bound by at most its size − 1.
