@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from typing import Callable, TypeVar
 
@@ -108,7 +109,7 @@ def refusal(e: ResponseError) -> str | None:
     text = str(e)
     for code in _REFUSAL_HINTS:
         cls = _REFUSAL_CLASSES.get(code)
-        if (cls is not None and isinstance(e, cls)) or code in text:
+        if (cls is not None and isinstance(e, cls)) or re.search(rf"\b{code}\b", text):
             return code
     return None
 

@@ -265,3 +265,38 @@ def test_a_poison_entry_that_kills_each_judge_is_dead_lettered_after_max_deliver
     assert read_stats(r, keys)["deadletter_rollouts_poison"] == 1
     assert adm.state()["refunded"] == 1
     adm.close()
+
+
+def test_an_error_on_one_entry_leaves_it_pending_and_never_ends_the_judge(redis_url: str, monkeypatch) -> None:
+    """Issue 31, items 1 and 4: an exception while one entry is handled (here the I/O error the
+    shared-pool reset used to cause, raised by the hand-over) ended the judge. Now the entry stays
+    pending for a retry and the judge carries on."""
+    import asyncio
+
+    from worldloop.common.config import load_config
+    from worldloop.judge.process import JudgeWorker
+    from worldloop.judge.scoring import TrajectoryScorer
+
+    keys = Keys("jerr")
+    _push(redis_url, keys, 1)
+    cfg = load_config(None, [f"redis.url={redis_url}", f"redis.namespace={keys.ns}", "metrics.enabled=false",
+                             "judge.scorers={default: [rule]}"])
+    worker = JudgeWorker(cfg, proc_id="j")
+    worker.scorer = TrajectoryScorer(cfg.judge, None)
+    cons = StreamConsumer(redis_url, keys.rollouts, ROLLOUTS_GROUP, "j", decode=decode_trajectory, block_ms=10)
+    fw = Forwarder(redis_url, keys.rollouts, ROLLOUTS_GROUP, keys.scored, keys.judge_forwarded, max_backlog=10,
+                   dedup_window_s=60)
+    (m,) = cons.read(1)
+
+    def broken(*_a, **_k):
+        raise ValueError("I/O operation on closed file.")
+
+    monkeypatch.setattr(fw, "forward", broken)
+    asyncio.run(worker._handle(m, cons, fw))  # no exception
+    r = connect(redis_url)
+    assert r.xpending(keys.rollouts, ROLLOUTS_GROUP)["pending"] == 1 and r.xlen(keys.scored) == 0
+    monkeypatch.undo()
+    asyncio.run(worker._handle(m, cons, fw))  # the retry forwards it
+    assert r.xlen(keys.scored) == 1 and r.xpending(keys.rollouts, ROLLOUTS_GROUP)["pending"] == 0
+    for c in (cons, fw):
+        c.close()
