@@ -84,8 +84,17 @@ def allowed_losses(c) -> set[str]:
     return ids
 
 
-def _learner(c):
-    return next((p for p in c.procs if p.role == "learner" and p.alive), None)
+def _learner(c, timeout_s: float = 180.0):
+    """The supervised learner once it is alive and holds the namespace's lease (it may be restarting
+    after an earlier fault: waited for, supervising meanwhile), or None."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        p = next((p for p in c.procs if p.role == "learner" and p.alive), None)
+        holder = c.call(lambda r: r.hget(c.keys.learner_lease, "pid"))
+        if p is not None and holder is not None and int(holder) == p.popen.pid:
+            return p
+        c.wait(0.5)
+    return None
 
 
 def _backlog(c, stream: str) -> int:
@@ -104,7 +113,7 @@ def redis_kill_at_backlog(c, f) -> None:
     limit = int(c.cfg["redis"]["max_backlog"])
     learner.signal(signal.SIGSTOP)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 60  # the admission window may hold less than the limit: not forever
         while time.monotonic() < deadline and _backlog(c, c.keys.scored) < limit:
             c.wait(0.5)
         reached = _backlog(c, c.keys.scored)
@@ -157,14 +166,19 @@ def host_crash(c, f) -> None:
 
 
 def second_learner(c, f) -> None:
+    # only while the soak's learner holds the lease: started in a gap after the learner died, the
+    # second one would rightly take over the dead one's lease and be the run's learner
+    if _learner(c) is None:
+        f.note = "no learner holding the lease"
+        return
     log = c.run_dir / "logs" / f"second-learner-{len(c.second_learners)}.log"
     with open(log, "wb") as out:
         popen = subprocess.Popen(c.procs[0].argv, cwd=Path(__file__).resolve().parent.parent, env=c.procs[0].env,
                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 120  # the refusal comes before any model is built
     while popen.poll() is None and time.monotonic() < deadline:
         c.wait(0.5)
-    if popen.poll() is None:
+    if popen.poll() is None:  # not refused: it is building a learner; stop it before it writes
         popen.kill()
         popen.wait()
     text = log.read_text(errors="replace")

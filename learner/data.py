@@ -240,14 +240,11 @@ class ScoredSource:
             deadletter_stream=keys.deadletter, block_ms=min(cfg.redis.block_ms, 1000),
             claim_idle_ms=cfg.redis.claim_idle_ms, reconnect_max_s=cfg.redis.reconnect_max_s,
             socket_timeout_s=cfg.redis.socket_timeout_s, startup_timeout_s=cfg.redis.startup_timeout_s,
-            stats_key=keys.stats, **consumer_limits(cfg.redis),
-            # the learner holds its entries pending until a checkpoint: it must not reclaim them from
-            # itself (their delivery counts would grow); a restart re-reads them (recover)
-            reclaim=False, on_deadletter=lambda payload: self.admission.refund_payload(payload),
-            fence=fence,  # the learner lease's: no ack once another learner took the namespace
-        )
-        self.max_deliveries = cfg.redis.max_deliveries
-        self.consumer_name = consumer_name
+            stats_key=keys.stats, **consumer_limits(cfg.redis), fence=fence,  # fence: the learner lease's
+            # it holds its entries pending until a checkpoint: no reclaiming them from itself (a
+            # restart re-reads them: recover); whatever it dead-letters refunds its admission
+            reclaim=False, on_deadletter=lambda payload: self.admission.refund_payload(payload))
+        self.max_deliveries, self.consumer_name = cfg.redis.max_deliveries, consumer_name
         # retire trained ids, refund the ones that can never be trained (common/admission.py)
         self.admission = Admission(cfg.redis.url, keys, max_staleness=cfg.trainer.max_staleness,
                                    batch_size=cfg.trainer.train_batch_size, lease_s=cfg.actor.admission_lease_s,
