@@ -43,9 +43,9 @@ from pathlib import Path
 import yaml
 
 from worldloop.common.config import Config, to_dict
-from worldloop.common.secrets import password_to_env, redacted
 from worldloop.common.control import list_processes, read_control, write_control
 from worldloop.common.keys import Keys
+from worldloop.common.secrets import password_to_env, redacted
 from worldloop.common.versions import write_versions
 
 log = logging.getLogger("worldloop.up")
