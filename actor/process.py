@@ -62,6 +62,7 @@ from worldloop.actor.backends import make_backend
 from worldloop.actor.generation import GenerationBackend, WeightUpdateError
 from worldloop.actor.rollout import EpisodeSpec, RolloutEngine, Sampling, SeedSchedule, StepReport
 from worldloop.common.admission import Admission
+from worldloop.common.exposure import warn_plain_weights
 from worldloop.common.config import Config, ConfigError, EnvSpec
 from worldloop.common.control import default_proc_id
 from worldloop.common.keys import Keys
@@ -391,6 +392,7 @@ def _subscriber(cfg: Config) -> Any | None:
         return None
     from worldloop.common.weights import subscriber_from_config
 
+    warn_plain_weights("actor", cfg.weights.host, cfg.weights.curve_server_public)
     return subscriber_from_config(cfg)
 
 

@@ -14,7 +14,12 @@ moments, in ``R`` rounds of one fault of each kind (default one round per 3 minu
 * ``redis_kill``: kill -9 of redis-server, down 1-4 s, restarted on the same port and data dir;
 * ``judge_pause``: SIGSTOP of a judge for longer than ``redis.claim_idle_ms``, then SIGCONT;
 * ``malformed``: into ``rollouts`` and ``scored`` each, an entry that is not msgpack, one of the
-  wrong schema and one without the ``data`` field.
+  wrong schema and one without the ``data`` field;
+* ``redis_kill_at_backlog``, ``poison``, ``redis_oom``, ``host_crash``, ``second_learner``: see
+  ``bench/_chaos_faults.py`` (Redis killed while ``scored`` is at its backlog limit; an entry that
+  kills every judge that takes it, which must end dead-lettered; Redis refusing writes for 30 s;
+  Redis and every process killed at once with the last second cut off Redis's append-only file;
+  a second learner on the same namespace, which must refuse to start).
 
 The soak's clock starts at the first trained step; after it (and, with ``--min-steps K``, once the
 learner's surviving lineage holds K steps: an amount of work, not a time), the run drains (actors
@@ -35,12 +40,16 @@ reported as ``unlogged`` (never more than the actor kills). Each produced id is 
 * dead-lettered: a record in the dead-letter stream whose payload decodes to it;
 * queued: still in ``rollouts`` or ``scored`` (undelivered or pending);
 * dropped (stale / duplicate): a learner's "dropping" decision for it (its log), the entry acked;
+* lost in a host crash: none of these, and logged by its actor within the second that a
+  ``host_crash`` cut off Redis's AOF (what ``appendfsync everysec`` may lose: docs/architecture.md
+  "Durability");
 * lost: none of these.
 
 Output: a table (faults by kind, recovery time of each = until the next trained step, the
 accounting, processes that exited without being killed) written to ``<out>/chaos.md`` too, and the
-last line exactly ``chaos: produced N, trained once T, trained twice D, lost L, dropped X,
-dead-lettered Y, queued Q``. Exit status 1 when D or L is not 0 (2 when the run never started).
+last line exactly ``chaos: produced N, trained once T, trained twice D, lost L, lost in host
+crashes (allowed) H, dropped X (stale S %), dead-lettered Y, queued Q``. Exit status 1 when D or L
+is not 0 (2 when the run never started).
 """
 
 from __future__ import annotations
@@ -61,7 +70,11 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-KINDS = ("actor_kill", "judge_kill", "learner_kill", "redis_kill", "judge_pause", "malformed")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_chaos_faults.py, also when loaded by path
+import _chaos_faults as faults  # noqa: E402
+from _chaos_report import last_line, report, stale_percent  # noqa: E402,F401 - the soak's output, re-exported
+
+KINDS = ("actor_kill", "judge_kill", "learner_kill", "redis_kill", "judge_pause", "malformed", *faults.NEW_KINDS)
 NS = "chaos"
 _DROP_RE = re.compile(r"dropping (\w+) trajectory (\S+) \(entry")
 
@@ -91,10 +104,14 @@ FAST = {
     "trainer.total_steps": 1_000_000, "trainer.train_batch_size": 4, "trainer.ppo_mini_batch_size": 2,
     "trainer.micro_batch_size": 1, "trainer.ppo_epochs": 1, "trainer.checkpoint_every": 2,
     "trainer.keep_checkpoints": 2, "trainer.eval_every": 0,
+    # the poison entry kills a judge per attempt: 3 attempts keep the soak moving (default 5)
+    "redis.max_deliveries": 3,
     # batches of 4 from the preset's GRPO groups of 8 (whole groups would need batches of 8): the
     # soak checks exactly-once delivery under faults, as validated before whole groups existed
     "trainer.whole_groups": False,
-    "redis.max_backlog": 32, "redis.block_ms": 500, "redis.reconnect_max_s": 1.0, "redis.startup_timeout_s": 300.0,
+    # a backlog limit below the admission window ((max_staleness + 1) * batch = 20): with the learner
+    # stopped, scored reaches it (the redis_kill_at_backlog fault)
+    "redis.max_backlog": 16, "redis.block_ms": 500, "redis.reconnect_max_s": 1.0, "redis.startup_timeout_s": 300.0,
 }
 ENV_KWARGS = {"size": 3, "min_actions_to_succeed": 2}
 
@@ -133,6 +150,7 @@ class Proc:
     exits: list = field(default_factory=list)  # (pid, code, killed or stopped by us)
     paused_until: float | None = None
     stopping: bool = False
+    expected_codes: tuple = ()  # exit codes the soak causes (a judge killed by the poison entry)
 
     def start(self) -> None:
         argv = list(self.argv)
@@ -153,8 +171,10 @@ class Proc:
         """True when the process ended (its exit is recorded once)."""
         if self.popen is None or self.popen.poll() is None:
             return False
-        # an exit asked for (the drain's SIGTERM) is no finding either
-        self.exits.append((self.popen.pid, self.popen.returncode, self.popen.pid in self.killed_by_us or self.stopping))
+        # an exit asked for (the drain's SIGTERM) or caused (the poison entry) is no finding either
+        code = self.popen.returncode
+        self.exits.append((self.popen.pid, code, self.popen.pid in self.killed_by_us or self.stopping
+                           or code in self.expected_codes))
         self.popen = None
         self.paused_until = None
         return True
@@ -221,6 +241,10 @@ class Chaos:
         self.faults: list[Fault] = []
         self.procs: list[Proc] = []
         self.injected: list[tuple[str, str]] = []  # (stream, entry id) of malformed entries
+        self.poisoned: list[tuple[str, str]] = []  # (entry id, trajectory id) of poison entries
+        self.crash_cuts: list = []  # the AOF samples that host crashes cut back to
+        self.second_learners: list[bool] = []  # whether each second learner was refused
+        self.sampler = self._link = None
         self.redis = None
         self.soak_started_wall: float | None = None
         self.produced_dir = self.out / "produced"
@@ -259,11 +283,15 @@ class Chaos:
             self.procs.append(Proc(name, "actor", base + ["actor", "--config", str(cfg_path), f"actor.actor_id={name}"],
                                    logs / f"{name}.log",
                                    dict(env, WORLDLOOP_PRODUCED_LOG=str(self.produced_dir / f"{name}.ids"))))
+        from worldloop.common.faults import POISON_ENV, POISON_EXIT
+
         for i in range(2):
             name = f"judge-{i}"
-            self.procs.append(Proc(name, "judge", base + ["judge", "--config", str(cfg_path)], logs / f"{name}.log", env))
+            self.procs.append(Proc(name, "judge", base + ["judge", "--config", str(cfg_path)], logs / f"{name}.log",
+                                   dict(env, **{POISON_ENV: faults.POISON_MARK}), expected_codes=(POISON_EXIT,)))
         for p in self.procs:
             p.start()
+        self.sampler = faults.AofSampler(self.redis, self.produced_dir)
         self.echo(f"chaos: redis {self.redis.url} (AOF in {self.redis.data_dir}), {len(self.procs)} processes, "
                   f"logs in {logs}")
 
@@ -333,6 +361,8 @@ class Chaos:
             p.signal(signal.SIGSTOP)
             p.paused_until = time.monotonic() + pause
             f.target, f.note = p.name, f"stopped {pause:.1f}s"
+        elif f.kind in faults.NEW_KINDS:
+            faults.NEW_KINDS[f.kind](self, f)
         elif f.kind == "malformed":
             for stream in (self.keys.rollouts, self.keys.scored):
                 for entry in malformed_entries():
@@ -341,14 +371,16 @@ class Chaos:
         self.faults.append(f)
         self.echo(f"chaos: t+{time.time() - self.soak_started_wall:5.0f}s {f.kind} {f.target} {f.note}")
 
-    def _xadd(self, stream: str, entry: dict) -> str:
+    def call(self, fn):
+        """``fn(client)`` through a link that waits out Redis restarts and refused writes."""
         from worldloop.common.streams import RedisLink
 
-        link = RedisLink(self.redis.url, stream, 1.0, 10.0)
-        try:
-            eid = link.call(lambda r: r.xadd(stream, entry))
-        finally:
-            link.close()
+        if self._link is None:
+            self._link = RedisLink(self.redis.url, "chaos", 1.0, 10.0)
+        return self._link.call(fn)
+
+    def _xadd(self, stream: str, entry: dict) -> str:
+        eid = self.call(lambda r: r.xadd(stream, entry))
         return eid.decode() if isinstance(eid, bytes) else str(eid)
 
     # -------------------------------------------------------------- run
@@ -422,9 +454,13 @@ class Chaos:
                         self.echo(f"chaos: {p.name} stopped with exit code {code}")
 
     def close(self) -> None:
+        if self.sampler is not None:
+            self.sampler.close()
         for p in self.procs:
             if p.alive:
                 p.stop(30)
+        if self._link is not None:
+            self._link.close()
         if self.redis is not None:
             self.redis.stop()
 
@@ -454,12 +490,14 @@ class Chaos:
 
         dead: dict[str, str] = {}
         injected = set(self.injected)
-        malformed_dead, other_dead = 0, 0
+        malformed_dead, other_dead, poison_dead = 0, 0, 0
         for _eid, fields in self.r.xrange(self.keys.deadletter):
             rec = decode_deadletter(fields[b"data"])
             tid = tid_of(rec.payload)
             if (rec.source_stream, rec.source_id) in injected:
                 malformed_dead += 1
+            elif tid is not None and tid.startswith(faults.POISON_MARK):
+                poison_dead += 1
             elif tid is not None:
                 dead[tid] = rec.reason
             else:
@@ -479,19 +517,23 @@ class Chaos:
         unlogged = sorted(seen_elsewhere - set(produced))
         for t in unlogged:
             produced[t] = "unlogged"
+        allowed = faults.allowed_losses(self)  # logged in the second a host crash cut off the AOF
         fate: dict[str, str] = {}
         for t in produced:
             n = trained.get(t, 0)
             fate[t] = ("trained once" if n == 1 else "trained twice" if n >= 2 else "dead-lettered" if t in dead
-                       else "queued" if t in queued else f"dropped ({drops[t]})" if t in drops else "lost")
+                       else "queued" if t in queued else f"dropped ({drops[t]})" if t in drops
+                       else "lost in a host crash" if t in allowed else "lost")
         counts = Counter(fate.values())
+        logs = "".join(p.read_text(errors="replace") for p in sorted((self.run_dir / "logs").glob("*.log")))
         stats = read_stats(self.r, self.keys)
         recovery(self.faults, self.trained_steps())
         exits = {p.name: p.unexpected_exits() for p in self.procs if p.unexpected_exits()}
         return {
             "produced": len(produced), "unlogged": len(unlogged),
             "trained_once": counts["trained once"], "trained_twice": counts["trained twice"],
-            "lost": counts["lost"], "dead_lettered": counts["dead-lettered"], "queued": counts["queued"],
+            "lost": counts["lost"], "lost_in_crashes": counts["lost in a host crash"],
+            "dead_lettered": counts["dead-lettered"], "queued": counts["queued"],
             "dropped": {k[len("dropped ("):-1]: v for k, v in counts.items() if k.startswith("dropped")},
             "lost_ids": sorted(t for t, f in fate.items() if f == "lost"),
             "twice_ids": sorted(t for t, f in fate.items() if f == "trained twice"),
@@ -500,6 +542,12 @@ class Chaos:
             "other_dead_letters": other_dead, "stats": stats,
             "faults": [f.__dict__ for f in self.faults], "unexpected_exits": exits,
             "actor_kills": sum(1 for f in self.faults if f.kind == "actor_kill" and f.target),
+            "poison_injected": len(self.poisoned), "poison_dead_lettered": poison_dead,
+            "poison_judge_exits": sum(1 for p in self.procs for _pid, code, _ours in p.exits
+                                      if code in p.expected_codes),
+            "second_learners": len(self.second_learners), "second_learners_refused": sum(self.second_learners),
+            "refused_write_lines": logs.count("redis refused a write ("),
+            "crash_cuts": len(self.crash_cuts), "crash_window_ids": len(allowed),
         }
 
 
@@ -530,38 +578,6 @@ def _jsonl(path: Path) -> list[dict]:
     return out
 
 
-def last_line(res: dict) -> str:
-    return (f"chaos: produced {res['produced']}, trained once {res['trained_once']}, trained twice "
-            f"{res['trained_twice']}, lost {res['lost']}, dropped {sum(res['dropped'].values())}, "
-            f"dead-lettered {res['dead_lettered']}, queued {res['queued']}")
-
-
-def report(res: dict) -> str:
-    rows = ["| fault | n | targets | recovery s (until the next trained step) |", "|---|---|---|---|"]
-    for kind in KINDS:
-        fs = [f for f in res["faults"] if f["kind"] == kind]
-        rec = ", ".join("-" if f["recovery_s"] is None else f"{f['recovery_s']:.0f}" for f in fs)
-        targets = ", ".join(f"{f['target'] or '-'}{' (' + f['note'] + ')' if f['note'] else ''}" for f in fs)
-        rows.append(f"| {kind} | {len(fs)} | {targets} | {rec} |")
-    drop = ", ".join(f"{k} {v}" for k, v in sorted(res["dropped"].items())) or "0"
-    rows += ["", "| trajectories | n |", "|---|---|",
-             f"| produced (actors' logs; + unlogged: killed between XADD and log line) | {res['produced']} "
-             f"(unlogged {res['unlogged']}) |",
-             f"| trained once | {res['trained_once']} |", f"| trained twice | {res['trained_twice']} |",
-             f"| lost | {res['lost']} |", f"| dropped | {drop} |", f"| dead-lettered | {res['dead_lettered']} |",
-             f"| queued | {res['queued']} |",
-             "", f"learner steps {res['steps']} (ledger gaps: {res['ledger_gaps'] or 'none'}); malformed entries "
-             f"injected {res['malformed_injected']}, dead-lettered {res['malformed_dead_lettered']}; other dead "
-             f"letters {res['other_dead_letters']}",
-             f"run-wide counters: {json.dumps(res['stats'])}",
-             f"exits not caused by the soak: {json.dumps(res['unexpected_exits']) if res['unexpected_exits'] else 'none'}"]
-    if res["lost_ids"]:
-        rows.append(f"lost ids: {res['lost_ids'][:20]}")
-    if res["twice_ids"]:
-        rows.append(f"trained twice ids: {res['twice_ids'][:20]}")
-    return "\n".join(rows)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=10.0)
@@ -576,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:
         print(f"chaos: {e}", flush=True)
         return 2
-    text = report(res)
+    text = report(res, KINDS)
     (Path(out) / "chaos.md").write_text(text + "\n\n" + last_line(res) + "\n")
     (Path(out) / "chaos.json").write_text(json.dumps(res, indent=1))
     print(text, flush=True)

@@ -12,14 +12,18 @@ trained, and an episode admitted while its actor held weights ``v_a`` is trained
 * The version used is the *lower* of the learner's published one and the actor's own weights
   (``admit(..., actor_version=...)``): an actor that has not applied ``v`` yet is admitted as of
   its older weights, so its turns are never older than the bound allows.
-* GRPO groups are admitted whole (one call with all ``n_samples_per_seed`` ids) while any budget is
-  left, so a group may pass the bound by at most its size − 1. A stricter rule (the whole group
-  must fit) deadlocks: when one member of a group is refunded (it ended before its first turn), one
-  slot is free and no group fits it, while the learner still waits for that trajectory.
+* GRPO groups are admitted whole (one call with all ``n_samples_per_seed`` ids) when the whole
+  group fits the budget. Admitting a group while any budget was left let it pass the bound by its
+  size − 1: with groups of 8 and batches of 4 almost two versions, enough for the last members of
+  such groups to arrive stale. The fit rule alone could deadlock (one member of a group refunded: one
+  slot free, no group fits it, and the learner waits for a batch that cannot fill), so while fewer
+  than a batch are admitted and untrained (``admitted - v_learner * B < B``) a group is admitted
+  whenever any budget is left, passing the bound by at most its size − 1.
 
 The budget never leaks, so the run never stalls:
 
-* every admitted id holds a **lease** (``<ns>:admission:leases``, expiry time) that its actor renews
+* every admitted id holds a **lease** (``<ns>:admission:leases``, expiry time by Redis's own clock,
+  so that no machine's clock skew can end a lease early or keep it late) that its actor renews
   while the episode runs (:meth:`Admission.renew`) and settles when the trajectory is in the
   stream (:meth:`Admission.settle`). A lease that expires (the actor was SIGKILLed, or its machine
   vanished) gives its budget back; any admission call reaps expired leases first and keeps those
@@ -29,6 +33,9 @@ The budget never leaks, so the run never stalls:
   the actor settles once its XADD returned, and over a slow link (200 ms each way) the judge and
   the learner can have scored and trained the trajectory before that; counting it again there
   leaked one slot each time until every actor waited for admission and the run stalled.
+* whoever dead-letters an entry (a judge or the learner: undecodable, too large, delivered
+  ``redis.max_deliveries`` times, unusable) **refunds** the trajectory it names
+  (:meth:`Admission.refund_payload`, the consumers' ``on_deadletter`` hook);
 * the learner **refunds** an admitted trajectory it cannot train (dead-lettered, unusable, stale)
   and **retires** the ones it trains. Both go through the set ``<ns>:admission:ids`` of ids
   admitted and not yet retired: SREM answers whether this is the first time, so a refund happens
@@ -46,20 +53,30 @@ actor's own values are used.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Callable
 
 from worldloop.common.keys import Keys
 from worldloop.common.metrics import metric
 from worldloop.common.redis_link import RedisLink
+from worldloop.common.schemas import trajectory_id_of
 
 log = logging.getLogger(__name__)
 
+# the time every lease is measured in: Redis's own clock (TIME), never a caller's, unless a test
+# passes an explicit time (ARGV now >= 0)
+_NOW_LUA = """
+local now = tonumber(ARGV[1])
+if now < 0 then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+"""
+
 # KEYS: admission hash, leases zset, ids set, expired set, control hash
-# ARGV: now, lease_s, max_staleness, batch, actor_version, n, id_1 .. id_n
-ADMIT_LUA = """
-local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[1])
+# ARGV: now (-1: Redis's clock), lease_s, max_staleness, batch, actor_version, n, id_1 .. id_n
+ADMIT_LUA = _NOW_LUA + """
+local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)
 for _, id in ipairs(expired) do
   redis.call('ZREM', KEYS[2], id)
   if redis.call('SREM', KEYS[3], id) == 1 then
@@ -68,7 +85,8 @@ for _, id in ipairs(expired) do
     redis.call('SADD', KEYS[4], id)
   end
 end
-local v = tonumber(redis.call('HGET', KEYS[5], 'policy_version') or '0')
+local vl = tonumber(redis.call('HGET', KEYS[5], 'policy_version') or '0')
+local v = vl
 local va = tonumber(ARGV[5])
 if va < v then v = va end
 local s = tonumber(redis.call('HGET', KEYS[5], 'max_staleness') or ARGV[3])
@@ -76,8 +94,11 @@ local b = tonumber(redis.call('HGET', KEYS[5], 'train_batch_size') or ARGV[4])
 local limit = (v + s + 1) * b
 local admitted = tonumber(redis.call('HGET', KEYS[1], 'admitted') or '0')
 local n = tonumber(ARGV[6])
-if admitted >= limit then return {0, admitted, limit} end
-local until_t = tonumber(ARGV[1]) + tonumber(ARGV[2])
+-- the whole group must fit; only while fewer than a batch are admitted and untrained (the learner
+-- waits for trajectories that no fitting group can bring) may a group pass the bound
+local starving = admitted < limit and admitted - vl * b < b
+if admitted + n > limit and not starving then return {0, admitted, limit} end
+local until_t = now + tonumber(ARGV[2])
 for i = 1, n do
   local id = ARGV[6 + i]
   if redis.call('SADD', KEYS[3], id) == 1 then admitted = admitted + 1 end
@@ -85,6 +106,13 @@ for i = 1, n do
 end
 redis.call('HSET', KEYS[1], 'admitted', admitted)
 return {1, admitted, limit}
+"""
+
+# KEYS: leases zset; ARGV: now (-1: Redis's clock), lease_s, id_1 .. id_n (only ids still leased)
+RENEW_LUA = _NOW_LUA + """
+local until_t = now + tonumber(ARGV[2])
+for i = 3, #ARGV do redis.call('ZADD', KEYS[1], 'XX', until_t, ARGV[i]) end
+return #ARGV - 2
 """
 
 # KEYS: admission hash, leases zset, ids set, expired set; ARGV: id
@@ -132,6 +160,16 @@ redis.call('HSET', KEYS[1], 'admitted', #leased)
 return #leased
 """
 
+# KEYS: admission hash, ids set; ARGV: ids already in the streams: count each one not counted yet
+ADOPT_LUA = """
+local n = 0
+for i = 1, #ARGV do
+  if redis.call('SADD', KEYS[2], ARGV[i]) == 1 then n = n + 1 end
+end
+if n > 0 then redis.call('HINCRBY', KEYS[1], 'admitted', n) end
+return n
+"""
+
 
 @dataclass
 class Decision:
@@ -155,17 +193,19 @@ class Admission:
         r = self.link.r
         self._admit, self._settle, self._release = (r.register_script(ADMIT_LUA), r.register_script(SETTLE_LUA),
                                                     r.register_script(RELEASE_LUA))
-        self._reset = r.register_script(RESET_LUA)
+        self._reset, self._renew = r.register_script(RESET_LUA), r.register_script(RENEW_LUA)
+        self._adopt = r.register_script(ADOPT_LUA)
         self._keys4 = [keys.admission, keys.admission_leases, keys.admission_ids, keys.admission_expired]
 
     def admit(self, ids: list[str], actor_version: int, now: float | None = None) -> Decision:
-        """Admit all of ``ids`` (one group) or none; leases start ``now`` (wall-clock seconds,
-        default the current time; every actor's clock is used for its own leases)."""
+        """Admit all of ``ids`` (one group) or none; leases start now by Redis's clock (so no
+        machine's clock skew can expire a lease early or late), or at ``now`` when a test gives one."""
         if not ids:
             raise ValueError("admit needs at least one id")
         res = self.link.call(lambda r: self._admit(
             keys=[*self._keys4, self.keys.control],
-            args=[time.time() if now is None else now, self.lease_s, self.max_staleness, self.batch_size, int(actor_version), len(ids), *ids],
+            args=[-1 if now is None else now, self.lease_s, self.max_staleness, self.batch_size, int(actor_version),
+                  len(ids), *ids],
             client=r))
         ok, total, limit = (int(x) for x in res)
         if ok:
@@ -173,10 +213,11 @@ class Admission:
         return Decision(bool(ok), total, limit)
 
     def renew(self, ids: list[str], now: float | None = None) -> None:
-        """Extend the leases of episodes still running (only ids that still hold a lease)."""
+        """Extend the leases of episodes still running (only ids that still hold a lease), from now
+        by Redis's clock (or ``now``)."""
         if ids:
-            until_t = (time.time() if now is None else now) + self.lease_s
-            self.link.call(lambda r: r.zadd(self.keys.admission_leases, {i: until_t for i in ids}, xx=True))
+            self.link.call(lambda r: self._renew(keys=[self.keys.admission_leases],
+                                                 args=[-1 if now is None else now, self.lease_s, *ids], client=r))
 
     def settle(self, trajectory_id: str) -> None:
         """The trajectory is in the stream: its lease ends, its budget stays spent."""
@@ -193,13 +234,46 @@ class Admission:
             metric("worldloop_learner_admission_refunds").inc(n)
         return n
 
-    def reset(self) -> None:
-        """Forget the admissions of an earlier run in this namespace (a fresh, non-resumed learner),
-        except the episodes in flight now: actors of this run may have started before the learner
-        (``worldloop up`` starts every child at once), and those still hold leases and will settle.
-        Trajectories they already pushed are forgotten; at worst the first batches get a few more
-        than the bound, which the learner drops as stale and refunds."""
-        self.link.call(lambda r: self._reset(keys=self._keys4, client=r))
+    def refund_payload(self, payload: bytes) -> int:
+        """Give back the budget of the trajectory a dead-lettered payload holds (when it names one and
+        that id is still admitted): the hook of a StreamConsumer's ``on_deadletter``."""
+        tid = trajectory_id_of(payload)
+        return self.release([tid], refund=True) if tid else 0
+
+    def reset(self, streams: tuple[str, ...] = ()) -> int:
+        """Start the count again for a fresh (non-resumed) learner at version 0: forget the
+        admissions of an earlier run in this namespace, except the trajectories this learner will
+        still train or refund: the episodes in flight (they hold leases and will settle) and the
+        trajectories already in ``streams`` (``rollouts`` and ``scored``: pushed by this run's actors
+        before the learner was up, as ``worldloop up`` starts every child at once, or left by an
+        earlier run). Returns how many are counted.
+
+        Forgetting the pushed ones (as reset did before issue 31) was never made good: they were
+        trained all the same, so the count stayed short by them for the whole run, every one of
+        them a slot over the bound. The chaos soak's learner, up a minute after its actors, ran
+        about 16 over a window of 20 and dropped a fifth of its trajectories as stale. Scanning after
+        the leases are kept misses nothing: a trajectory pushed before the reset is in a stream (a
+        judge moves it from ``rollouts`` to ``scored`` atomically, and they are scanned in that
+        order), one pushed after it still held its lease."""
+        kept = int(self.link.call(lambda r: self._reset(keys=self._keys4, client=r)))
+        ids: set[str] = set()
+        for stream in streams:
+            start = "-"
+            while True:
+                rows = self.link.call(lambda r: r.xrange(stream, start, "+", count=256))
+                ids.update(t for t in (trajectory_id_of(f.get(b"data", b"")) for _, f in rows) if t)
+                if len(rows) < 256:
+                    break
+                start = "(" + (rows[-1][0].decode() if isinstance(rows[-1][0], bytes) else str(rows[-1][0]))
+        ids_sorted = sorted(ids)
+        adopted = 0
+        for i in range(0, len(ids_sorted), 512):
+            chunk = ids_sorted[i:i + 512]
+            adopted += int(self.link.call(lambda r: self._adopt(keys=[self.keys.admission, self.keys.admission_ids],
+                                                                args=chunk, client=r)))
+        log.info("admission reset: %d episodes in flight and %d trajectories already pushed count against the "
+                 "budget", kept, adopted)
+        return kept + adopted
 
     def state(self) -> dict[str, int]:
         raw = self.link.call(lambda r: r.hgetall(self.keys.admission)) or {}

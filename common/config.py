@@ -85,6 +85,18 @@ class RedisConfig(Section):
     startup_timeout_s: Float = Field(30.0, gt=0, description="a process that has never reached Redis gives up after this "
                                      "long with \"cannot reach Redis at ..., check redis.url\" (a wrong URL); once "
                                      "connected it reconnects for as long as it takes")
+    max_deliveries: int = Field(5, ge=2, json_schema_extra={"note": "1 would dead-letter every reclaimed entry"},
+                                description="an entry delivered this many times and never acked (a poison entry that kills "
+                                            "or wedges each consumer that takes it) goes to the dead-letter stream with the "
+                                            "reason, its admission budget given back")
+    max_message_mb: int = Field(64, ge=1, description="a payload larger than this is dead-lettered when it is read (its "
+                                                      "first 64 KiB are kept)")
+    deadletter_maxlen: int = Field(10_000, ge=100, description="the dead-letter stream keeps about this many newest "
+                                                               "records (XADD MAXLEN ~)")
+    appendfsync: Literal["always", "everysec"] = Field(
+        "everysec", description="fsync policy of the Redis `worldloop up` starts (deploy/: WORLDLOOP_REDIS_APPENDFSYNC): "
+                                "always = a host crash loses no acknowledged write; everysec = it may lose the last "
+                                "second of them (docs/architecture.md \"Durability\"); an external redis.url keeps its own")
 
 
 class WeightsConfig(Section):
@@ -375,6 +387,9 @@ class TrainerConfig(Section):
     checkpoint_every: int = Field(10, ge=1, description="updates between checkpoints")
     keep_checkpoints: int = Field(3, ge=1, description="the newest checkpoints kept on disk")
     resume: bool = Field(False, description="continue from the newest complete checkpoint in the run directory")
+    lease_ttl_s: Float = Field(30.0, ge=3, json_schema_extra={"unit": "seconds", "note": "renewed every third of it"},
+                               description="one learner per namespace: its lease in Redis expires this long after its last "
+                                           "renewal; a learner restarted on the same host takes over a dead one's lease at once")
     use_critic: bool = Field(True, description="train a critic (false for grpo, gigpo: values are then 0)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda:<LOCAL_RANK> when visible, else cpu")
     kl_in_reward: bool = Field(True, description="KL to the frozen reference as a per-token reward -kl_coef * KL (VAGEN), "

@@ -24,13 +24,18 @@ def read_control(r, keys: Keys) -> dict:
     }
 
 
-def write_control(r, keys: Keys, **fields) -> None:
+def control_fields(**fields) -> dict[str, str]:
+    """The control record's fields as written (checked, stringified, stamped ``updated_at``)."""
     for k, v in fields.items():
         if k == "run_state" and v not in RUN_STATES:
             raise ValueError(f"run_state must be one of {RUN_STATES}, got {v!r}")
     mapping = {k: str(v) for k, v in fields.items() if v is not None}
     mapping["updated_at"] = str(time.time())
-    r.hset(keys.control, mapping=mapping)
+    return mapping
+
+
+def write_control(r, keys: Keys, **fields) -> None:
+    r.hset(keys.control, mapping=control_fields(**fields))
 
 
 def register_process(r, keys: Keys, role: str, proc_id: str, metrics_port: int | None, host: str = "127.0.0.1",

@@ -10,6 +10,7 @@ Every key of a run is ``<namespace>:<what>``:
     <ns>:stats        hash    counter name -> int (judge failures, fallbacks, learner drops; see stats_incr)
     <ns>:judge:forwarded  zset  trajectory ids forwarded to scored (exactly-once dedup)
     <ns>:admission[:leases|:ids|:expired]  the rollout admission budget (common/admission.py)
+    <ns>:learner:lease|owner|epoch  one learner per namespace, with a fencing token (common/lease.py)
 """
 
 from __future__ import annotations
@@ -65,6 +66,21 @@ class Keys:
     def admission_expired(self) -> str:
         """Set of admitted ids whose lease ran out before they reached the stream."""
         return f"{self.ns}:admission:expired"
+
+    @property
+    def learner_lease(self) -> str:
+        """Hash: the learner lease (common/lease.py): token and holder; expires unless renewed."""
+        return f"{self.ns}:learner:lease"
+
+    @property
+    def learner_owner(self) -> str:
+        """The fencing token of the learner that last took the lease (the fenced scripts compare it)."""
+        return f"{self.ns}:learner:owner"
+
+    @property
+    def learner_epoch(self) -> str:
+        """Counter: each learner lease token starts with its next value."""
+        return f"{self.ns}:learner:epoch"
 
     @property
     def judge_forwarded(self) -> str:

@@ -47,6 +47,8 @@ CATALOG: dict[str, Spec] = {
     "worldloop_stream_reclaimed_messages": Spec("counter", "Messages reclaimed from dead consumers", ("stream",)),
     "worldloop_stream_deadletter_messages": Spec("counter", "Messages sent to the dead-letter stream", ("stream", "reason")),
     "worldloop_stream_reconnects": Spec("counter", "Reconnections after Redis errors", ("stream",)),
+    "worldloop_stream_refused_writes": Spec(
+        "counter", "Calls Redis refused and that were retried (OOM, MISCONF, READONLY, NOPERM)", ("stream", "reason")),
     "worldloop_stream_backpressure_seconds": Spec("counter", "Seconds a producer waited on a full stream", ("stream",)),
     "worldloop_stream_backpressure_blocked": Spec("gauge", "1 while a producer waits on a full stream", ("stream",)),
     "worldloop_stream_backlog_messages": Spec("gauge", "Entries not yet delivered to a consumer, as last seen by a producer", ("stream",)),
@@ -115,6 +117,7 @@ CATALOG: dict[str, Spec] = {
     "worldloop_judge_retries": Spec("counter", "Retried LLM judge requests"),
     "worldloop_judge_cache_hits": Spec("counter", "Judge requests answered from the cache"),
     "worldloop_judge_fallbacks": Spec("counter", "Scores replaced by the flagged fallback"),
+    "worldloop_judge_abandoned_entries": Spec("counter", "Entries whose handling failed, left pending for a retry"),
     "worldloop_judge_in_flight": Spec("gauge", "LLM judge requests in flight"),
     "worldloop_judge_score": Spec("histogram", "Judge scores", ("field",), (0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)),
     # ---- learner

@@ -7,13 +7,28 @@ streams) and the roles' other Redis state (admission, counters, leases) build on
 
 Design decisions
 ----------------
+* **Threads.** One link (one client, one connection pool) is safe to share between threads:
+  redis-py checks a connection out of the pool for each call and drops a connection that failed
+  (the next checkout opens a new one). A retry never touches the pool: disconnecting it under the
+  other threads closed their sockets mid-call (``ValueError: I/O operation on closed file``), and
+  those errors are no Redis errors, so nothing retried them.
 * **Reconnects.** :meth:`RedisLink.call` runs a call and, on ConnectionError / TimeoutError /
-  BusyLoading (:data:`RETRYABLE`), reconnects with exponential backoff from 50 ms capped at
+  BusyLoading (:data:`RETRYABLE`), runs it again with exponential backoff from 50 ms capped at
   ``reconnect_max_s`` (metric ``worldloop_stream_reconnects``, a log line), forever unless the
   link was closed or its ``should_stop`` turned true (then the error is raised, so that a process
   asked to stop never hangs on an unreachable Redis). A NOGROUP reply (Redis restarted without
   persistence) calls the link's ``on_nogroup`` hook (a stream consumer recreates its group
-  there) and the call runs again; any other error is raised at once.
+  there) inside the retried block, so a connection error at that moment is retried too, and the
+  call runs again; any other error is raised at once.
+* **Refused writes.** A write Redis refuses for now (OOM: over ``maxmemory``; MISCONF: a failed
+  background save; READONLY: a replica; NOPERM: an ACL) is waited out the same way: a log line that
+  names the reason and what fixes it, metric ``worldloop_stream_refused_writes{reason}``, backoff
+  capped at ``reconnect_max_s``. No role crash-loops while Redis is full. A caller that asks to stop
+  gets :class:`WriteRefused`, a ConnectionError. A refused MULTI runs none of its commands, and
+  Redis refuses a script (OOM, MISCONF, READONLY) at its first write, never after it wrote: neither
+  leaves half of its writes behind.
+* **Fenced writes.** A script that finds another learner's fencing token
+  (:mod:`worldloop.common.lease`) fails with ``FENCED``: :class:`Fenced` is raised, never retried.
 * **Start-up.** Until a first call succeeds, the retrying gives up after ``startup_timeout_s`` with
   :class:`RedisUnreachable`: a wrong ``redis.url`` must not look like a slow start.
 * **Secrets.** A URL's password is never printed (:func:`redis_address` is what errors show); a
@@ -24,21 +39,24 @@ Public API::
     connect(url, socket_timeout_s=10.0) -> redis.Redis        redis_address(url) -> str
     RedisLink(url, stream, reconnect_max_s, socket_timeout_s, *, should_stop=None, startup_timeout_s=None)
         .call(fn, should_stop=None) -> fn(client)    .on_nogroup()    .close()
-    RETRYABLE, RedisUnreachable, REDIS_PASSWORD_ENV
+    refusal(response_error) -> "OOM" | "MISCONF" | "READONLY" | "NOPERM" | None
+    RETRYABLE, RedisUnreachable, WriteRefused, Fenced, REDIS_PASSWORD_ENV
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from typing import Callable, TypeVar
 
 import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import NoPermissionError, OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from worldloop.common.exposure import warn_open_redis
 from worldloop.common.metrics import metric
 
 log = logging.getLogger(__name__)
@@ -64,6 +82,7 @@ def connect(url: str, socket_timeout_s: float = 10.0) -> redis.Redis:
     """
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(f"redis url must start with redis://, rediss:// or unix://, got {url.split('@')[-1]!r}")
+    warn_open_redis(url, env_password=bool(os.environ.get(REDIS_PASSWORD_ENV)))
     return redis.Redis.from_url(
         url,
         # redis-py lets what the URL says override these keyword arguments
@@ -72,6 +91,41 @@ def connect(url: str, socket_timeout_s: float = 10.0) -> redis.Redis:
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=min(socket_timeout_s, 5.0),
     )
+
+
+# what a write that Redis refuses is waiting for, by the code of Redis's error reply
+_REFUSAL_HINTS = {
+    "OOM": "used memory is over maxmemory: raise maxmemory or let the consumers drain the streams",
+    "MISCONF": "a background save failed: see redis-server's log (disk full? folder gone?)",
+    "READONLY": "this Redis is a read-only replica: point redis.url at the primary",
+    "NOPERM": "the Redis user may not run this command: check its ACL",
+}
+_REFUSAL_CLASSES = {"OOM": OutOfMemoryError, "READONLY": ReadOnlyError, "NOPERM": NoPermissionError}
+
+
+def refusal(e: ResponseError) -> str | None:
+    """The code (OOM, MISCONF, READONLY, NOPERM) of an error reply by which Redis refused to write
+    for now, or None for any other error. Inside a MULTI or a script the code is in the text."""
+    text = str(e)
+    for code in _REFUSAL_HINTS:
+        cls = _REFUSAL_CLASSES.get(code)
+        if (cls is not None and isinstance(e, cls)) or re.search(rf"\b{code}\b", text):
+            return code
+    return None
+
+
+class WriteRefused(RedisConnectionError):
+    """Redis refused a write (OOM, MISCONF, READONLY, NOPERM) and the caller asked to stop waiting.
+    A ConnectionError, so that every path that handles "Redis unavailable" while stopping handles it."""
+
+    def __init__(self, reason: str, text: str):
+        self.reason = reason
+        super().__init__(f"redis refused a write ({reason}): {text}")
+
+
+class Fenced(RuntimeError):
+    """A fenced write script refused this process's write: another learner took the namespace's
+    lease (:mod:`worldloop.common.lease`). Never retried: the process must stop writing."""
 
 
 class RedisUnreachable(RuntimeError):
@@ -113,22 +167,26 @@ class RedisLink:
         self._reconnects = metric("worldloop_stream_reconnects").labels(stream=stream)
 
     def call(self, fn: Callable[[redis.Redis], T], should_stop: Callable[[], bool] | None = None) -> T:
-        """Run ``fn(client)``; on a connection-type error reconnect with backoff and run it again.
+        """Run ``fn(client)``; on a connection-type error or a refused write wait with backoff and
+        run it again; on NOGROUP recreate the group (:meth:`on_nogroup`) and run it again.
 
         Retries until it succeeds, unless the link was closed or ``should_stop()`` (the call's or
-        the link's) turns true, in which case the connection error is raised, or Redis was never
-        reached within ``startup_timeout_s`` (:class:`RedisUnreachable`).
+        the link's) turns true, in which case the connection error (or :class:`WriteRefused`) is
+        raised, or Redis was never reached within ``startup_timeout_s`` (:class:`RedisUnreachable`).
         """
         delay = _BACKOFF_START_S
         first_failure: float | None = None
+        need_group = False
         while True:
             try:
+                if need_group:  # inside the try: Redis gone again right now is retried like any call
+                    self.on_nogroup()
+                    need_group = False
                 out = fn(self.r)
                 self.reached = True
                 return out
             except RETRYABLE as e:
-                stop = should_stop or self.should_stop
-                if self.closed or (stop is not None and stop()):
+                if self._stopping(should_stop):
                     raise
                 now = time.monotonic()
                 first_failure = first_failure if first_failure is not None else now
@@ -138,24 +196,31 @@ class RedisLink:
                         f"({type(e).__name__}: {e}); check redis.url") from None
                 self._reconnects.inc()
                 log.warning("redis %s (stream %s): %s; reconnecting in %.2fs", type(e).__name__, self.stream, e, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, self.reconnect_max_s)
-                self._reset()
             except ResponseError as e:
-                if "NOGROUP" not in str(e) or self.closed:
-                    raise
-                self.on_nogroup()
+                if str(e).startswith("FENCED") or " FENCED " in str(e):
+                    raise Fenced(str(e)) from None
+                reason = refusal(e)
+                if reason is None:
+                    if "NOGROUP" not in str(e) or self.closed:
+                        raise
+                    need_group = True
+                    continue
+                self.reached = True
+                if self._stopping(should_stop):
+                    raise WriteRefused(reason, str(e)) from e
+                metric("worldloop_stream_refused_writes").labels(stream=self.stream, reason=reason).inc()
+                log.warning("redis refused a write (%s) on %s: %s; %s; retrying in %.2fs", reason, self.stream,
+                            str(e)[:200], _REFUSAL_HINTS[reason], delay)
+            time.sleep(delay)
+            delay = min(delay * 2, self.reconnect_max_s)
+
+    def _stopping(self, should_stop: Callable[[], bool] | None) -> bool:
+        stop = should_stop or self.should_stop
+        return self.closed or (stop is not None and stop())
 
     def on_nogroup(self) -> None:
         """A call got NOGROUP: a stream consumer replaces this to recreate its group; here it fails."""
         raise RuntimeError(f"stream {self.stream}: consumer group vanished")
-
-    def _reset(self) -> None:
-        try:
-            self.r.connection_pool.disconnect()
-        except Exception:  # a broken pool: start a new client below anyway
-            pass
-        self.r = connect(self.url, self.socket_timeout_s)
 
     def close(self) -> None:
         self.closed = True

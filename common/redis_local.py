@@ -12,7 +12,9 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import quote
 
+from worldloop.common.exposure import check_redis_bind
 from worldloop.common.metrics import free_port
 
 
@@ -39,10 +41,16 @@ class LocalRedis:
     """A redis-server child process on a free loopback port, without persistence by default.
 
     ``host``: the address it binds and its URL names (default loopback); e.g. an address on a link
-    that actors in other network namespaces reach (tests/test_netns.py)."""
+    that actors in other network namespaces reach (tests/test_netns.py). ``persist``: an
+    append-only file (AOF) in ``data_dir``, fsynced by ``appendfsync`` (``everysec``: a host crash
+    may lose the last second of acknowledged writes; ``always``: none; docs/architecture.md
+    "Durability")."""
 
     def __init__(self, port: int | None = None, data_dir: str | None = None, persist: bool = False,
-                 password: str | None = None, host: str = "127.0.0.1"):
+                 password: str | None = None, host: str = "127.0.0.1", appendfsync: str = "everysec"):
+        if appendfsync not in ("always", "everysec"):
+            raise ValueError(f"appendfsync must be always or everysec, got {appendfsync!r}")
+        self.appendfsync = appendfsync
         self.host = host
         self.port = port or free_port()
         self._tmp = None
@@ -58,10 +66,11 @@ class LocalRedis:
 
     @property
     def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
         return f"redis://{auth}{self.host}:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> "LocalRedis":
+        check_redis_bind(self.host, self.password)  # reachable from other hosts: only with a password
         args = [
             find_redis_server(),
             "--port", str(self.port),
@@ -69,6 +78,7 @@ class LocalRedis:
             "--dir", self.data_dir,
             "--save", "60 1" if self.persist else "",
             "--appendonly", "yes" if self.persist else "no",
+            "--appendfsync", self.appendfsync,
             "--daemonize", "no",
             "--logfile", str(Path(self.data_dir) / "redis.log"),
         ]
@@ -102,6 +112,13 @@ class LocalRedis:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+
+    def aof_file(self) -> Path:
+        """The append-only file that grows now: ``appendonly.aof`` (Redis < 7), or the newest
+        ``*.incr.aof`` of ``appendonlydir`` (Redis >= 7: a base file plus increments)."""
+        d = Path(self.data_dir)
+        incr = sorted((d / "appendonlydir").glob("*.incr.aof"), key=lambda p: int(p.name.split(".")[-3]))
+        return incr[-1] if incr else d / "appendonly.aof"
 
     def restart(self) -> None:
         """Stop and start again on the same port (tests of reconnects)."""

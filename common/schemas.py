@@ -110,14 +110,28 @@ class DeadLetter(msgspec.Struct, kw_only=True):
     payload: bytes
 
 
+class _IdOnly(msgspec.Struct):
+    trajectory_id: str
+
+
 _ENCODER = msgspec.msgpack.Encoder()
 _TRAJECTORY = msgspec.msgpack.Decoder(Trajectory)
+_ID_ONLY = msgspec.msgpack.Decoder(_IdOnly)
 _DEADLETTER = msgspec.msgpack.Decoder(DeadLetter)
 
 
 def packb(obj: Any) -> bytes:
     """msgpack bytes of a struct or of plain maps/lists/bytes (str as str, bytes as bin)."""
     return _ENCODER.encode(obj)
+
+
+def trajectory_id_of(data: bytes) -> str | None:
+    """The ``trajectory_id`` of a payload that is a msgpack map holding one (whatever else it holds
+    or lacks), else None: what a dead-lettered entry's admission refund needs."""
+    try:
+        return _ID_ONLY.decode(data).trajectory_id
+    except (msgspec.DecodeError, msgspec.ValidationError, TypeError):
+        return None
 
 
 def unpackb(data: bytes) -> Any:

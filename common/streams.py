@@ -1,5 +1,7 @@
 """The Redis-stream transport between actors, judges and the learner (redis-py, sync API): the only
-module that speaks Redis streams. Connections, retries and URLs are :mod:`worldloop.common.redis_link`.
+module that speaks Redis streams (its reading half, :class:`StreamConsumer`, lives in
+:mod:`worldloop.common.stream_consumer` and is re-exported here). Connections, retries and URLs
+are :mod:`worldloop.common.redis_link`.
 
 Every entry carries its msgpack payload in the field ``b"data"`` (plus optional
 extra fields). A :class:`StreamProducer` appends with XADD; a
@@ -9,9 +11,12 @@ caller acknowledges once its work is durable.
 Design decisions
 ----------------
 * **Ack = XACK + XDEL.** A consumer acknowledges AND deletes an entry (one
-  MULTI pipeline) only after the caller says the work is durable (e.g. the
+  Lua script) only after the caller says the work is durable (e.g. the
   judge has XADDed the scored trajectory). So ``XLEN`` of a stream equals its
   backlog: entries not yet delivered plus entries delivered but not yet acked.
+  A run-wide counter of an entry's fate is added in the same script, and only
+  when that script's XACK acked the entry: a call retried after its reply was
+  lost counts nothing twice.
   One consumer group per stream is assumed (rollouts -> judges, scored ->
   learner); a second group on the same stream would lose entries.
 * **Backpressure.** A producer blocks while the stream's *undelivered* backlog
@@ -29,11 +34,14 @@ Design decisions
   are idle longer than ``claim_idle_ms`` (a restarted consumer reclaims its own).
   An XADD retried after a lost reply may duplicate an entry, and a reclaimed
   entry may have been half-processed: downstream dedups by trajectory id.
-* **Poison messages.** An entry whose ``data`` field is missing or whose
-  ``decode`` raises goes to the dead-letter stream (``worldloop.common.schemas``
-  ``deadletter_message``: reason, source stream, entry id, consumer, time,
-  original bytes) and is acked+deleted in the same MULTI; it is never returned
-  and never crashes the consumer. Entries deleted while pending (XAUTOCLAIM
+* **Poison messages.** An entry whose ``data`` field is missing, whose payload
+  is larger than ``max_message_bytes`` or whose ``decode`` raises goes to the
+  dead-letter stream (``worldloop.common.schemas`` ``deadletter_message``:
+  reason, source stream, entry id, consumer, time, original bytes) and is
+  acked+deleted in the same script, which writes nothing when the entry was no
+  longer pending (one record per entry, also after a lost reply); it is never
+  returned and never crashes the consumer. The dead-letter stream is trimmed to
+  about ``deadletter_maxlen`` records. Entries deleted while pending (XAUTOCLAIM
   finds their id but no entry) are acked and skipped.
 * **Reconnects.** Every Redis call goes through the one retry wrapper of
   :class:`worldloop.common.redis_link.RedisLink` (reconnect with capped
@@ -52,15 +60,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Callable
 
 import redis
 from redis.exceptions import ResponseError
 
 from worldloop.common.metrics import metric
 from worldloop.common.redis_link import RETRYABLE, RedisLink, RedisUnreachable, connect
-from worldloop.common.schemas import deadletter_message, packb
+from worldloop.common.stream_consumer import DATA_FIELD, Message, StreamConsumer, _text
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +76,8 @@ __all__ = [  # connect, RedisLink and RedisUnreachable: importable from here too
     "RedisUnreachable", "StopRequested", "StreamConsumer", "StreamProducer", "connect", "stream_info",
 ]
 
-DATA_FIELD = b"data"
 _POLL_MIN_S = 0.005
 _POLL_MAX_S = 0.1
-_MAX_REASON_CHARS = 1000
-
-
-def _text(x: Any) -> str:
-    return x.decode(errors="replace") if isinstance(x, (bytes, bytearray)) else str(x)
 
 
 class StopRequested(Exception):
@@ -165,253 +166,6 @@ class StreamProducer:
 
     def close(self) -> None:
         self._link.close()
-
-
-@dataclass
-class Message:
-    """One delivered entry: its id, the raw payload, the decoded value and whether it was reclaimed."""
-
-    id: str
-    payload: bytes
-    value: Any
-    reclaimed: bool
-
-
-class StreamConsumer:
-    """Reads one stream as ``consumer`` of ``group``; see the module docstring for the guarantees."""
-
-    def __init__(self, url: str, stream: str, group: str, consumer: str, *,
-                 decode: Callable[[bytes], Any] | None = None, deadletter_stream: str | None = None,
-                 block_ms: int = 1000, claim_idle_ms: int = 60000, reconnect_max_s: float = 30.0,
-                 socket_timeout_s: float = 10.0, should_stop: Callable[[], bool] | None = None,
-                 startup_timeout_s: float | None = None, stats_key: str | None = None):
-        self.stream = stream
-        self.group = group
-        # run-wide counters (a hash, e.g. Keys.stats) that dead letters and counted acks increment in
-        # the same MULTI as the ack: exact and cumulative across restarts of this consumer
-        self.stats_key = stats_key
-        self.consumer = consumer
-        self.decode = decode
-        # default dead-letter stream: "<stream>:deadletter" (callers normally pass Keys(ns).deadletter)
-        self.deadletter_stream = deadletter_stream or f"{stream}:deadletter"
-        self.block_ms = block_ms
-        self.claim_idle_ms = claim_idle_ms
-        # a blocking XREADGROUP must return before the socket times out
-        self._link = RedisLink(url, stream, reconnect_max_s, max(socket_timeout_s, block_ms / 1000 + 5),
-                               should_stop=should_stop, startup_timeout_s=startup_timeout_s)
-        self._link.on_nogroup = self._create_group
-        self._claim_cursor = "0-0"
-        self._m = {
-            "consumed": metric("worldloop_stream_consumed_messages").labels(stream=stream),
-            "acked": metric("worldloop_stream_acked_messages").labels(stream=stream),
-            "reclaimed": metric("worldloop_stream_reclaimed_messages").labels(stream=stream),
-        }
-        self._m_dead = metric("worldloop_stream_deadletter_messages")
-        self._link.call(lambda r: self._create_group())
-
-    def _create_group(self) -> None:
-        try:
-            self._link.r.xgroup_create(self.stream, self.group, id="0", mkstream=True)
-            log.info("created consumer group %s on %s", self.group, self.stream)
-        except ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
-
-    # ------------------------------------------------------------------ reading
-
-    def read(self, count: int, block_ms: int | None = None) -> list[Message]:
-        """Up to ``count`` messages: reclaimed idle ones first, then new ones (blocking ``block_ms``)."""
-        if count < 1:
-            raise ValueError(f"count must be >= 1, got {count}")
-        block = self.block_ms if block_ms is None else block_ms
-        if block / 1000 + 1 > self._link.socket_timeout_s:
-            raise ValueError(f"block_ms={block} is longer than the socket timeout allows")
-        out = self._decode_all(self._reclaim(count), reclaimed=True)
-        if len(out) < count:
-            fresh = self._link.call(lambda r: r.xreadgroup(
-                self.group, self.consumer, {self.stream: ">"}, count=count - len(out),
-                block=None if out else block))
-            entries = fresh[0][1] if fresh else []
-            out += self._decode_all(entries, reclaimed=False)
-        return out
-
-    def read_own_pending(self, page: int = 256) -> list[Message]:
-        """Every entry still pending for this consumer name (what a previous process of the same
-        name read and never acked), decoded like :meth:`read`: undecodable ones go to the
-        dead-letter stream, ones deleted while pending are acked and skipped."""
-        cursor, out = "0-0", []
-        while True:
-            res = self._link.call(lambda r: r.xreadgroup(self.group, self.consumer, {self.stream: cursor}, count=page))
-            entries = res[0][1] if res else []
-            if not entries:
-                return out
-            cursor = _text(entries[-1][0])
-            gone = [_text(eid) for eid, fields in entries if not fields]
-            if gone:
-                self.ack(gone, count_metric=False)
-            out += self._decode_all([(eid, fields) for eid, fields in entries if fields], reclaimed=True)
-
-    def touch(self, ids: list[str]) -> int:
-        """Reset the idle time of entries this consumer still works on (XCLAIM to itself), so that a
-        slow but live consumer is not reclaimed from; entries no longer pending for it are left
-        alone. Returns how many were touched; 0 (logged) when Redis is away, never raises."""
-        if not ids:
-            return 0
-
-        def run(r: redis.Redis) -> int:
-            mine = {_text(row["message_id"]) for row in r.xpending_range(
-                self.stream, self.group, min="-", max="+", count=len(ids) + 1000, consumername=self.consumer)}
-            keep = [i for i in ids if i in mine]
-            if keep:
-                r.xclaim(self.stream, self.group, self.consumer, 0, keep, justid=True)
-            return len(keep)
-
-        try:
-            return self._link.call(run, should_stop=lambda: True)  # one try: the next refresh retries
-        except RETRYABLE as e:
-            log.warning("stream %s: could not refresh %s's pending entries: %s", self.stream, self.consumer, e)
-            return 0
-
-    def _reclaim(self, count: int) -> list[tuple[bytes, dict]]:
-        """XAUTOCLAIM (JUSTID) idle entries, fetch the ones that still exist, ack the deleted ones."""
-        def claim(r: redis.Redis) -> list:
-            return r.xautoclaim(self.stream, self.group, self.consumer, self.claim_idle_ms,
-                                start_id=self._claim_cursor, count=count, justid=True)
-
-        # redis-py returns only the ids with JUSTID; the cursor restarts from 0-0 each scan round
-        ids = self._link.call(claim)
-        self._claim_cursor = "0-0" if len(ids) < count else _next_id(ids[-1])
-        if not ids:
-            return []
-
-        def fetch(r: redis.Redis) -> list:
-            p = r.pipeline(transaction=False)
-            for i in ids:
-                p.xrange(self.stream, i, i)
-            return p.execute()
-
-        found = self._link.call(fetch)
-        entries = [rows[0] for rows in found if rows]
-        gone = [i for i, rows in zip(ids, found) if not rows]
-        if gone:
-            log.info("stream %s: %d pending entries were deleted; acking them", self.stream, len(gone))
-            self.ack(gone, count_metric=False)
-        self._m["reclaimed"].inc(len(entries))
-        return entries
-
-    def _decode_all(self, entries: Iterable[tuple[bytes, dict]], reclaimed: bool) -> list[Message]:
-        out = []
-        for entry_id, fields in entries:
-            eid = _text(entry_id)
-            payload = (fields or {}).get(DATA_FIELD)
-            if payload is None:
-                self._deadletter(eid, packb({_text(k): v for k, v in (fields or {}).items()}),
-                                 f"entry has no '{DATA_FIELD.decode()}' field", "missing_data")
-                continue
-            try:
-                value = self.decode(payload) if self.decode else payload
-            except Exception as e:  # any decode failure means a poison message, never a crash
-                self._deadletter(eid, payload, f"decode failed: {type(e).__name__}: {e}", "decode_error")
-                continue
-            self._m["consumed"].inc()
-            out.append(Message(id=eid, payload=payload, value=value, reclaimed=reclaimed))
-        return out
-
-    # ------------------------------------------------------------------ acking
-
-    def ack(self, ids: Iterable[str], count_metric: bool = True, counts: dict[str, int] | None = None) -> int:
-        """XACK + XDEL the entries in one MULTI; return how many were still pending. ``counts``
-        (counter name -> n) are added to ``stats_key`` in the same MULTI, so a fate counted at its
-        ack is counted exactly once even when the consumer dies and another decides it again."""
-        ids = list(ids)
-        if not ids:
-            return 0
-
-        def run(r: redis.Redis) -> int:
-            p = r.pipeline(transaction=True)
-            p.xack(self.stream, self.group, *ids)
-            p.xdel(self.stream, *ids)
-            for name, n in (counts or {}).items():
-                if n and self.stats_key:
-                    p.hincrby(self.stats_key, name, int(n))
-            return int(p.execute()[0])
-
-        n = self._link.call(run)
-        if count_metric:
-            self._m["acked"].inc(n)
-        return n
-
-    def deadletter(self, message: Message, reason: str, kind: str = "rejected") -> None:
-        """Move a delivered message the caller found unusable to the dead-letter stream (and ack it)."""
-        self._deadletter(message.id, message.payload, reason, kind)
-
-    def deadletter_counter(self, kind: str) -> str:
-        """The ``stats_key`` counter of dead letters of ``kind`` from this stream."""
-        return f"deadletter_{self.stream.rsplit(':', 1)[-1]}_{kind}"
-
-    def _deadletter(self, entry_id: str, payload: bytes, reason: str, kind: str) -> None:
-        reason = reason if len(reason) <= _MAX_REASON_CHARS else reason[:_MAX_REASON_CHARS] + "..."
-        record = packb(deadletter_message(reason, self.stream, entry_id, self.consumer, payload, time.time()))
-
-        def run(r: redis.Redis) -> None:
-            p = r.pipeline(transaction=True)
-            p.xadd(self.deadletter_stream, {DATA_FIELD: record})
-            p.xack(self.stream, self.group, entry_id)
-            p.xdel(self.stream, entry_id)
-            if self.stats_key:
-                p.hincrby(self.stats_key, self.deadletter_counter(kind), 1)
-            p.execute()
-
-        self._link.call(run)
-        self._m_dead.labels(stream=self.stream, reason=kind).inc()
-        log.warning("stream %s entry %s -> %s: %s", self.stream, entry_id, self.deadletter_stream, reason[:200])
-
-    def prune_consumers(self, idle_ms: int) -> list[str]:
-        """Delete the group's other consumers that hold nothing and were idle longer than
-        ``idle_ms`` (dead processes with fresh names: a restarted judge is a new consumer), so the
-        group lists only the living. One that still holds entries stays until they are reclaimed."""
-        def run(r: redis.Redis) -> list[str]:
-            gone = []
-            for c in r.xinfo_consumers(self.stream, self.group):
-                name = _text(c.get("name"))
-                if name != self.consumer and int(c.get("pending") or 0) == 0 and int(c.get("idle") or 0) > idle_ms:
-                    r.xgroup_delconsumer(self.stream, self.group, name)
-                    gone.append(name)
-            return gone
-
-        try:
-            gone = self._link.call(run, should_stop=lambda: True)
-        except RETRYABLE as e:
-            log.debug("stream %s: consumer pruning skipped: %s", self.stream, e)
-            return []
-        if gone:
-            log.info("stream %s: removed %d idle consumers that held nothing: %s", self.stream, len(gone), gone)
-        return gone
-
-    def leave(self) -> bool:
-        """Remove this consumer from the group if it holds no pending entry (a clean stop); entries
-        it still holds keep it listed so that they can be reclaimed."""
-        def run(r: redis.Redis) -> bool:
-            mine = r.xpending_range(self.stream, self.group, min="-", max="+", count=1, consumername=self.consumer)
-            if mine:
-                return False
-            r.xgroup_delconsumer(self.stream, self.group, self.consumer)
-            return True
-
-        try:
-            return bool(self._link.call(run, should_stop=lambda: True))
-        except (*RETRYABLE, ResponseError) as e:
-            log.debug("stream %s: %s could not leave the group: %s", self.stream, self.consumer, e)
-            return False
-
-    def close(self) -> None:
-        self._link.close()
-
-
-def _next_id(entry_id: bytes | str) -> str:
-    """The smallest stream id after ``entry_id`` (XAUTOCLAIM start is inclusive)."""
-    ms, seq = _text(entry_id).split("-")
-    return f"{ms}-{int(seq) + 1}"
 
 
 # --------------------------------------------------------------------------- exactly-once forward

@@ -4,4 +4,6 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 . "$here/env.sh"
+# talk only to a supervisor whose folder is ours (not one another user set up at that path)
+if [ -e "$WORLDLOOP_SUPERVISOR_DIR" ]; then private_dir "$WORLDLOOP_SUPERVISOR_DIR" || exit 2; fi
 exec supervisorctl -c "$here/supervisord.conf" "$@"

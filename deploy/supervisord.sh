@@ -4,5 +4,6 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 . "$here/env.sh"
-mkdir -p "$WORLDLOOP_LOG_DIR" "$WORLDLOOP_RUN_DIR" "$WORLDLOOP_SUPERVISOR_DIR" "$(dirname "$WORLDLOOP_SD_FILE")"
+mkdir -p "$WORLDLOOP_LOG_DIR" "$WORLDLOOP_RUN_DIR" "$(dirname "$WORLDLOOP_SD_FILE")"
+private_dir "$WORLDLOOP_SUPERVISOR_DIR" create || exit 2
 exec supervisord -c "$here/supervisord.conf" "$@"

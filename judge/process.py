@@ -4,9 +4,14 @@ Loop: read up to ``judge.batch_size`` trajectories from ``<ns>:rollouts`` (consu
 ``judges``; entries idle longer than ``redis.claim_idle_ms`` in a dead judge's pending list are
 reclaimed first), score them concurrently on one asyncio loop (:class:`worldloop.judge.scoring.TrajectoryScorer`,
 LLM requests limited by ``judge.concurrency``), and hand each scored trajectory to ``<ns>:scored``
-as soon as it is done. At most ``batch_size`` trajectories are held at once. Undecodable entries go
-to the dead-letter stream (done by the consumer); a trajectory whose scoring raises is forwarded
-with flagged fallback scores, so nothing stalls.
+as soon as it is done. At most ``batch_size`` trajectories are held at once. Undecodable or
+oversized entries go to the dead-letter stream (done by the consumer); a trajectory whose scoring
+raises is forwarded with flagged fallback scores, so nothing stalls. Any other error on one entry
+(an I/O error, a bug) leaves it pending and the judge carries on; an entry delivered
+``redis.max_deliveries`` times (each judge that took it died or gave up) is dead-lettered as
+``poison``. A reclaimed entry runs alone (nothing else in flight beside it, one at a time), so a
+poison entry that kills its judge counts an attempt against no other entry; an entry reclaimed
+and not yet started counts none. Whatever a judge dead-letters gives its admission budget back.
 
 Exactly once into ``scored``: each scored trajectory is handed over with
 :class:`worldloop.common.streams.Forwarder` (XACK + XDEL of the rollouts entry, a trajectory-id
@@ -30,14 +35,18 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from worldloop.common.admission import Admission
 from worldloop.common.config import Config, ConfigError
 from worldloop.common.control import default_proc_id, stats_incr
+from worldloop.common.faults import crash_if_poison
 from worldloop.common.keys import ROLLOUTS_GROUP, Keys
 from worldloop.common.metrics import metric
 from worldloop.common.process import HEARTBEAT_S, ProcessScaffold
 from worldloop.common.schemas import SchemaError, decode_trajectory, encode_trajectory
+from worldloop.common.stream_consumer import consumer_limits
 from worldloop.common.streams import DUPLICATE, FORWARDED, LOST_RACE, Forwarder, Message, StreamConsumer, connect
 from worldloop.judge.llm import LLMClient, api_key_from_env
 from worldloop.judge.scoring import TrajectoryScorer, fallback_trajectory, needs_llm
@@ -87,14 +96,20 @@ class JudgeWorker:
                         self.keys.scored)
         links = dict(reconnect_max_s=cfg.redis.reconnect_max_s, socket_timeout_s=cfg.redis.socket_timeout_s,
                      should_stop=self.stop_event.is_set, startup_timeout_s=cfg.redis.startup_timeout_s)
-        consumer = forwarder = r = None
+        consumer = forwarder = r = admission = None
         with self.proc:
             self.proc.ready()
             try:
+                if cfg.actor.admission:  # what the judge dead-letters gives its admission budget back
+                    admission = Admission(cfg.redis.url, self.keys, max_staleness=cfg.trainer.max_staleness,
+                                          batch_size=cfg.trainer.train_batch_size, **links)
                 consumer = StreamConsumer(cfg.redis.url, self.keys.rollouts, ROLLOUTS_GROUP, self.proc_id,
                                           decode=decode_trajectory, deadletter_stream=self.keys.deadletter,
                                           block_ms=cfg.redis.block_ms, claim_idle_ms=cfg.redis.claim_idle_ms,
-                                          stats_key=self.keys.stats, **links)  # dead letters counted run-wide
+                                          stats_key=self.keys.stats, **consumer_limits(cfg.redis),
+                                          max_deliveries=cfg.redis.max_deliveries,
+                                          on_deadletter=admission.refund_payload if admission else None,
+                                          **links)  # dead letters counted run-wide
                 forwarder = Forwarder(cfg.redis.url, self.keys.rollouts, ROLLOUTS_GROUP, self.keys.scored,
                                       self.keys.judge_forwarded, max_backlog=cfg.redis.max_backlog,
                                       dedup_window_s=cfg.judge.dedup_window_s, **links)
@@ -112,7 +127,7 @@ class JudgeWorker:
                     self._flush_stats(r)
                 if consumer is not None and not self._held:
                     consumer.leave()  # nothing pending: the group no longer lists this judge
-                for obj in (consumer, forwarder, r):
+                for obj in (consumer, forwarder, r, admission):
                     if obj is not None:
                         obj.close()
                 self._pool.shutdown(wait=False, cancel_futures=True)
@@ -128,33 +143,30 @@ class JudgeWorker:
         self.scorer = TrajectoryScorer(cfg.judge, self.llm)
         inflight: set[asyncio.Task] = set()
         self._held = {}  # task -> the rollouts entry id it works on
-        touched = flushed = time.monotonic()
-        pruned = 0.0
-        touch_every = max(0.05, cfg.redis.claim_idle_ms / 3000)
+        # entries reclaimed (their consumer died or gave up on them): each runs alone, so a poison
+        # entry that kills the process counts no attempt against any other entry
+        self._quarantine: list[Message] = []
+        self._alone: set[asyncio.Task] = set()
+        timers = {"touched": time.monotonic(), "flushed": time.monotonic(), "pruned": 0.0}
         try:
             while not self.proc.should_stop():
-                if self._held and time.monotonic() - touched >= touch_every:
-                    touched = time.monotonic()
-                    await self._io(loop, consumer.touch, list(self._held.values()))
-                if time.monotonic() - flushed >= HEARTBEAT_S:
-                    flushed = time.monotonic()
-                    await self._io(loop, self._flush_stats, r)
-                if time.monotonic() - pruned >= PRUNE_EVERY_S:
-                    pruned = time.monotonic()  # dead judges' names, once they hold nothing
-                    await self._io(loop, consumer.prune_consumers, max(PRUNE_IDLE_MS, 10 * cfg.redis.claim_idle_ms))
+                await self._housekeeping(loop, consumer, r, timers)
                 room = cfg.judge.batch_size - len(inflight)
                 self.proc.set_phase("paused" if self.proc.paused else "scoring" if inflight else "waiting for rollouts",
                                     in_flight=len(inflight), forwarded=self.forwarded)
-                if self.proc.paused or room <= 0:
+                if not self.proc.paused and self._quarantine and not inflight:
+                    task = self._start(self._quarantine.pop(0), consumer, forwarder)
+                    self._alone.add(task)
+                    inflight.add(task)
+                if self.proc.paused or room <= 0 or self._quarantine or self._alone & inflight:
                     inflight = await _wait_some(inflight, 0.2)
                     continue
                 block = BUSY_BLOCK_MS if inflight else min(cfg.redis.block_ms, 1000)
-                msgs = await self._io(loop, consumer.read, room, block)
-                for m in msgs:
-                    task = asyncio.create_task(self._handle(m, consumer, forwarder))
-                    task.add_done_callback(self._held.pop)
-                    self._held[task] = m.id
-                    inflight.add(task)
+                for m in await self._io(loop, consumer.read, room, block):
+                    if m.reclaimed:
+                        self._quarantine.append(m)
+                    else:
+                        inflight.add(self._start(m, consumer, forwarder))
                 inflight = await _wait_some(inflight, 0)
             if inflight:
                 log.info("judge %s: stopping, %d trajectories in flight", self.proc_id, len(inflight))
@@ -166,13 +178,50 @@ class JudgeWorker:
             if self.llm is not None:
                 await self.llm.close()
 
+    def _start(self, m: Message, consumer: StreamConsumer, forwarder: Forwarder) -> asyncio.Task:
+        task = asyncio.create_task(self._handle(m, consumer, forwarder))
+        task.add_done_callback(self._held.pop)
+        task.add_done_callback(self._alone.discard)
+        self._held[task] = m.id
+        return task
+
+    async def _housekeeping(self, loop, consumer: StreamConsumer, r, timers: dict[str, float]) -> None:
+        """Refresh the idle time of the entries held (in flight or quarantined), flush the run-wide
+        counters, prune dead judges' names: each when it is due."""
+        now = time.monotonic()
+        held = [*self._held.values(), *(m.id for m in self._quarantine)]
+        if held and now - timers["touched"] >= max(0.05, self.cfg.redis.claim_idle_ms / 3000):
+            timers["touched"] = now
+            await self._io(loop, consumer.touch, held)
+        if now - timers["flushed"] >= HEARTBEAT_S:
+            timers["flushed"] = now
+            await self._io(loop, self._flush_stats, r)
+        if now - timers["pruned"] >= PRUNE_EVERY_S:
+            timers["pruned"] = now  # dead judges' names, once they hold nothing
+            await self._io(loop, consumer.prune_consumers, max(PRUNE_IDLE_MS, 10 * self.cfg.redis.claim_idle_ms))
+
     async def _io(self, loop, fn, *args):
         return await loop.run_in_executor(self._pool, fn, *args)
 
     async def _handle(self, msg: Message, consumer: StreamConsumer, forwarder: Forwarder) -> None:
+        """Score and forward one entry. Nothing that goes wrong with one entry ends the judge: the
+        entry stays pending, is reclaimed after ``redis.claim_idle_ms`` and, delivered
+        ``redis.max_deliveries`` times, dead-lettered (its admission budget given back)."""
+        try:
+            if await self._io(asyncio.get_running_loop(), consumer.attempt, msg):  # else dead-lettered: poison
+                await self._score_and_forward(msg, consumer, forwarder)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # an I/O error or a bug on this entry: left pending, never fatal
+            metric("worldloop_judge_abandoned_entries").inc()
+            log.exception("judge %s: entry %s (delivery %d) failed: %s: %s; left pending for a retry", self.proc_id,
+                          msg.id, msg.deliveries, type(e).__name__, e)
+
+    async def _score_and_forward(self, msg: Message, consumer: StreamConsumer, forwarder: Forwarder) -> None:
         loop = asyncio.get_running_loop()
         traj = msg.value
         tid = traj.trajectory_id
+        crash_if_poison(tid)  # the chaos soak's poison entry (common/faults.py); a no-op otherwise
         try:
             scored = await self.scorer.score(traj)
         except asyncio.CancelledError:
@@ -201,6 +250,9 @@ class JudgeWorker:
     # ------------------------------------------------------------------ stats
 
     def _flush_stats(self, r) -> None:
+        """Add the counts not yet sent to the run-wide counters. Never raises: it also runs in
+        :meth:`run`'s ``finally``, where an error (Redis away, or refusing writes) would replace the
+        one that ended the judge; what was not sent goes out with a later flush."""
         now = {"judge_failures": self.llm.failures if self.llm else 0,
                "judge_fallbacks": self.scorer.fallbacks if self.scorer else 0}
         for name, value in now.items():
@@ -209,7 +261,8 @@ class JudgeWorker:
                 try:
                     stats_incr(r, self.keys, name, delta)
                     self._sent[name] = value
-                except (RedisConnectionError, RedisTimeoutError):
+                except RedisError as e:
+                    log.warning("judge %s: run-wide counters not sent yet: %s", self.proc_id, e)
                     return
 
 

@@ -38,8 +38,11 @@ drops decided since the last checkpoint. Drops whose fate cannot change (stale e
 the last checkpointed version, or duplicates of checkpointed work) are acked at once. When the
 payload bytes held pass ``trainer.max_pending_mb`` the learner checkpoints early (process.py),
 and at start it refuses a ``max_pending_mb`` larger than half of Redis's ``maxmemory`` (when
-Redis reports one). Entries the consumer's periodic XAUTOCLAIM hands back to us while we hold
-them are recognised by entry id and ignored.
+Redis reports one). The learner's consumer does not reclaim idle entries (all of the group's
+pending entries are its own, held on purpose); a restart re-reads them. An entry read by
+``redis.max_deliveries`` learner processes in a row that each died before a checkpoint held its
+fate is dead-lettered as ``poison`` instead of being trained again; whatever the learner
+dead-letters gives its admission budget back.
 
 Dedup window
 ------------
@@ -75,6 +78,7 @@ from worldloop.common.admission import Admission
 from worldloop.common.metrics import metric
 from worldloop.common.modeling import ChatCodec, SequenceLayout, build_sequence
 from worldloop.common.schemas import Trajectory, decode_trajectory, packb
+from worldloop.common.stream_consumer import consumer_limits
 from worldloop.common.streams import Message, RedisLink, StreamConsumer
 
 log = logging.getLogger(__name__)
@@ -216,6 +220,7 @@ class ScoredSource:
         checkpoint_version_fn: Callable[[], int],
         dedup: DedupWindow,
         consumer_name: str = LEARNER_CONSUMER,
+        fence: tuple[str, str] | None = None,
     ):
         if cfg.redis.url is None:
             raise ConfigError("redis.url", "the learner needs a Redis URL (worldloop up passes its own)")
@@ -235,9 +240,11 @@ class ScoredSource:
             deadletter_stream=keys.deadletter, block_ms=min(cfg.redis.block_ms, 1000),
             claim_idle_ms=cfg.redis.claim_idle_ms, reconnect_max_s=cfg.redis.reconnect_max_s,
             socket_timeout_s=cfg.redis.socket_timeout_s, startup_timeout_s=cfg.redis.startup_timeout_s,
-            stats_key=keys.stats,
-        )
-        self.consumer_name = consumer_name
+            stats_key=keys.stats, **consumer_limits(cfg.redis), fence=fence,  # fence: the learner lease's
+            # it holds its entries pending until a checkpoint: no reclaiming them from itself (a
+            # restart re-reads them: recover); whatever it dead-letters refunds its admission
+            reclaim=False, on_deadletter=lambda payload: self.admission.refund_payload(payload))
+        self.max_deliveries, self.consumer_name = cfg.redis.max_deliveries, consumer_name
         # retire trained ids, refund the ones that can never be trained (common/admission.py)
         self.admission = Admission(cfg.redis.url, keys, max_staleness=cfg.trainer.max_staleness,
                                    batch_size=cfg.trainer.train_batch_size, lease_s=cfg.actor.admission_lease_s,
@@ -302,7 +309,7 @@ class ScoredSource:
 
     def _decide(self, m: Message) -> None:
         if m.id in self._held or m.id in self._buffered_ids:
-            return  # our own pending entry handed back by XAUTOCLAIM: already decided
+            return  # an entry of ours seen again (its delivery was lost with a Redis restart): decided
         traj = m.value
         tid = traj.trajectory_id
         oldest = oldest_version(traj)
@@ -311,20 +318,31 @@ class ScoredSource:
         lag = version - oldest
         if lag > self.max_staleness:
             final = self.checkpoint_version_fn() - oldest > self.max_staleness
-            self._drop([item], "stale", f"lag {lag} > max_staleness {self.max_staleness}", final)
+            self._drop([item], "stale", f"lag {lag} > max_staleness {self.max_staleness} (oldest turn v{oldest}, "
+                       f"learner v{version}, actor {traj.actor_id}, group {traj.group_id})", final)
             self.admission.release([tid], refund=True)
             self._lose(traj.group_id)
             return
         if tid in self.dedup or tid in self._buffered_tids:
             self._drop([item], "duplicate", f"trajectory {tid} was already trained on", self.dedup.is_durable(tid))
+            # retired when it was trained; again here in case Redis forgot that (a host crash cut
+            # the second of the retirement off its append-only file): a no-op otherwise
+            self.admission.release([tid], refund=False)
+            return
+        if m.deliveries > self.max_deliveries:
+            # read again by max_deliveries learner processes in a row that each died before a
+            # checkpoint held its fate: a poison entry, not trained again (refunded by the hook)
+            self._m_dropped.labels(reason="poison").inc()
+            self.consumer.deadletter(m, f"learner: trajectory {tid} was read {m.deliveries} times by learners that "
+                                     f"died before a checkpoint (redis.max_deliveries={self.max_deliveries})", "poison")
+            self._lose(traj.group_id)
             return
         try:
             item.layout = check_usable(traj, vocab_size=self.vocab_size, max_len=self.cfg.model.max_model_len,
                                        codec=self.codec)
-        except Unusable as e:
+        except Exception as e:  # Unusable, or a check that broke on it: never a crash of the learner
             self._m_dropped.labels(reason="unusable").inc()
             self.consumer.deadletter(m, f"learner: unusable trajectory {tid}: {e}", kind="unusable")
-            self.admission.release([tid], refund=True)
             self._lose(traj.group_id)
             return
         self._buffered_ids.add(m.id)
@@ -389,7 +407,7 @@ class ScoredSource:
 
     def _drop(self, items: list[Item], reason: str, why: str, final: bool) -> None:
         """Drop entries for one reason; their run-wide counter ``learner_dropped_<reason>`` is added in
-        the same MULTI as their ack (now when ``final``, else at the next checkpoint's ack), so each
+        the same script as their ack (now when ``final``, else at the next checkpoint's ack), so each
         counts once even when a restarted learner decides the same entry again."""
         n = len(items)
         self.dropped[reason] = self.dropped.get(reason, 0) + n
@@ -397,7 +415,8 @@ class ScoredSource:
         for it in items:  # one line per entry: bench/chaos.py accounts for every drop from these lines
             log.info("dropping %s trajectory %s (entry %s): %s", reason, it.trajectory_id, it.entry_id, why)
         if final:
-            self.consumer.ack([it.entry_id for it in items], counts={f"learner_dropped_{reason}": n})
+            self.consumer.ack([it.entry_id for it in items],
+                              counters={it.entry_id: f"learner_dropped_{reason}" for it in items})
         else:
             for it in items:
                 self._held[it.entry_id] = it.nbytes
@@ -427,12 +446,8 @@ class ScoredSource:
         n = 0
         for start in range(0, len(ids), 512):
             chunk = ids[start : start + 512]
-            counts: dict[str, int] = {}
-            for i in chunk:
-                if i in self._held_drops:
-                    name = f"learner_dropped_{self._held_drops[i]}"
-                    counts[name] = counts.get(name, 0) + 1
-            n += self.consumer.ack(chunk, counts=counts)
+            n += self.consumer.ack(chunk, counters={i: f"learner_dropped_{self._held_drops[i]}"
+                                                    for i in chunk if i in self._held_drops})
         self._held.clear()
         self._held_drops.clear()
         self.dedup.mark_durable()

@@ -15,7 +15,11 @@ Launching::
 
 (the CLI also accepts and ignores DeepSpeed's ``--local_rank`` argument, so ``--no_local_rank`` is optional: the rank comes
 from the environment.) One learner per Redis namespace: it reads as the fixed consumer
-``learner-0``.
+``learner-0``, and rank 0 takes the namespace's lease first (``common/lease.py``): a second
+learner refuses to start, naming the holder; a learner restarted on the same host after a crash
+takes a dead predecessor's lease at once; a learner whose lease another learner took writes
+nothing more (its acks and control writes are fenced in Redis, its files checked before each
+update's writes and each checkpoint) and exits with an error.
 
 Each update (policy version v -> v + 1):
 
@@ -56,9 +60,11 @@ from pathlib import Path
 import torch
 
 from worldloop.common.config import Config, ConfigError
-from worldloop.common.control import default_proc_id, list_processes, read_control, write_control
+from worldloop.common.control import control_fields, default_proc_id, list_processes, read_control
+from worldloop.common.exposure import warn_plain_weights
 from worldloop.common.files import append_lines
 from worldloop.common.keys import Keys
+from worldloop.common.lease import LearnerLease
 from worldloop.common.metrics import metric
 from worldloop.common.process import HEARTBEAT_S, ProcessScaffold
 from worldloop.common.streams import RedisLink
@@ -92,8 +98,6 @@ class Learner:
         self.t = cfg.trainer
         self.dist = dist
         self.run_dir = run_dir_of(cfg)
-        # run.loggers (TensorBoard, wandb, samples.jsonl) on rank 0; a missing package fails here
-        self.trackers = open_trackers(self.run_dir, cfg) if dist.is_main else None
         self.ckpt_dir = self.run_dir / "checkpoints"
         # heartbeat (with the current phase), /metrics and control polling on rank 0 from the start,
         # so that `worldloop up`/`status` can tell where a learner that makes no progress waits
@@ -104,7 +108,27 @@ class Learner:
             self.proc.start()
         self.proc_id = self.proc.proc_id
         self._lineage: list[dict] = []  # ledger + metrics lines since the last checkpoint (rank 0)
-        self.link = self.source = self.publisher = None
+        self.link = self.source = self.publisher = self.lease = self.trackers = None
+        if dist.is_main:  # one learner per namespace, before it writes or builds anything (common/lease.py)
+            self.proc.set_phase("taking the namespace's learner lease")
+            self.lease = LearnerLease(cfg.redis.url, Keys(cfg.redis.namespace), self.t.lease_ttl_s,
+                                      holder=f"learner {self.proc_id} ({self.run_dir})",
+                                      reconnect_max_s=cfg.redis.reconnect_max_s,
+                                      socket_timeout_s=cfg.redis.socket_timeout_s,
+                                      startup_timeout_s=cfg.redis.startup_timeout_s,
+                                      on_lost=lambda: self.proc.request_stop("the learner lease was lost")).acquire()
+        try:
+            self._build()
+        except BaseException:
+            if self.lease is not None:
+                self.lease.close()
+            raise
+
+    def _build(self) -> None:
+        """Trackers, models, the checkpoint to resume from, the trainer; rank 0's services."""
+        cfg, dist = self.cfg, self.dist
+        # run.loggers (TensorBoard, wandb, samples.jsonl) on rank 0; a missing package fails here
+        self.trackers = open_trackers(self.run_dir, cfg) if dist.is_main else None
         self.proc.set_phase("building models (DeepSpeed engines)")
 
         torch.manual_seed(cfg.run.seed)
@@ -162,6 +186,7 @@ class Learner:
         self.source = ScoredSource(
             cfg, self.keys, vocab_size=self.models.vocab_size, codec=self.models.codec,
             version_fn=lambda: self.version, checkpoint_version_fn=lambda: self.ckpt_version, dedup=self.dedup,
+            fence=self.lease.fence,
         )
         # control-plane calls (the control record, the start-up checks) retry through a Redis outage
         # like the stream calls do: a Redis restart must not end the learner (bench/chaos.py)
@@ -169,13 +194,14 @@ class Learner:
                               should_stop=lambda: self.stop_requested, startup_timeout_s=cfg.redis.startup_timeout_s)
         self.link.call(lambda r: check_pending_fits(cfg, r))
         if not self.t.resume:  # a fresh run: admissions counted by an earlier run in this namespace are void
-            self.source.admission.reset()
+            self.source.admission.reset((self.keys.rollouts, self.keys.scored))
         if not self.t.resume or self.link.call(lambda r: read_control(r, self.keys))["run_state"] == "stopped":
             # a new run, or one resumed after it had finished: actors may produce again (a pause
             # an operator set survives a resume)
-            self.link.call(lambda r: write_control(r, self.keys, run_state="running"))
+            self.lease.hset(self.keys.control, control_fields(run_state="running"))
         self.proc.set_phase("recovering its own pending entries")
         self.source.recover()
+        warn_plain_weights("learner", cfg.weights.bind, cfg.weights.curve_server_secret)
         self.publisher = publisher_from_config(cfg)
         metric("worldloop_learner_max_turns").set(self.max_turns)
 
@@ -186,7 +212,7 @@ class Learner:
         # the admission bound's inputs travel with the version (common/admission.py)
         fields = dict(policy_version=self.version, max_turns=self.max_turns,
                       train_batch_size=self.t.train_batch_size, max_staleness=self.t.max_staleness)
-        self.link.call(lambda r: write_control(r, self.keys, **fields))
+        self.lease.hset(self.keys.control, control_fields(**fields))  # fenced: never after a take-over
 
     # ------------------------------------------------------------------ steps
 
@@ -232,6 +258,7 @@ class Learner:
         weights, publish_s = self._publish()
         record = None
         if self.dist.is_main:
+            self.lease.check()  # another learner took the namespace: write nothing (LeaseLost)
             self.source.mark_trained(items)
             self.dedup.prune(self.version)
             record = self._after_update(trajs, before, stats, wait_s, publish_s)
@@ -263,6 +290,8 @@ class Learner:
         """Write a checkpoint of the current step (every rank), then (rank 0) ack what it covers."""
         if weights is None:
             weights = gather_policy_weights(self.models)
+        if self.dist.is_main:
+            self.lease.check()  # the run directory is another learner's once it took the namespace
         state = {"step": self.step_no, "policy_version": self.version, "max_turns": self.max_turns,
                  "anneal_window": self.anneal_window, "trained": self.dedup.to_dict(),
                  # the ledger and metrics lines of the steps this checkpoint covers: a kill between
@@ -461,7 +490,7 @@ class Learner:
         if self.step_no >= self.t.total_steps or timed_out:
             log.info("trained %d updates (policy version %d): done", self.step_no, self.version)
             if self.dist.is_main:  # the run is over: actors and judges stop instead of producing into it
-                self.link.call(lambda r: write_control(r, self.keys, run_state="stopped"))
+                self.lease.hset(self.keys.control, control_fields(run_state="stopped"))
                 self._await_final_eval()
         return 0
 
@@ -499,6 +528,8 @@ class Learner:
             self.publisher.close()
         if self.link is not None:
             self.link.close()
+        if self.lease is not None:
+            self.lease.close()  # hands the lease back (not when lost: it is another learner's)
 
 
 def run(cfg: Config, args: argparse.Namespace) -> int:

@@ -28,7 +28,8 @@ What each tracker gets:
   ``trainer.final_eval_wait_s`` for a live evaluator's evaluation of the final version
   (:meth:`Trackers.wait_for_eval`), so the trackers get that one too; one written later (no live
   evaluator, or past the wait) is only in ``eval.jsonl`` / ``metrics.jsonl``;
-* the resolved config (``common/config.py`` ``to_dict``) once at start: wandb's run config,
+* the resolved config (``common/config.py`` ``to_dict``, secrets removed by ``common/secrets.py``
+  ``redacted``) once at start: wandb's run config,
   TensorBoard's text ``config``;
 * every ``trainer.sample_every`` steps (0 = never), :data:`SAMPLES_PER_STEP` episodes of the
   step's batch (the lowest, highest and evenly spaced total rewards between): a wandb table
@@ -69,6 +70,7 @@ from typing import Any, Callable
 import msgspec
 
 from worldloop.common.config import Config, ConfigError, to_dict
+from worldloop.common.secrets import redacted
 from worldloop.common.files import append_lines
 from worldloop.common.schemas import Trajectory, total_turn_reward
 
@@ -212,7 +214,7 @@ class TensorBoardTracker(Tracker):
 
         self.logdir = Path(run_dir) / "tensorboard"
         self.writer = SummaryWriter(log_dir=str(self.logdir))
-        text = json.dumps(to_dict(cfg), indent=2, default=str)
+        text = json.dumps(redacted(to_dict(cfg)), indent=2, default=str)
         # TensorBoard renders text as markdown: indent by 4 spaces for a code block
         self.writer.add_text("config", "\n".join("    " + line for line in text.splitlines()), 0)
         self.writer.flush()
@@ -259,7 +261,7 @@ class WandbTracker(Tracker):
             kwargs["dir"] = str(run_dir)
         try:
             self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or "worldloop", name=cfg.run.name,
-                                  config=to_dict(cfg), id=run_id, resume="allow" if run_id else None,
+                                  config=redacted(to_dict(cfg)), id=run_id, resume="allow" if run_id else None,
                                   settings=wandb.Settings(console="off", silent=True), **kwargs)
         except Exception as e:  # no login, a bad WANDB_* variable: fail at start-up, not at step 1
             wandb.teardown()  # wandb keeps process-wide state (settings read at set-up): start clean next time

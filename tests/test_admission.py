@@ -30,13 +30,21 @@ def test_the_budget_is_v_plus_s_plus_one_batches(redis_url: str) -> None:
     assert not a.admit(["t5"], actor_version=0).admitted
     d = a.admit(["t5", "t6"], actor_version=1)  # (1 + 1 + 1) * 2 = 6
     assert d.admitted and (d.total, d.limit) == (6, 6)
-    # a group is admitted whole while any budget is left (it may pass the bound by size - 1): a
-    # group that had to fit exactly would never fill the one slot a refunded member leaves
-    write_control(r, Keys("b1"), policy_version=2)  # limit 8
-    d = a.admit(["g1", "g2", "g3"], actor_version=2)
-    assert d.admitted and (d.total, d.limit) == (9, 8)
+    # a group is admitted whole only when it fits (issue 31: a group admitted while any budget was
+    # left passed the bound by its size - 1, and its last members arrived stale) ...
+    write_control(r, Keys("b1"), policy_version=2)  # limit 8: 2 left, 2 admitted and untrained
+    assert not a.admit(["g1", "g2", "g3"], actor_version=2).admitted
+    d = a.admit(["g1", "g2"], actor_version=2)
+    assert d.admitted and (d.total, d.limit) == (8, 8)
     assert not a.admit(["g4"], actor_version=2).admitted  # nothing left
-    assert a.state()["admitted"] == 9 and a.state()["leases"] == 9
+    # ... except while fewer than a batch are admitted and untrained: the learner waits for a batch
+    # that no fitting group can complete (a member refunded, a group larger than the budget left)
+    a.release(["g2"], refund=True)  # 7 admitted, v2 * B = 4 trained: 3 untrained, not starving
+    assert not a.admit(["h1", "h2"], actor_version=2).admitted
+    write_control(r, Keys("b1"), policy_version=3)  # limit 10; 6 trained: 1 untrained < B = 2
+    d = a.admit(["h1", "h2", "h3", "h4"], actor_version=3)
+    assert d.admitted and (d.total, d.limit) == (11, 10)  # passes the bound by at most its size - 1
+    assert a.state()["admitted"] == 11 and a.state()["leases"] == 11  # g2 gave its lease back
 
 
 def test_the_learners_bound_wins_over_the_actors_config(redis_url: str) -> None:
@@ -114,3 +122,50 @@ def test_a_settle_after_the_learner_trained_the_trajectory_counts_nothing(redis_
     assert a.release(["t5"], refund=True) == 0
     a.settle("t5")
     assert a.state()["admitted"] == 3 and a.state()["refunded"] == 1
+
+
+def test_leases_run_on_redis_clock_not_on_a_skewed_actor_clock(redis_url: str, monkeypatch) -> None:
+    """Issue 31, item 12: an actor whose machine's clock is an hour behind admits and renews
+    episodes; another process's admission call reaps expired leases. On the actor's clock those
+    leases expired an hour ago, and another actor took their budget while they ran. By Redis's
+    clock they hold for actor.admission_lease_s."""
+    import worldloop.common.admission as admission_module
+
+    skewed = _adm(redis_url, "skew", max_staleness=0, batch_size=2)
+    other = _adm(redis_url, "skew", max_staleness=0, batch_size=2)
+    real = time.time
+    with monkeypatch.context() as m:
+        m.setattr(admission_module, "time", type("Clock", (), {"time": staticmethod(lambda: real() - 3600)}),
+                  raising=False)
+        assert skewed.admit(["t1", "t2"], actor_version=0).admitted
+        skewed.renew(["t1", "t2"])
+    assert not other.admit(["t3"], actor_version=0).admitted  # the budget is still held
+    st = other.state()
+    assert st.get("expired", 0) == 0 and st["leases"] == 2
+    (_, expiry), = connect(redis_url).zrange(Keys("skew").admission_leases, 0, 0, withscores=True)
+    assert abs(expiry - (real() + 60.0)) < 30  # Redis's now (the same host here) + lease_s
+
+
+def test_a_fresh_learner_counts_what_its_actors_pushed_before_it_was_up(redis_url: str) -> None:
+    """Issue 31: `worldloop up` (and the chaos soak) start the actors with the learner, which is up
+    a minute later. The reset of a fresh learner forgot what they had pushed by then, although it
+    was trained all the same: the count stayed short by those for the whole run (every one a slot
+    over the bound) and a fifth of the soak arrived stale. Now the trajectories in the streams
+    count, beside the episodes in flight; what vanished (an earlier run's, lost with a Redis without
+    persistence) is forgotten."""
+    from worldloop.common.schemas import encode_trajectory
+    from worldloop.testing.trajectories import make_trajectory
+
+    keys = Keys("fresh")
+    a = _adm(redis_url, "fresh", max_staleness=4, batch_size=4)
+    assert a.admit(["r1", "r2", "s1", "gone", "fly"], actor_version=0).admitted
+    r = connect(redis_url)
+    for tid, stream in (("r1", keys.rollouts), ("r2", keys.rollouts), ("s1", keys.scored), ("s1", keys.scored)):
+        r.xadd(stream, {b"data": encode_trajectory(make_trajectory(tid))})
+    r.xadd(keys.scored, {b"data": b"\xc1 not a trajectory"})
+    for tid in ("r1", "r2", "s1", "gone"):
+        a.settle(tid)
+    assert a.reset((keys.rollouts, keys.scored)) == 4  # fly (in flight) + r1, r2, s1 (s1 twice counts once)
+    assert a.state()["admitted"] == 4
+    assert a.release(["gone"], refund=True) == 0  # forgotten: nothing to give back
+    assert a.release(["s1"], refund=True) == 1  # counted again: its refund gives back one slot

@@ -62,6 +62,11 @@ def test_unknown_key_is_named() -> None:
     ("serve.port=70000", "serve.port", "must be in (0, 65536) (a TCP port)"),
     ("serve.tensor_parallel_size=0", "serve.tensor_parallel_size", "must be >= 1"),
     ("serve.extra_args=--enforce-eager", "serve.extra_args", "expected a list"),
+    ("redis.max_deliveries=1", "redis.max_deliveries", "must be >= 2"),
+    ("redis.max_message_mb=0", "redis.max_message_mb", "must be >= 1"),
+    ("redis.deadletter_maxlen=10", "redis.deadletter_maxlen", "must be >= 100"),
+    ("redis.appendfsync=no", "redis.appendfsync", "must be one of"),
+    ("trainer.lease_ttl_s=1", "trainer.lease_ttl_s", "must be >= 3 seconds"),
 ])
 def test_bad_value_is_named(override: str, key: str, words: str) -> None:
     e = _error(overrides=(override,))

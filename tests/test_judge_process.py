@@ -17,7 +17,7 @@ from redis.exceptions import ResponseError
 from worldloop.common.control import list_processes, read_stats, write_control
 
 from worldloop.common.keys import Keys, ROLLOUTS_GROUP
-from worldloop.common.schemas import Trajectory, decode_trajectory, encode_trajectory
+from worldloop.common.schemas import Trajectory, decode_deadletter, decode_trajectory, encode_trajectory
 from worldloop.common.streams import DUPLICATE, FORWARDED, LOST_RACE, Forwarder, StreamConsumer, StreamProducer, connect
 from worldloop.testing.fake_openai import FakeOpenAI
 from tests.procs import Child, wait_for
@@ -226,3 +226,85 @@ def test_killed_judge_is_reclaimed_and_every_trajectory_is_scored_exactly_once(r
     assert max(ids.values()) == 1, [k for k, v in ids.items() if v > 1]
     assert held_tids and held_tids <= set(ids)  # what the victim held was reclaimed and scored
     assert r.xlen(keys.rollouts) == 0 and r.xpending(keys.rollouts, ROLLOUTS_GROUP)["pending"] == 0
+
+
+# ----------------------------------------------------------------------------- a poison entry
+
+
+def test_a_poison_entry_that_kills_each_judge_is_dead_lettered_after_max_deliveries(redis_url: str, tmp_path: Path) -> None:
+    """Issue 31, item 4: a rollouts entry that kills whichever judge takes it (the chaos soak's
+    poison, common/faults.py: exit 70 before anything is acked). A supervisor restarts the judge;
+    each restart reclaims the entry and counts one more attempt, and past redis.max_deliveries the
+    judge dead-letters it instead of dying again. The entries that were in flight with it (in the
+    first judge's batch) are scored once each, not dead-lettered with it, and the poison's
+    admission budget comes back."""
+    from worldloop.common.admission import Admission
+    from worldloop.common.faults import POISON_ENV, POISON_EXIT
+
+    keys = Keys("jpoison")
+    r = connect(redis_url)
+    adm = Admission(redis_url, keys, max_staleness=4, batch_size=4)
+    ids = [f"traj-{i:03d}" for i in range(4)]
+    assert adm.admit(ids, actor_version=0).admitted
+    for t in ids:
+        adm.settle(t)
+    _push(redis_url, keys, 4)
+    cfg = {"redis": {"url": redis_url, "namespace": keys.ns, "claim_idle_ms": 1000, "block_ms": 200,
+                     "max_deliveries": 2},
+           "judge": {"scorers": {"default": ["rule"]}}, "metrics": {"enabled": False}}
+    exits = []
+    proc = None
+    try:
+        for attempt in range(6):
+            proc, _ = _spawn(tmp_path, f"judge{attempt}", cfg, {POISON_ENV: "traj-002"})
+            done = wait_for(lambda: (proc.returncode is not None or (r.xlen(keys.scored) == 3 and r.xlen(keys.deadletter)))
+                            or None, "the judge to die or finish", 120)
+            if proc.returncode is None:
+                break
+            exits.append(proc.returncode)
+        assert done and proc.returncode is None, exits
+    finally:
+        if proc is not None:
+            proc.kill()
+    assert exits == [POISON_EXIT, POISON_EXIT]  # attempts 1 and 2 killed a judge; the 3rd was refused
+    assert sorted(t.trajectory_id for t in _scored(r, keys)) == ["traj-000", "traj-001", "traj-003"]
+    (rec,) = [decode_deadletter(f[b"data"]) for _, f in r.xrange(keys.deadletter)]
+    assert "attempted 2 times" in rec.reason and decode_trajectory(rec.payload).trajectory_id == "traj-002"
+    assert read_stats(r, keys)["deadletter_rollouts_poison"] == 1
+    assert adm.state()["refunded"] == 1
+    adm.close()
+
+
+def test_an_error_on_one_entry_leaves_it_pending_and_never_ends_the_judge(redis_url: str, monkeypatch) -> None:
+    """Issue 31, items 1 and 4: an exception while one entry is handled (here the I/O error the
+    shared-pool reset used to cause, raised by the hand-over) ended the judge. Now the entry stays
+    pending for a retry and the judge carries on."""
+    import asyncio
+
+    from worldloop.common.config import load_config
+    from worldloop.judge.process import JudgeWorker
+    from worldloop.judge.scoring import TrajectoryScorer
+
+    keys = Keys("jerr")
+    _push(redis_url, keys, 1)
+    cfg = load_config(None, [f"redis.url={redis_url}", f"redis.namespace={keys.ns}", "metrics.enabled=false",
+                             "judge.scorers={default: [rule]}"])
+    worker = JudgeWorker(cfg, proc_id="j")
+    worker.scorer = TrajectoryScorer(cfg.judge, None)
+    cons = StreamConsumer(redis_url, keys.rollouts, ROLLOUTS_GROUP, "j", decode=decode_trajectory, block_ms=10)
+    fw = Forwarder(redis_url, keys.rollouts, ROLLOUTS_GROUP, keys.scored, keys.judge_forwarded, max_backlog=10,
+                   dedup_window_s=60)
+    (m,) = cons.read(1)
+
+    def broken(*_a, **_k):
+        raise ValueError("I/O operation on closed file.")
+
+    monkeypatch.setattr(fw, "forward", broken)
+    asyncio.run(worker._handle(m, cons, fw))  # no exception
+    r = connect(redis_url)
+    assert r.xpending(keys.rollouts, ROLLOUTS_GROUP)["pending"] == 1 and r.xlen(keys.scored) == 0
+    monkeypatch.undo()
+    asyncio.run(worker._handle(m, cons, fw))  # the retry forwards it
+    assert r.xlen(keys.scored) == 1 and r.xpending(keys.rollouts, ROLLOUTS_GROUP)["pending"] == 0
+    for c in (cons, fw):
+        c.close()

@@ -425,3 +425,33 @@ def test_whole_groups_needs_batches_of_whole_groups_only_for_grpo():
                                 "trainer": {**trainer, "train_batch_size": 12, "ppo_mini_batch_size": 4,
                                             "micro_batch_size": 1}})
         assert cfg.trainer.train_batch_size == 12
+
+
+def test_an_entry_read_by_max_deliveries_learners_that_died_is_dead_lettered_and_refunded(redis_url, codec):
+    """A poison entry for the learner: every learner process that reads it dies before a checkpoint
+    (a crash in training). The restarts re-read it; past redis.max_deliveries it is dead-lettered
+    as poison with its admission budget given back, instead of killing the next learner too."""
+    from worldloop.common.admission import Admission
+
+    cfg = _cfg(redis_url)
+    cfg.redis.max_deliveries = 2
+    keys = Keys(NS)
+    adm = Admission(redis_url, keys, max_staleness=2, batch_size=4)
+    assert adm.admit(["x0"], actor_version=0).admitted
+    adm.settle("x0")
+    StreamProducer(redis_url, keys.scored, 100).add(encode_trajectory(_traj(codec, "x0")))
+    v = _Versions()
+    assert [it.trajectory_id for it in _source(cfg, codec, v).collect(1, lambda: False)] == ["x0"]  # dies
+    second = _source(cfg, codec, v)
+    second.recover()
+    assert [it.trajectory_id for it in second.collect(1, lambda: False)] == ["x0"]  # delivery 2: dies too
+    third = _source(cfg, codec, v)
+    third.recover()
+    assert third.collect(1, lambda: False, max_wait_s=0.5) == []
+    r = connect(redis_url)
+    (rec,) = [decode_deadletter(f[b"data"]) for _, f in r.xrange(keys.deadletter)]
+    assert "read 3 times" in rec.reason and "max_deliveries=2" in rec.reason
+    assert read_stats(r, keys)["deadletter_scored_poison"] == 1 and _pending(redis_url) == 0
+    assert adm.state()["refunded"] == 1
+    third.close()
+    adm.close()

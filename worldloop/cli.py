@@ -30,6 +30,9 @@ from typing import Any, Callable
 
 from worldloop import __version__
 from worldloop.common.config import Config, ConfigError, load_config, to_dict
+from worldloop.common.lease import LeaseHeld
+from worldloop.common.redis_link import REDIS_PASSWORD_ENV, Fenced
+from worldloop.common.secrets import redacted, redacted_override, url_password
 from worldloop.common.streams import RedisUnreachable
 
 # subcommand -> (module, function, one-line help, long description)
@@ -280,6 +283,12 @@ def main(argv: list[str] | None = None) -> int:
     except RedisUnreachable as e:  # a wrong redis.url: say so instead of retrying for ever
         print(f"worldloop {args.command}: {e}", file=sys.stderr)
         return 2
+    except LeaseHeld as e:  # a second learner on a namespace: name the first
+        print(f"worldloop {args.command}: {e}", file=sys.stderr)
+        return 2
+    except Fenced as e:  # this learner's namespace was taken over: it stopped writing
+        print(f"worldloop {args.command}: stopped: {e}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         return 130
     return int(rc or 0)
@@ -310,9 +319,11 @@ def config_command(cfg: Config, args: argparse.Namespace) -> int:
     import yaml
 
     source = getattr(args, "config_file", None) or getattr(args, "config", None) or "(built-in defaults)"
-    overrides = " ".join(args.overrides or []) or "none"
+    overrides = " ".join(redacted_override(o) for o in args.overrides or []) or "none"
     sys.stdout.write(f"# worldloop {__version__}: resolved config of {source}; overrides: {overrides}\n")
-    sys.stdout.write(yaml.safe_dump(_plain(to_dict(cfg)), sort_keys=False, default_flow_style=False, width=100))
+    if cfg.redis.url and url_password(cfg.redis.url):
+        sys.stdout.write(f"# redis.url's password is not printed: give it in ${REDIS_PASSWORD_ENV}\n")
+    sys.stdout.write(yaml.safe_dump(_plain(redacted(to_dict(cfg))), sort_keys=False, default_flow_style=False, width=100))
     sys.stdout.flush()
     return 0
 

@@ -26,7 +26,8 @@ judge's) and ``reward`` (the turn's total; else the sum of those); ``done``, ``s
 ``state_before`` / ``state_after`` (``{"relations": [...], "symbolic": str | null, "structured": {...}}``,
 the true states); the judge's ``grounding_score``, ``worldmodeling_score`` and ``judge`` (a free-form
 map of details); ``images``: a list of PNG/JPEG images, each a base64 string, a ``data:image/...``
-URL or a file path relative to the JSONL file (an integer, as in eval records, only counts them).
+URL or the path of a file in the JSONL file's folder or below it (any other path is not read; an
+integer, as in eval records, only counts them).
 
 Eval records hold no images and no true states: when a record has ``env_id`` and ``seed`` and a
 turn lacks them, the episode is re-played (``gymnasium.make(env_id, **env_kwargs)``, ``reset(seed)``,
@@ -166,8 +167,8 @@ def _data_url(data: bytes, kind: str) -> str:
 
 
 def image_url(item: Any, base_dir: Path) -> str | None:
-    """A ``data:`` URL for one recorded image (data URL, base64 string or file path); None if it is
-    not a readable PNG/JPEG/GIF/WebP."""
+    """A ``data:`` URL for one recorded image (data URL, base64 string or the path of a file inside
+    ``base_dir``, the folder being shown); None if it is not a readable PNG/JPEG/GIF/WebP there."""
     if not isinstance(item, str) or not item:
         return None
     if item.startswith("data:"):
@@ -183,6 +184,11 @@ def image_url(item: Any, base_dir: Path) -> str | None:
     if len(item) < 4096 and "://" not in item:
         p = Path(item) if Path(item).is_absolute() else base_dir / item
         try:
+            # only an image inside the folder being shown: a record naming any other readable file
+            # (/etc/..., ../../secret.png, a symlink out) must not copy it into the page
+            p = p.resolve()
+            if not p.is_relative_to(Path(base_dir).resolve()):
+                return None
             if p.is_file() and p.stat().st_size <= MAX_IMAGE_FILE_BYTES:
                 data = p.read_bytes()
                 kind = _sniff(data)

@@ -5,7 +5,7 @@ Steps, each logged:
 1. run directory ``run.run_dir`` (default ``runs/<config>-<YYYYmmdd-HHMMSS>``) with ``logs/`` and
    ``versions.json`` (Python's and the learning-relevant packages' versions, :func:`worldloop.common.versions.package_versions`);
 2. Redis: ``redis.url`` when given, else a private ``redis-server`` (system or bundled) whose data
-   lives in the run directory;
+   (an append-only file fsynced by ``redis.appendfsync``) lives in the run directory;
 3. model: :func:`worldloop.bootstrap.store.prepare_model`: an existing ``model.path`` as it is, else
    the warm start of the config's recipe: shipped with the package (used at once), cached on this
    machine, or made on the spot (the tiny model, grounding pre-training and SFT) and cached;
@@ -51,6 +51,7 @@ from worldloop.bootstrap.store import prepare_model
 from worldloop.common.config import Config, to_dict
 from worldloop.common.control import list_processes, read_control, write_control
 from worldloop.common.keys import Keys
+from worldloop.common.secrets import password_to_env, redacted
 from worldloop.common.versions import write_versions
 from worldloop.plot import plot_metrics
 from worldloop.serve import plan_local_servers
@@ -268,6 +269,9 @@ def run(cfg: Config, args) -> int:
 
     started = time.monotonic()
     run_dir = _open_run_dir(cfg)
+    # the password of an external redis.url goes to the children in the environment, never in
+    # config.yaml or on a command line (common/secrets.py)
+    password_to_env(cfg, os.environ)
     local_redis = _local_services(cfg, run_dir)
     children: list[Child] = []
     stop = {"flag": False, "preparing": True}
@@ -282,7 +286,7 @@ def run(cfg: Config, args) -> int:
         learner_time_budget(cfg, time.monotonic() - started)
         config_path = run_dir / "config.yaml"
         servers = plan_local_servers(cfg, config_path)  # actor.backend=server: sets actor.servers
-        config_path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        config_path.write_text(yaml.safe_dump(redacted(to_dict(cfg)), sort_keys=False))
         write_control(r, keys, run_state="running")
         children = _children(cfg, config_path, run_dir)
         children += [Child(name, "server", argv, run_dir / "logs" / f"{name}.log") for name, argv in servers]
@@ -319,7 +323,8 @@ def _local_services(cfg: Config, run_dir: Path) -> LocalRedis | None:
 
     local_redis = None
     if cfg.redis.url is None:
-        local_redis = LocalRedis(data_dir=str(run_dir / "redis")).start()
+        # persisted (AOF, redis.appendfsync): a Redis that dies with the run loses nothing acknowledged
+        local_redis = LocalRedis(data_dir=str(run_dir / "redis"), persist=True, appendfsync=cfg.redis.appendfsync).start()
         cfg.redis.url = local_redis.url
         print(f"worldloop up: started a local redis-server at {cfg.redis.url}", flush=True)
     if cfg.weights.pub_port == 0:

@@ -184,6 +184,7 @@ def _deepspeed_state_dict(ds_dir: Path) -> dict:
     files = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
     if not files:
         raise ModelNotFound(f"no model states in {tag_dir}")
-    # DeepSpeed's own format is a torch pickle; we read only our learner's checkpoints from local disk
-    blob = torch.load(str(files[0]), map_location="cpu", weights_only=False)
+    # DeepSpeed's own format is a torch pickle: read with weights_only (tensors and plain containers
+    # only), so a checkpoint folder from elsewhere cannot run code when it is evaluated
+    blob = torch.load(str(files[0]), map_location="cpu", weights_only=True)
     return {k: v.float() if v.is_floating_point() else v for k, v in blob["module"].items()}

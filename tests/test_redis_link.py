@@ -1,0 +1,194 @@
+"""The Redis link under faults (issue 31, items 1-3): links shared between threads while Redis is
+killed, writes Redis refuses (OOM, MISCONF, READONLY, NOPERM), and a Redis restarted without
+persistence in the middle of a consumer's calls. Every test runs a real redis-server."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import pytest
+import redis
+from redis.exceptions import RedisError
+
+from worldloop.common.keys import ROLLOUTS_GROUP, Keys
+from worldloop.common.redis_link import RedisLink
+from worldloop.common.redis_local import LocalRedis
+from worldloop.common.streams import FORWARDED, Forwarder, StreamConsumer, StreamProducer, connect
+
+
+def test_threads_sharing_one_forwarder_survive_redis_kills_and_forward_each_entry_once() -> None:
+    """Eight threads share one consumer and one Forwarder (as a judge's I/O pool does) while Redis is
+    killed with kill -9 and restarted three times: no exception other than Redis's own may escape
+    (a reset that closed the pool under the other threads gave ValueError / AttributeError), and
+    every entry reaches ``scored`` exactly once."""
+    keys, n = Keys("threads"), 400
+    with LocalRedis(persist=True) as srv:
+        prod = StreamProducer(srv.url, keys.rollouts, max_backlog=10_000, reconnect_max_s=0.2)
+        for i in range(n):
+            prod.add(b"%d" % i)
+        stop = threading.Event()
+        cons = StreamConsumer(srv.url, keys.rollouts, ROLLOUTS_GROUP, "j", block_ms=100, claim_idle_ms=2000,
+                              reconnect_max_s=0.2, socket_timeout_s=2.0)
+        fw = Forwarder(srv.url, keys.rollouts, ROLLOUTS_GROUP, keys.scored, keys.judge_forwarded, max_backlog=10_000,
+                       dedup_window_s=600, reconnect_max_s=0.2, socket_timeout_s=2.0)
+        escaped: list[BaseException] = []
+        forwarded = Counter()
+
+        def work() -> None:
+            while not stop.is_set():
+                try:
+                    for m in cons.read(2, block_ms=50):
+                        if fw.forward(m.id, m.payload, m.payload.decode()) == FORWARDED:
+                            forwarded[m.payload] += 1
+                except RedisError:  # a Redis error is the retry layer's to report, not a crash
+                    continue
+                except BaseException as e:  # noqa: BLE001 - the finding: anything else escaped
+                    escaped.append(e)
+
+        threads = [threading.Thread(target=work, daemon=True) for _ in range(8)]
+        for t in threads:
+            t.start()
+        r = connect(srv.url)
+        for _ in range(3):
+            time.sleep(0.4)
+            srv.stop(kill=True)
+            time.sleep(0.3)
+            srv.start()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and sum(forwarded.values()) < n:
+            time.sleep(0.1)
+        stop.set()
+        for t in threads:
+            t.join(30)
+        assert not escaped, [f"{type(e).__name__}: {e}" for e in escaped[:5]]
+        scored = Counter(f[b"data"] for _, f in r.xrange(keys.scored))
+        assert len(scored) == n and max(scored.values()) == 1
+        assert sum(forwarded.values()) == n
+        for c in (prod, cons, fw):
+            c.close()
+
+
+# --------------------------------------------------------------------------- refused writes
+
+
+def _refuse(srv: LocalRedis, r: redis.Redis, kind: str, tmp_path) -> tuple:
+    """Make the real server refuse writes of ``kind``; returns (url to use, undo())."""
+    if kind == "OOM":
+        r.config_set("maxmemory", 1)
+        return srv.url, lambda: r.config_set("maxmemory", 0)
+    if kind == "MISCONF":  # a background save that fails: its folder vanished
+        gone = tmp_path / "rdb"
+        gone.mkdir()
+        r.config_set("dir", str(gone))
+        gone.rmdir()
+        r.config_set("stop-writes-on-bgsave-error", "yes")
+        r.config_set("save", "3600 1")  # MISCONF needs save points
+        r.bgsave()
+        for _ in range(100):
+            if r.info("persistence")["rdb_last_bgsave_status"] == "err" and not r.info("persistence")["rdb_bgsave_in_progress"]:
+                break
+            time.sleep(0.05)
+
+        def undo() -> None:
+            gone.mkdir()
+            r.config_set("dir", str(gone))  # redis-server chdirs into it: the new folder, not the removed one
+            r.bgsave()
+        return srv.url, undo
+    if kind == "READONLY":  # a replica of a primary that is not there
+        r.replicaof("127.0.0.1", 1)
+        return srv.url, lambda: r.replicaof("NO", "ONE")
+    assert kind == "NOPERM"  # an ACL user that may read but not write, given the right later
+    r.acl_setuser("w", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-@write"])
+    return f"redis://w:pw@127.0.0.1:{srv.port}/0", lambda: r.acl_setuser("w", commands=["+@all"])
+
+
+@pytest.mark.parametrize("kind", ["OOM", "MISCONF", "READONLY", "NOPERM"])
+def test_a_refused_write_waits_with_a_log_line_and_a_metric_then_goes_through(kind, tmp_path, caplog) -> None:
+    from prometheus_client import REGISTRY
+
+    stream = f"refused-{kind}"
+    with LocalRedis() as srv:
+        r = connect(srv.url)
+        url, undo = _refuse(srv, r, kind, tmp_path)
+        prod = StreamProducer(url, stream, max_backlog=100, reconnect_max_s=0.2)
+        done: list = []
+
+        def add() -> None:
+            try:
+                done.append(prod.add(b"x"))
+            except BaseException as e:  # noqa: BLE001 - the finding: the write crashed its caller
+                done.append(e)
+
+        t = threading.Thread(target=add, daemon=True)
+        with caplog.at_level("WARNING", logger="worldloop.common.redis_link"):
+            t.start()
+            deadline = time.monotonic() + 30
+            metric = lambda: REGISTRY.get_sample_value(  # noqa: E731
+                "worldloop_stream_refused_writes_total", {"stream": stream, "reason": kind}) or 0
+            while time.monotonic() < deadline and not done and metric() < 2:
+                time.sleep(0.05)
+            assert not done, f"the refused write ended its caller: {done}"
+            assert metric() >= 2
+            assert any(f"redis refused a write ({kind}" in rec.getMessage() for rec in caplog.records)
+            undo()
+            t.join(30)
+        assert done and not isinstance(done[0], BaseException), done
+        assert r.xlen(stream) == 1
+        prod.close()
+
+
+def test_a_judges_final_stats_flush_never_hides_the_error_that_ended_it(redis_url) -> None:
+    """``_flush_stats`` runs in the judge's ``finally``: a refused write there must not raise (it would
+    replace the error that ended the judge); the counts stay unsent and go out with a later flush."""
+    from types import SimpleNamespace
+
+    from worldloop.common.config import load_config
+    from worldloop.common.control import read_stats
+    from worldloop.judge.process import JudgeWorker
+
+    cfg = load_config(None, [f"redis.url={redis_url}", "redis.namespace=flush", "metrics.enabled=false"])
+    worker = JudgeWorker(cfg, proc_id="j")
+    worker.scorer = SimpleNamespace(fallbacks=3)
+    r = connect(redis_url)
+    r.config_set("maxmemory", 1)
+    worker._flush_stats(r)  # refused: no exception
+    r.config_set("maxmemory", 0)
+    assert read_stats(r, Keys("flush")) == {}
+    worker._flush_stats(r)
+    assert read_stats(r, Keys("flush")) == {"judge_fallbacks": 3}
+
+
+# --------------------------------------------------------------------------- restarts without persistence
+
+
+def test_a_connection_error_while_recreating_a_lost_group_is_retried(monkeypatch) -> None:
+    """Redis restarted without persistence: the next call gets NOGROUP and the consumer recreates its
+    group. A connection error at that moment (Redis gone again) used to escape the except handler."""
+    with LocalRedis() as srv:
+        cons = StreamConsumer(srv.url, "s", "g", "c", block_ms=50, reconnect_max_s=0.1)
+        srv.restart()  # no persistence: the group is gone
+        real = cons._link.on_nogroup
+        calls = []
+
+        def flaky() -> None:
+            calls.append(1)
+            if len(calls) == 1:
+                raise redis.exceptions.ConnectionError("Redis went away again")
+            real()
+
+        monkeypatch.setattr(cons._link, "on_nogroup", flaky)
+        assert cons.read(1, block_ms=50) == []
+        assert len(calls) == 2
+        StreamProducer(srv.url, "s", 10).add(b"y")
+        assert [m.payload for m in cons.read(1, block_ms=50)] == [b"y"]
+        cons.close()
+
+
+def test_pruning_consumers_of_a_stream_that_no_longer_exists_is_a_no_op() -> None:
+    with LocalRedis() as srv:
+        cons = StreamConsumer(srv.url, "s", "g", "c", block_ms=50, reconnect_max_s=0.1)
+        srv.restart()  # the key and its group are gone
+        assert cons.prune_consumers(idle_ms=0) == []
+        cons.close()
