@@ -48,7 +48,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-import numpy as np
 import torch
 import zmq
 
@@ -72,41 +71,10 @@ from worldloop.common.weights.codec import (
     n_chunks,
     new_hasher,
 )
+from worldloop.common.weights.buffers import EncodingBuffer
 from worldloop.common.weights.keys import from_config, server_keys
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Buffer:
-    """One encoding buffer: a 1-D uint8 CPU tensor (pinned for copies from CUDA) and its numpy view;
-    ``tensor`` is the first ``nbytes`` of ``storage``, the allocation (``sized`` reuses it)."""
-
-    tensor: torch.Tensor
-    pinned: bool
-    storage: torch.Tensor
-
-    @classmethod
-    def alloc(cls, size: int, pinned: bool, capacity: int = 0, touch: bool = False) -> _Buffer:
-        storage = torch.empty(max(size, capacity), dtype=torch.uint8, pin_memory=pinned)
-        if touch:  # fault the pages in now, not in the first copy into it
-            storage.numpy().fill(0)
-        return cls(storage[:size], pinned, storage)
-
-    def sized(self, size: int) -> _Buffer:
-        return _Buffer(self.storage[:size], self.pinned, self.storage)
-
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel()
-
-    @property
-    def capacity(self) -> int:
-        return self.storage.numel()
-
-    @property
-    def arr(self) -> np.ndarray:
-        return self.tensor.numpy()
 
 
 @dataclass
@@ -116,7 +84,7 @@ class _Job:
     copies them."""
 
     version: int
-    buf: _Buffer | None
+    buf: EncodingBuffer | None
     events: list[Any]
     n_tensors: int
     handed_at: float
@@ -127,7 +95,7 @@ class _Job:
 @dataclass
 class _Served:
     manifest: Manifest
-    buf: _Buffer
+    buf: EncodingBuffer
     frames: list[zmq.Frame] = field(default_factory=list)  # one zero-copy frame per chunk
 
 
@@ -158,7 +126,7 @@ class WeightPublisher:
         self._cond = threading.Condition()  # guards the hand-over state below
         self._pending: _Job | None = None  # handed over, preparation not started
         self._preparing = False  # the prepare thread works on a job
-        self._spare: _Buffer | None = None  # a buffer no frame points into any more
+        self._spare: EncodingBuffer | None = None  # a buffer no frame points into any more
         self._handed: int | None = None  # the newest version handed over (pending, preparing or served)
         self._handed_size: int | None = None
         self._failure: BaseException | None = None  # a preparation that failed, raised by the next call
@@ -239,7 +207,7 @@ class WeightPublisher:
         """Size of the encoding of :attr:`version` (None before the first publish)."""
         return self._handed_size
 
-    _reserved: _Buffer | None = None  # reserve()'s second buffer, taken once the first version is served
+    _reserved: EncodingBuffer | None = None  # reserve()'s second buffer, taken once the first version is served
 
     def reserve(self, tensors: Mapping[str, torch.Tensor]) -> int:
         """Allocate and touch both encoding buffers for tensors like ``tensors`` (pinned for CUDA ones:
@@ -248,7 +216,7 @@ class WeightPublisher:
         lay = layout(tensors, 0)
         pinned = any(d.type == "cuda" for d in lay.devices) and torch.cuda.is_available()
         capacity = lay.size + 256  # room for headers that grow with the version number
-        bufs = [_Buffer.alloc(lay.size, pinned, capacity, touch=True) for _ in range(2)]
+        bufs = [EncodingBuffer.alloc(lay.size, pinned, capacity, touch=True) for _ in range(2)]
         with self._cond:
             if self._handed is not None:
                 raise WeightsError("reserve() must come before the first publish")
@@ -312,11 +280,11 @@ class WeightPublisher:
             self.flush(timeout)
         return blocked
 
-    def _copy(self, lay: Layout, buf: _Buffer | None, version: int, n_tensors: int, t0: float) -> _Job:
+    def _copy(self, lay: Layout, buf: EncodingBuffer | None, version: int, n_tensors: int, t0: float) -> _Job:
         cuda = sorted({d for d in lay.devices if d.type == "cuda"}, key=str)
         pinned = bool(cuda) and torch.cuda.is_available()
         fits = buf is not None and buf.capacity >= lay.size and buf.pinned == pinned
-        buf = buf.sized(lay.size) if fits else _Buffer.alloc(lay.size, pinned)
+        buf = buf.sized(lay.size) if fits else EncodingBuffer.alloc(lay.size, pinned)
         try:
             encode_into(lay, buf.tensor, non_blocking=pinned)
         except BaseException:
@@ -404,7 +372,7 @@ class WeightPublisher:
         if job.buf is None:  # an owned hand-over: copy the caller's tensors now
             with self._cond:
                 buf, self._spare = self._spare, None
-            buf = buf.sized(job.lay.size) if buf is not None and buf.capacity >= job.lay.size else _Buffer.alloc(job.lay.size, False)
+            buf = buf.sized(job.lay.size) if buf is not None and buf.capacity >= job.lay.size else EncodingBuffer.alloc(job.lay.size, False)
             job.buf = buf
             encode_into(job.lay, buf.tensor)
             job.lay = None  # the caller's tensors are no longer needed
@@ -426,7 +394,7 @@ class WeightPublisher:
         frames = [zmq.Frame(mv[b:e], copy=False, track=True) for b, e in spans]
         return _Served(manifest, job.buf, frames)
 
-    def _retire(self, old: _Served) -> _Buffer | None:
+    def _retire(self, old: _Served) -> EncodingBuffer | None:
         """Drop ``old``'s frames; its buffer once ZeroMQ holds no frame of it any more (None: not in time)."""
         trackers = [f.tracker for f in old.frames]
         old.frames.clear()
@@ -440,10 +408,10 @@ class WeightPublisher:
         return old.buf
 
     @staticmethod
-    def _fresh_spare(like: _Buffer) -> _Buffer:
+    def _fresh_spare(like: EncodingBuffer) -> EncodingBuffer:
         """After the first version: the second buffer, allocated and touched here rather than by the
         next hand-over (page faults on a fresh buffer cost as much as the copy itself)."""
-        return _Buffer.alloc(like.nbytes, like.pinned, like.capacity, touch=True)
+        return EncodingBuffer.alloc(like.nbytes, like.pinned, like.capacity, touch=True)
 
     def _wakeup(self, what: bytes) -> None:
         with self._wake_lock:
