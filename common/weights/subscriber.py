@@ -481,11 +481,12 @@ class WeightSubscriber:
 # --------------------------------------------------------------------------- from the config
 
 
-def default_max_bytes(model_dir: str | os.PathLike) -> int:
+def default_max_bytes(model_dir: str | os.PathLike | None) -> int:
     """The largest weight set an actor of ``model_dir`` accepts by default: 4x the bytes of its weight
     files (``*.safetensors``, ``*.bin``; a float32 set for a bfloat16 checkpoint, with room to spare)
-    + 64 MiB."""
-    on_disk = sum(p.stat().st_size for pattern in ("*.safetensors", "*.bin") for p in Path(model_dir).glob(pattern))
+    + 64 MiB. No directory (a ``model.path`` not resolved yet) counts as no weight files."""
+    files = [] if model_dir is None else [p for pattern in ("*.safetensors", "*.bin") for p in Path(model_dir).glob(pattern)]
+    on_disk = sum(p.stat().st_size for p in files)
     return 4 * on_disk + (64 << 20)
 
 
