@@ -242,8 +242,7 @@ def test_distinct_moves_demonstrations_take_each_direction_once_per_turn(codec: 
     assert load_config(None, ["sft.turn_plan=distinct"]).sft.turn_plan == "distinct"
 
 
-@pytest.mark.skipif(not _sokoban_registered(), reason="envs has not registered worldloop/Sokoban-v0 yet")
-def test_local_demonstrations_write_exactly_the_truth(codec: ChatCodec) -> None:
+def test_local_demonstrations_write_exactly_the_truth(codec: ChatCodec, worldloop_envs) -> None:
     """relation_prompt local: the concise demonstrations keep the whole description (observation_relations
     does not cut it), which is exactly the state's relations, so the local judge scores every one 1.0."""
     from worldloop.judge.scoring import rule_text_score
