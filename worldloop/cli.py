@@ -297,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
 def _resolve_model_path(cfg: Config, command: str) -> None:
     """A role that loads ``model.path`` gets the model of the config's recipe for a null one."""
     if command in NEEDS_MODEL and not cfg.model.path:
+        if cfg.redis.url is None:
+            return  # every such role needs the run's Redis first and says so itself, naming redis.url
         from worldloop.bootstrap.store import resolve_model
 
         cfg.model.path = str(resolve_model(cfg, build=False).path)
