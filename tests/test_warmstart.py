@@ -172,7 +172,9 @@ def test_a_role_with_no_model_path_takes_the_cached_model_and_never_builds(tmp_p
     from worldloop.cli import main
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    assert main(["evaluator", *TINY]) == 2
+    # a config the evaluator accepts (it checks these before any model is looked for); nothing listens
+    # on the Redis URL, and nothing connects before the model is resolved
+    assert main(["evaluator", *TINY, "trainer.eval_every=1", "redis.url=redis://127.0.0.1:9/0"]) == 2
     err = capsys.readouterr().err
     assert "no shipped or cached model has this config's recipe" in err and "worldloop model build" in err
     assert not cache_root().exists() or not any(cache_root().iterdir())
