@@ -36,7 +36,6 @@ What it adds to vLLM's own server (``/inference/v1/generate``, ``/metrics``, ``/
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import socket
@@ -169,7 +168,8 @@ class ServerDriver:
 
         host, port = self.args.host or "0.0.0.0", int(self.args.port)
         # vLLM serves /metrics itself: the scaffold only beats, advertising that address
-        cfg = dataclasses.replace(self.cfg, metrics=dataclasses.replace(self.cfg.metrics, enabled=False, host=host))
+        metrics = self.cfg.metrics.model_copy(update={"enabled": False, "host": host})
+        cfg = self.cfg.model_copy(update={"metrics": metrics})
         scaffold = ProcessScaffold(cfg, "server", f"{socket.gethostname()}-{port}", poll_control=False,
                                    install_signals=False)
         scaffold.metrics_port = port
