@@ -1,6 +1,7 @@
-"""First-turn reading accuracy (worldloop/eval/reading.py): a turn reads its board right when the
-judge's rule scorer gives its observation the grounding score 1.0, counted by hand on real env
-episodes, and the same verdict as the judge's own TrajectoryScorer."""
+"""First-turn reading accuracy (worldloop/eval/reading.py): a turn reads its board right when every
+relation its observation states is true (at least one stated) as the judge's rule scorer finds, or
+that scorer gives it 1.0; counted by hand on real env episodes, and the same verdict as the judge's
+own TrajectoryScorer."""
 
 from __future__ import annotations
 
@@ -51,8 +52,14 @@ def test_the_whole_true_description_reads_right_and_other_texts_do_not(mode: str
     assert right("the goal is far away") is False
     assert right(truth, rewarded=False) is False  # no format reward, no reasoning reward: the judge's gate
     assert right(None) is False  # asked for, missing
-    # the goal's relation alone leaves the holes out: below 1.0 in both modes today
-    assert observation_score(truth.split(". ")[0] + ".", state, "frozenlake", format_rewarded=True, judge=judge) < 1.0
+    # the goal's relation alone leaves the holes out: its score is below 1.0 in both modes
+    first = truth.split(". ")[0] + "."
+    assert observation_score(first, state, "frozenlake", format_rewarded=True, judge=judge) < 1.0
+    if mode == "f1":  # but every relation it states is true: a concise observation reads right
+        assert right(first) is True
+        # one true relation and one false one: not right
+        wrong = "the goal is above the player" if "below" in first else "the goal is below the player"
+        assert right(first + " " + wrong + ".") is False
 
 
 def test_a_state_with_nothing_to_compare_is_not_counted() -> None:
@@ -76,9 +83,9 @@ def test_first_turn_reading_counts_by_hand(demos: list) -> None:
 
 
 def test_the_verdict_is_the_judge_processes_own(demos: list) -> None:
-    """Reading right == the grounding score a fresh TrajectoryScorer of the judge gives the first turn
-    (no repetition history yet: no penalty) is 1.0, for right, cut-short, wrong and unrewarded
-    observations."""
+    """Reading right == the verdict a fresh TrajectoryScorer of the judge records for the first turn
+    (every stated relation true, or the grounding score 1.0; no repetition history yet: no penalty),
+    for right, cut-short, wrong and unrewarded observations."""
     trajs = copy.deepcopy(demos)
     trajs[1].turns[0].observation = trajs[1].turns[0].observation.split(". ")[0] + "."
     trajs[2].turns[0].observation = "hole0 is above the player."
@@ -90,6 +97,9 @@ def test_the_verdict_is_the_judge_processes_own(demos: list) -> None:
             first = t.turns[0]
             mine = reading_right(first.observation, first.state_before, t.env_name,
                                  format_rewarded=first.format_reward > 0, judge=judge)
-            assert mine == (s.turns[0].grounding_score == 1.0), (mode, first.observation, s.turns[0].judge)
-        assert [reading_right(t.turns[0].observation, t.turns[0].state_before, t.env_name,
-                              format_rewarded=t.turns[0].format_reward > 0, judge=judge) for t in trajs][0] is True
+            rule = s.turns[0].judge["grounding"].get("scorers", {}).get("rule", {})
+            assert mine == (bool(rule.get("all_true")) or s.turns[0].grounding_score == 1.0), (mode, s.turns[0].judge)
+        verdicts = [reading_right(t.turns[0].observation, t.turns[0].state_before, t.env_name,
+                                  format_rewarded=t.turns[0].format_reward > 0, judge=judge) for t in trajs]
+        assert verdicts[0] is True and verdicts[3] is False  # the whole truth; no format reward
+        assert verdicts[1] is (mode == "f1")  # the first relation alone: true, but vagen mode scores it below 1.0

@@ -7,14 +7,18 @@ Public API::
     reading_right(observation, state, env_name, *, format_rewarded, judge) -> bool | None
     first_turn_reading(trajectories, judge) -> {"rate": {env: x, "all": x}, "right": {...}, "turns": {...}}
 
-A turn's reading is **right** when the judge's ``rule`` scorer gives its ``<observation>`` the
-grounding score 1.0 against the turn's true state (``state_before``): the score the judge
-process itself computes for the ``rule`` scorer (:class:`worldloop.judge.scoring.TrajectoryScorer`,
-the part ``grounding``, with the run's ``judge.rule_mode``), before the repetition penalty, which
-depends on the judge process's history and not on the turn. So a turn that earned no format reward
-is not right (the judge pays it nothing), nor is a missing observation. ``None``: the state offers
-nothing to compare with (e.g. SVG), or the prompt format asks for no observation; such turns are
-left out of the rates.
+A turn's reading is **right** when its ``<observation>`` states at least one relation and every
+relation it states is true of the turn's true state (``state_before``), as the judge's ``rule``
+scorer finds (:class:`worldloop.judge.scoring.TrajectoryScorer`, the part ``grounding``, with the
+run's ``judge.rule_mode``: the verdict ``correct`` that also spares a turn the repetition penalty),
+or when that scorer gives it the grounding score 1.0 (``vagen`` mode states no per-relation
+verdict). A concise observation (``sft.observation_relations``: the prompt asks for one relation)
+that is true is therefore right, although its F1 against every relation of the board is below
+1.0. The score is the judge process's own, before the repetition penalty, which depends on the
+judge process's history and not on the turn. So a turn that earned no format reward is not right
+(the judge pays it nothing), nor is a missing observation. ``None``: the state offers nothing to
+compare with (e.g. SVG), or the prompt format asks for no observation; such turns are left out of
+the rates.
 """
 
 from __future__ import annotations
@@ -31,25 +35,27 @@ def _scorer(judge: JudgeConfig):
     return TrajectoryScorer(judge)
 
 
-async def _score(scorer, observation: str | None, state: Any, env_name: str, format_rewarded: bool) -> float | None:
+async def _part(scorer, observation: str | None, state: Any, env_name: str, format_rewarded: bool):
     # the judge's own scoring of one part (format gate, missing text, not applicable, rule or vagen
     # mode); TrajectoryScorer.score would also count these turns in the judge's metrics and
     # repetition history, which the evaluator must not touch
-    part = await scorer._score_part(env_name, "grounding", format_rewarded, observation, state, ["rule"])
-    return part.score
+    return await scorer._score_part(env_name, "grounding", format_rewarded, observation, state, ["rule"])
+
+
+def _right(part) -> bool | None:
+    return None if part.score is None else bool(part.correct or part.score >= 1.0)
 
 
 def observation_score(observation: str | None, state: Any, env_name: str, *, format_rewarded: bool,
                       judge: JudgeConfig) -> float | None:
     """The judge's ``rule`` grounding score of ``observation`` against ``state`` (see the module docstring)."""
-    return asyncio.run(_score(_scorer(judge), observation, state, env_name, format_rewarded))
+    return asyncio.run(_part(_scorer(judge), observation, state, env_name, format_rewarded)).score
 
 
 def reading_right(observation: str | None, state: Any, env_name: str, *, format_rewarded: bool,
                   judge: JudgeConfig) -> bool | None:
-    """True when :func:`observation_score` is 1.0; None when it does not apply."""
-    score = observation_score(observation, state, env_name, format_rewarded=format_rewarded, judge=judge)
-    return None if score is None else score >= 1.0
+    """True when the observation reads right (the module docstring); None when that does not apply."""
+    return _right(asyncio.run(_part(_scorer(judge), observation, state, env_name, format_rewarded)))
 
 
 def _applies(traj: Any) -> bool:
@@ -75,12 +81,13 @@ def first_turn_reading(trajectories: Iterable[Any], judge: JudgeConfig) -> dict:
             if not traj.turns or not _applies(traj):
                 continue
             first = traj.turns[0]
-            score = await _score(scorer, first.observation, first.state_before, traj.env_name, format_rewarded(first))
-            if score is None:
+            ok = _right(await _part(scorer, first.observation, first.state_before, traj.env_name,
+                                    format_rewarded(first)))
+            if ok is None:
                 continue
             for key in (traj.env_name, "all"):
                 turns[key] += 1
-                right[key] += score >= 1.0
+                right[key] += ok
 
     asyncio.run(score_all())
     return {"rate": {k: (right[k] / n if n else None) for k, n in turns.items()}, "right": right, "turns": turns}
