@@ -1,8 +1,8 @@
 """The VAGEN paper's comparisons in miniature, on the embedded tiny model.
 
     python bench/ablation.py [--suite methods|strategies|all] [--envs sokoban,frozenlake]
-                             [--seeds 3] [--steps N] [--eval-episodes 64] [--out runs/bench-ablation]
-                             [key.sub=value ...]
+                             [--seeds 3] [--steps N] [--eval-episodes 64] [--warm-start build|shipped]
+                             [--out runs/bench-ablation] [key.sub=value ...]
 
 Two suites, every arm on the same compute budget (the preset's batch, the same ``--steps`` learner
 updates) and ``--seeds`` run seeds (``run.seed``: the tiny model's initialisation, the SFT data
@@ -13,11 +13,19 @@ order and all sampling):
   VAGEN-Full (``bilevel_gae`` + the judge's reasoning reward), VAGEN-Base (token GAE with masking,
   ``masked_gae``, no reasoning reward), Turn-PPO w/ mask (``turn_ppo``), GRPO w/ mask (``grpo``,
   groups of ``actor.n_samples_per_seed``) and Vanilla-PPO (``vanilla_ppo``: no observation
-  masking), the last three without reasoning reward, as in the paper.
+  masking), the last three without reasoning reward, as in the paper; and worldloop's own recipe
+  (``gigpo`` with per-turn step groups, the judge's reasoning reward, and ``<observation>`` tokens
+  paid for their grounding score: ``trainer.observation_advantage: grounding``). Every paper arm
+  has ``observation_advantage: task`` (its tokens all share the estimator's advantage).
 * ``strategies`` — the five reasoning strategies of the paper's Table 2 (No-Think, Free-Think,
   Grounding, WorldModeling, Grounding-WorldModeling), each trained the way the paper trains them:
   VAGEN-Base (``masked_gae``, format and task rewards, no reasoning reward). The SFT warm start
   uses demonstrations in the arm's own format.
+
+``--warm-start shipped`` starts every arm and run seed from the preset's shipped warm start
+(``worldloop/warmstarts/tiny-<env>``, the Grounding-WorldModeling model ``worldloop up`` starts from;
+the methods suite only): the run seeds then differ in RL's sampling and not in the model. The
+default ``build`` makes the models as below.
 
 Each (arm, env, seed) is one ``worldloop up`` of the env's preset (``tiny-<env>``) with the arm's
 overrides and the evaluator on (``trainer.eval_every = --steps``): held-out success of the warm
@@ -56,12 +64,13 @@ from worldloop.common.config import load_config, to_dict  # noqa: E402
 from worldloop.eval.stats import mean_interval  # noqa: E402
 
 GWM = "grounding_worldmodeling"
-METHODS = {  # arm -> (estimator, reasoning reward from the judge, prompt format)
+METHODS = {  # arm -> (estimator, reasoning reward from the judge, prompt format[, observation advantage])
     "VAGEN-Full": ("bilevel_gae", True, GWM),
     "VAGEN-Base": ("masked_gae", False, GWM),
     "Turn-PPO w/ mask": ("turn_ppo", False, GWM),
     "GRPO w/ mask": ("grpo", False, GWM),
     "Vanilla-PPO": ("vanilla_ppo", False, GWM),
+    "GiGPO + grounded observation (worldloop)": ("gigpo", True, GWM, "grounding"),
 }
 STRATEGIES = {
     "No-Think": ("masked_gae", False, "no_think"),
@@ -76,7 +85,7 @@ ENV_TITLES = {"frozenlake": "FrozenLake", "sokoban": "Sokoban"}
 def arm_config(env: str, arm: tuple[str, bool, str], seed: int, steps: int, eval_episodes: int, run_dir: Path,
                model: Path, overrides: list[str]) -> dict:
     """The resolved config of one run: the env's preset with the arm's settings."""
-    estimator, reasoning, prompt_format = arm
+    estimator, reasoning, prompt_format = arm[:3]
     cfg = to_dict(load_config(f"tiny-{env}", overrides))
     for e in cfg["actor"]["envs"]:
         e["kwargs"] = dict(e.get("kwargs") or {}, prompt_format=prompt_format)
@@ -85,10 +94,11 @@ def arm_config(env: str, arm: tuple[str, bool, str], seed: int, steps: int, eval
     cfg["redis"]["url"] = None
     cfg["redis"]["namespace"] = f"ablation-{run_dir.name}"
     cfg["judge"]["enabled"] = bool(reasoning)
-    # the critic is the baseline of every estimator but grpo (which normalises within its group)
+    # the critic is the baseline of every estimator but the group ones (which normalise within a group)
     cfg["trainer"].update(estimator=estimator, total_steps=steps, eval_every=steps, eval_episodes=eval_episodes,
-                          resume=False, use_critic=estimator != "grpo")
-    if estimator == "grpo" and cfg["actor"]["n_samples_per_seed"] < 2:
+                          resume=False, use_critic=estimator not in ("grpo", "gigpo"),
+                          observation_advantage=arm[3] if len(arm) > 3 else "task")
+    if estimator in ("grpo", "gigpo") and cfg["actor"]["n_samples_per_seed"] < 2:
         cfg["actor"]["n_samples_per_seed"] = 2  # a group of one has no baseline
     return cfg
 
@@ -129,18 +139,32 @@ def prepare_model(cfg: dict, grounded: Path, warm: Path) -> None:
     _stage(warm, sft)
 
 
-def run_one(cfg: dict, run_dir: Path, grounded: Path, warm: Path) -> dict:
+def shipped_warm_start(env: str, overrides: list[str]) -> Path:
+    """The preset's shipped warm start (``worldloop model resolve tiny-<env>``); an error when the
+    overrides change its recipe (then there is none shipped)."""
+    from worldloop.bootstrap.store import resolve_model
+
+    resolved = resolve_model(load_config(f"tiny-{env}", overrides), build=False)
+    if resolved.source != "shipped":
+        raise SystemExit(f"--warm-start shipped: the overrides change tiny-{env}'s recipe, so no shipped model has it")
+    return resolved.path
+
+
+def run_one(cfg: dict, run_dir: Path, grounded: Path, warm: Path, shipped: Path | None = None) -> dict:
+    """One ``worldloop up``; its warm start is ``shipped`` as is, or else prepared in ``grounded`` / ``warm``."""
     done = run_dir / "done.json"
     if done.exists():
         return json.loads(done.read_text())
-    prepare_model(cfg, grounded, warm)
+    if shipped is None:
+        prepare_model(cfg, grounded, warm)
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     model = Path(cfg["model"]["path"])
-    shutil.copytree(warm, model)
+    shutil.copytree(shipped or warm, model)
     for report in ("grounding.json", "sft.json"):
-        shutil.copy(model / report, run_dir / report)
+        if (model / report).exists():
+            shutil.copy(model / report, run_dir / report)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     t0 = time.monotonic()
     with open(run_dir / "up.log", "wb") as f:
@@ -168,7 +192,7 @@ def cell(values: list[float]) -> str:
 def table(title: str, arms: dict, results: dict, envs: list[str]) -> str:
     head = "| " + title + " | " + " | ".join(ENV_TITLES.get(e, e) for e in envs) + " | Overall | warm start (overall) | estimator | judge | scoring mode |"
     lines = [head, "|" + "---|" * (len(envs) + 6)]
-    for name, (estimator, reasoning, _) in arms.items():
+    for name, (estimator, reasoning, *_) in arms.items():
         per_env, overall, starts = [], [], []
         for e in envs:
             rows = results.get((name, e), [])
@@ -193,6 +217,8 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=None, help="learner steps per run (default: the preset's)")
     ap.add_argument("--eval-episodes", type=int, default=64)
+    ap.add_argument("--warm-start", choices=["build", "shipped"], default="build",
+                    help="build: a model per run seed (the docstring); shipped: the preset's shipped warm start")
     ap.add_argument("--out", default="runs/bench-ablation")
     ap.add_argument("overrides", nargs="*", help="key.sub=value for every run")
     args = ap.parse_args()
@@ -202,6 +228,8 @@ def main() -> int:
     out = Path(args.out).resolve()
     suites = {"methods": METHODS, "strategies": STRATEGIES}
     chosen = list(suites) if args.suite == "all" else [args.suite]
+    if args.warm_start == "shipped" and chosen != ["methods"]:
+        ap.error("--warm-start shipped: the methods suite only (the strategies need warm starts in their own formats)")
     plan = [(suite, name, env, seed) for suite in chosen for name in suites[suite] for env in envs
             for seed in range(args.seeds)]
     results: dict[str, dict] = {s: {} for s in chosen}
@@ -217,7 +245,8 @@ def main() -> int:
         status = "cached" if (run_dir / "done.json").exists() else "running"
         print(f"[ablation {i}/{len(plan)}, {time.monotonic() - t_start:.0f}s] {suite}: {name} on {env}, seed {seed} ({status})",
               flush=True)
-        row = run_one(cfg, run_dir, grounded, warm)
+        shipped = shipped_warm_start(env, args.overrides) if args.warm_start == "shipped" else None
+        row = run_one(cfg, run_dir, grounded, warm, shipped)
         results[suite].setdefault((name, env), []).append(row)
         print(f"    held-out success {row['start']:.3f} -> {row['final']:.3f} (n={row['n']}, {row['wall_s']:.0f}s)", flush=True)
         write_report(out, chosen, suites, results, envs, args.seeds, partial=i < len(plan))

@@ -12,7 +12,7 @@ turns and later turns:
 
 * ``well_formed``: the turn earned the format reward;
 * ``observation_right``: its ``<observation>`` reads the board right by the judge's ``rule``
-  scorer (grounding score 1.0 against the true state before the turn;
+  scorer (every relation it states true of the true state before the turn, or the score 1.0;
   :func:`worldloop.eval.reading.reading_right`, the definition the run's evaluator reports as
   first-turn reading accuracy; ``--rule-mode`` as the run's ``judge.rule_mode``); strategies
   without an observation count as not right;
