@@ -72,7 +72,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_chaos_faults.py, also when loaded by path
 import _chaos_faults as faults  # noqa: E402
-from _chaos_report import last_line, report, stale_percent  # noqa: E402,F401 - the soak's output, re-exported
+from _chaos_report import jsonl_records as _jsonl, last_line, recovery, report, stale_percent  # noqa: E402,F401 - the soak's output, re-exported
 
 KINDS = ("actor_kill", "judge_kill", "learner_kill", "redis_kill", "judge_pause", "malformed", *faults.NEW_KINDS)
 NS = "chaos"
@@ -557,25 +557,6 @@ def malformed_entries() -> list[dict]:
     return [{b"data": b"\xc1 this is not msgpack"},
             {b"data": packb({"schema": "not-a-trajectory", "x": 1})},
             {b"payload": b"an entry without the data field"}]
-
-
-def recovery(faults: list[Fault], steps: list[dict]) -> None:
-    """Each fault's recovery time: until the first step trained after it."""
-    times = sorted(float(s["time"]) for s in steps)
-    for f in faults:
-        after = [t for t in times if t > f.at_wall]
-        f.recovery_s = (after[0] - f.at_wall) if after else None
-
-
-def _jsonl(path: Path) -> list[dict]:
-    out = []
-    if path.exists():
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
