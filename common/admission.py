@@ -151,12 +151,13 @@ return n
 """
 
 
-# KEYS: admission hash, leases zset, ids set, expired set: keep only what is leased (in flight)
+# KEYS: admission hash, leases zset, ids set, expired set: keep only what is leased (in flight);
+# ARGV: the trajectories the learner has trained (its version x batch), counted as admitted
 RESET_LUA = """
 local leased = redis.call('ZRANGE', KEYS[2], 0, -1)
 redis.call('DEL', KEYS[1], KEYS[3], KEYS[4])
 for _, id in ipairs(leased) do redis.call('SADD', KEYS[3], id) end
-redis.call('HSET', KEYS[1], 'admitted', #leased)
+redis.call('HSET', KEYS[1], 'admitted', #leased + tonumber(ARGV[1]))
 return #leased
 """
 
@@ -240,13 +241,21 @@ class Admission:
         tid = trajectory_id_of(payload)
         return self.release([tid], refund=True) if tid else 0
 
-    def reset(self, streams: tuple[str, ...] = ()) -> int:
-        """Start the count again for a fresh (non-resumed) learner at version 0: forget the
-        admissions of an earlier run in this namespace, except the trajectories this learner will
+    def reset(self, streams: tuple[str, ...] = (), version: int = 0) -> int:
+        """Start the count again for a learner at ``version`` (0: a fresh learner; a resumed one
+        passes its checkpoint's version, and the ``version x batch_size`` trajectories it has trained
+        count as admitted): forget every other admission, except the trajectories this learner will
         still train or refund: the episodes in flight (they hold leases and will settle) and the
         trajectories already in ``streams`` (``rollouts`` and ``scored``: pushed by this run's actors
         before the learner was up, as ``worldloop up`` starts every child at once, or left by an
-        earlier run). Returns how many are counted.
+        earlier run; a resumed learner's entries trained after its checkpoint are still there, not
+        acked). Returns how many are counted besides the trained ones.
+
+        A resumed learner recounts because the count can be wrong after a crash of Redis itself:
+        ``appendfsync everysec`` loses up to a second of writes, admissions included, and every
+        admission lost that way was a slot over the bound for the rest of the run (the chaos soak's
+        host crashes cut 0.5-0.7 MB of its AOF on a fast machine, and 14 % of what it produced
+        afterwards was dropped as stale).
 
         Forgetting the pushed ones (as reset did before issue 31) was never made good: they were
         trained all the same, so the count stayed short by them for the whole run, every one of
@@ -255,7 +264,8 @@ class Admission:
         the leases are kept misses nothing: a trajectory pushed before the reset is in a stream (a
         judge moves it from ``rollouts`` to ``scored`` atomically, and they are scanned in that
         order), one pushed after it still held its lease."""
-        kept = int(self.link.call(lambda r: self._reset(keys=self._keys4, client=r)))
+        trained = max(0, int(version)) * self.batch_size
+        kept = int(self.link.call(lambda r: self._reset(keys=self._keys4, args=[trained], client=r)))
         ids: set[str] = set()
         for stream in streams:
             start = "-"
@@ -271,8 +281,8 @@ class Admission:
             chunk = ids_sorted[i:i + 512]
             adopted += int(self.link.call(lambda r: self._adopt(keys=[self.keys.admission, self.keys.admission_ids],
                                                                 args=chunk, client=r)))
-        log.info("admission reset: %d episodes in flight and %d trajectories already pushed count against the "
-                 "budget", kept, adopted)
+        log.info("admission reset at v%d: %d trained, %d episodes in flight and %d trajectories already pushed "
+                 "count against the budget", version, trained, kept, adopted)
         return kept + adopted
 
     def state(self) -> dict[str, int]:

@@ -193,8 +193,9 @@ class Learner:
         self.link = RedisLink(cfg.redis.url, self.keys.control, cfg.redis.reconnect_max_s, cfg.redis.socket_timeout_s,
                               should_stop=lambda: self.stop_requested, startup_timeout_s=cfg.redis.startup_timeout_s)
         self.link.call(lambda r: check_pending_fits(cfg, r))
-        if not self.t.resume:  # a fresh run: admissions counted by an earlier run in this namespace are void
-            self.source.admission.reset((self.keys.rollouts, self.keys.scored))
+        # a fresh run: admissions counted by an earlier run in this namespace are void; a resumed one:
+        # recounted from what it trained and what is in flight (Redis may have lost its last second)
+        self.source.admission.reset((self.keys.rollouts, self.keys.scored), version=self.version)
         if not self.t.resume or self.link.call(lambda r: read_control(r, self.keys))["run_state"] == "stopped":
             # a new run, or one resumed after it had finished: actors may produce again (a pause
             # an operator set survives a resume)

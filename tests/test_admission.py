@@ -169,3 +169,34 @@ def test_a_fresh_learner_counts_what_its_actors_pushed_before_it_was_up(redis_ur
     assert a.state()["admitted"] == 4
     assert a.release(["gone"], refund=True) == 0  # forgotten: nothing to give back
     assert a.release(["s1"], refund=True) == 1  # counted again: its refund gives back one slot
+
+
+def test_a_resumed_learner_recounts_what_a_redis_crash_lost(redis_url: str) -> None:
+    """A crash of Redis itself loses up to a second of writes (`appendfsync everysec`), admissions
+    included: the count falls short of what was admitted, and every admission lost that way was a
+    slot over the bound for the rest of the run (the chaos soak's host crashes: 14 % stale after).
+    The learner resumed at version v recounts: v x batch trained, the episodes in flight and the
+    trajectories in the streams (its own trained-but-unacked entries among them)."""
+    from worldloop.common.schemas import encode_trajectory
+    from worldloop.testing.trajectories import make_trajectory
+
+    keys = Keys("resumed")
+    a = _adm(redis_url, "resumed", max_staleness=1, batch_size=2)
+    r = connect(redis_url)
+    write_control(r, keys, policy_version=5)  # limit (5 + 1 + 1) * 2 = 14
+    # 12 trajectories trained by v5 (admitted earlier), then 2 pushed and 1 in flight: 15 in truth ...
+    r.hset(keys.admission, "admitted", 3)  # ... but the crash kept a count of 3
+    assert a.admit(["fly"], actor_version=5).admitted
+    for tid in ("p1", "p2"):
+        r.xadd(keys.scored, {b"data": encode_trajectory(make_trajectory(tid))})
+    # the short count admits far past the bound: 10 more slots than there are
+    assert a.admit(["x1", "x2"], actor_version=5).admitted
+    r.zrem(keys.admission_leases, "x1", "x2")  # (forget them: the test is about the recount)
+    assert a.reset((keys.rollouts, keys.scored), version=5) == 3  # fly + p1, p2
+    st = a.state()
+    assert st["admitted"] == 5 * 2 + 3 and st.get("refunded", 0) == 0
+    d = a.admit(["y1"], actor_version=5)  # 13 + 1 = 14: the last slot
+    assert d.admitted and (d.total, d.limit) == (14, 14)
+    assert not a.admit(["y2"], actor_version=5).admitted
+    # a fresh learner (version 0) counts nothing trained
+    assert a.reset((keys.rollouts, keys.scored)) == 4 and a.state()["admitted"] == 4  # fly, y1 + p1, p2
