@@ -1,10 +1,9 @@
 """The chaos soak's output (``bench/chaos.py``): the table and the last line, from its accounting,
-and the records it is computed from (the run's JSON lines, each fault's recovery time)."""
+and each fault's recovery time."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 
 def last_line(res: dict) -> str:
@@ -57,15 +56,3 @@ def recovery(faults: list, steps: list[dict]) -> None:
     for f in faults:
         after = [t for t in times if t > f.at_wall]
         f.recovery_s = (after[0] - f.at_wall) if after else None
-
-
-def jsonl_records(path: Path) -> list[dict]:
-    """The JSON lines of ``path`` that parse (a killed writer's partial last line is skipped); [] if absent."""
-    out = []
-    if path.exists():
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-    return out

@@ -233,6 +233,7 @@ def main() -> int:
     plan = [(suite, name, env, seed) for suite in chosen for name in suites[suite] for env in envs
             for seed in range(args.seeds)]
     results: dict[str, dict] = {s: {} for s in chosen}
+    shipped = {env: shipped_warm_start(env, args.overrides) if args.warm_start == "shipped" else None for env in envs}
     t_start = time.monotonic()
     for i, (suite, name, env, seed) in enumerate(plan, 1):
         arm = suites[suite][name]
@@ -245,8 +246,7 @@ def main() -> int:
         status = "cached" if (run_dir / "done.json").exists() else "running"
         print(f"[ablation {i}/{len(plan)}, {time.monotonic() - t_start:.0f}s] {suite}: {name} on {env}, seed {seed} ({status})",
               flush=True)
-        shipped = shipped_warm_start(env, args.overrides) if args.warm_start == "shipped" else None
-        row = run_one(cfg, run_dir, grounded, warm, shipped)
+        row = run_one(cfg, run_dir, grounded, warm, shipped[env])
         results[suite].setdefault((name, env), []).append(row)
         print(f"    held-out success {row['start']:.3f} -> {row['final']:.3f} (n={row['n']}, {row['wall_s']:.0f}s)", flush=True)
         write_report(out, chosen, suites, results, envs, args.seeds, partial=i < len(plan))

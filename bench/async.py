@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_records.py, also when loaded by path
+from _records import jsonl_records  # noqa: E402
 
 
 def _run_up(args: list[str], log: Path) -> float:
@@ -49,21 +51,9 @@ def _run_up(args: list[str], log: Path) -> float:
     return time.monotonic() - t0
 
 
-def _jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
 def summarize(run_dir: Path, wall_s: float) -> dict:
     """The row of one run, from its run directory."""
-    lines = _jsonl(run_dir / "metrics.jsonl")
+    lines = jsonl_records(run_dir / "metrics.jsonl")
     steps = [x for x in lines if "step" in x]
     if len(steps) < 2:
         raise RuntimeError(f"{run_dir}: fewer than 2 learner steps recorded")
@@ -80,7 +70,7 @@ def summarize(run_dir: Path, wall_s: float) -> dict:
             life = p["time"] - float(p["started_at"])
             if life > 0:
                 idle.append(p["metrics"].get("worldloop_actor_idle_seconds_total", 0.0) / life)
-    evals = [x["eval"] for x in _jsonl(run_dir / "eval.jsonl")]
+    evals = [x["eval"] for x in jsonl_records(run_dir / "eval.jsonl")]
     t_start = first["time"] - first["step_seconds"]["wait"] - first["step_seconds"]["forward"] - first["step_seconds"]["backward"]
     return {
         "steps": last["step"], "trained": trained, "span_s": span, "up_wall_s": wall_s,

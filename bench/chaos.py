@@ -72,7 +72,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_chaos_faults.py, also when loaded by path
 import _chaos_faults as faults  # noqa: E402
-from _chaos_report import jsonl_records as _jsonl, last_line, recovery, report, stale_percent  # noqa: E402,F401 - the soak's output, re-exported
+from _chaos_report import last_line, recovery, report, stale_percent  # noqa: E402,F401 - the soak's output, re-exported
+from _records import jsonl_records  # noqa: E402
 
 KINDS = ("actor_kill", "judge_kill", "learner_kill", "redis_kill", "judge_pause", "malformed", *faults.NEW_KINDS)
 NS = "chaos"
@@ -319,11 +320,11 @@ class Chaos:
 
     def surviving_steps(self) -> int:
         """Distinct steps in the learner's ledger (for each step the last line wins)."""
-        return len({int(x["step"]) for x in _jsonl(self.run_dir / "learner_ledger.jsonl") if "step" in x})
+        return len({int(x["step"]) for x in jsonl_records(self.run_dir / "learner_ledger.jsonl") if "step" in x})
 
     def trained_steps(self) -> list[dict]:
         """Step records of metrics.jsonl written by a training step (not restored on resume)."""
-        return [x for x in _jsonl(self.run_dir / "metrics.jsonl") if "step" in x and not x.get("repaired")]
+        return [x for x in jsonl_records(self.run_dir / "metrics.jsonl") if "step" in x and not x.get("repaired")]
 
     def wait(self, seconds: float) -> None:
         end = time.monotonic() + seconds
@@ -482,7 +483,7 @@ class Chaos:
                 if re.fullmatch(r"[0-9a-f]{32}", line.strip()):
                     produced.setdefault(line.strip(), path.stem)
         by_step: dict[int, dict] = {}
-        for line in _jsonl(self.run_dir / "learner_ledger.jsonl"):
+        for line in jsonl_records(self.run_dir / "learner_ledger.jsonl"):
             by_step[int(line["step"])] = line  # the last line of a step wins
         trained = Counter(t for line in by_step.values() for t in line["trained"])
         steps = sorted(by_step)
