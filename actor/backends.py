@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from worldloop.actor.generation import GenerationBackend, resolve_device
 
 if TYPE_CHECKING:
-    from worldloop.common.config import Config
+    from worldloop.common.contracts.config import Config
 
 
 def make_backend(cfg: "Config", model_dir: str | None = None, *, local: bool = False) -> GenerationBackend:

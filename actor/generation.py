@@ -24,9 +24,9 @@ Public API::
     keyed_gumbel_scores(logits, keys, step, temperature, top_p) -> Tensor  # argmax of it = a keyed sample
     WeightUpdateError(ValueError)
 
-Conventions every backend follows (see also ``worldloop.common.modeling``):
+Conventions every backend follows (see also ``worldloop.common.contracts.modeling``):
 
-* ``prompt_ids`` are built with :class:`worldloop.common.modeling.ChatCodec` (token-in/token-out); the
+* ``prompt_ids`` are built with :class:`worldloop.common.contracts.modeling.ChatCodec` (token-in/token-out); the
   ``<|image_pad|>`` tokens in them must match the images' grids (ValueError otherwise).
 * ``response_ids`` stop at (and include) the first EOS token (``<|im_end|>`` or
   ``<|endoftext|>``); ``text`` is their decoding without special tokens.

@@ -13,7 +13,7 @@ import torch
 
 from worldloop.actor.generation import (GenRequest, GenResult, check_finite, check_state_dict, cut_at_eos, keyed_gumbel_scores,
                                         resolve_device, validate_requests)
-from worldloop.common.modeling import ChatCodec, load_policy
+from worldloop.common.contracts.modeling import ChatCodec, load_policy
 
 log = logging.getLogger(__name__)
 

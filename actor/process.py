@@ -10,7 +10,7 @@ Public API::
 
 The loop, one iteration per batched generation:
 
-1. read the control record (``worldloop.common.control.read_control``): ``run_state`` "stopped" ends the
+1. read the control record (``worldloop.common.transport.control.read_control``): ``run_state`` "stopped" ends the
    loop (exit code 0); "paused" starts no new episode and no generation until "running" again
    (live episodes wait in memory; weights are still applied); ``max_turns`` applies to episodes
    started from now on (running ones keep theirs; each trajectory records its own ``max_turns``);
@@ -61,15 +61,15 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from worldloop.actor.backends import make_backend
 from worldloop.actor.generation import GenerationBackend, WeightUpdateError
 from worldloop.actor.rollout import EpisodeSpec, RolloutEngine, Sampling, SeedSchedule, StepReport
-from worldloop.common.admission import Admission
+from worldloop.common.transport.admission import Admission
 from worldloop.common.exposure import warn_plain_weights
-from worldloop.common.config import Config, ConfigError, EnvSpec
-from worldloop.common.control import default_proc_id
-from worldloop.common.keys import Keys
+from worldloop.common.contracts.config import Config, ConfigError, EnvSpec
+from worldloop.common.transport.control import default_proc_id
+from worldloop.common.contracts.keys import Keys
 from worldloop.common.metrics import metric
-from worldloop.common.process import ProcessScaffold
-from worldloop.common.schemas import Trajectory, encode_trajectory, total_turn_reward
-from worldloop.common.streams import StopRequested, StreamProducer
+from worldloop.common.transport.process import ProcessScaffold
+from worldloop.common.contracts.schemas import Trajectory, encode_trajectory, total_turn_reward
+from worldloop.common.transport.streams import StopRequested, StreamProducer
 
 log = logging.getLogger("worldloop.actor")
 
@@ -150,7 +150,7 @@ class WeightFetcher(threading.Thread):
             self._have, self._ready = -1, None
 
     def run(self) -> None:
-        from worldloop.common.weights import WeightsError
+        from worldloop.common.transport.weights import WeightsError
 
         while not self.stop.is_set():
             announced = self.subscriber.latest_announced()
@@ -390,7 +390,7 @@ def _subscriber(cfg: Config) -> Any | None:
         log.warning("weights.pub_port/fetch_port is 0: no weight channel, this actor keeps the weights of %s (v0)",
                     cfg.model.path)
         return None
-    from worldloop.common.weights import subscriber_from_config
+    from worldloop.common.transport.weights import subscriber_from_config
 
     warn_plain_weights("actor", cfg.weights.host, cfg.weights.curve_server_public)
     return subscriber_from_config(cfg)

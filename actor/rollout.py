@@ -28,14 +28,14 @@ sampling luck. The actors' training rollouts keep one stream per call: the membe
 share env and seed and must sample independently.
 
 ``play_episodes`` plays a given list of episodes to completion (``concurrency`` at a time) and
-returns one :class:`~worldloop.common.schemas.Trajectory` per spec, in the specs' order: what ``worldloop eval`` builds on.
+returns one :class:`~worldloop.common.contracts.schemas.Trajectory` per spec, in the specs' order: what ``worldloop eval`` builds on.
 The actor process (:mod:`worldloop.actor.process`) drives a :class:`RolloutEngine` itself so that it can
 apply weights and control between generations.
 
 One turn of an episode
 ----------------------
 1. The env's observation (``obs["text"]`` with its ``<image>`` placeholder and ``obs["image"]``)
-   becomes the turn's ``obs_ids``/``images`` with :meth:`worldloop.common.modeling.ChatCodec.encode_obs`
+   becomes the turn's ``obs_ids``/``images`` with :meth:`worldloop.common.contracts.modeling.ChatCodec.encode_obs`
    (system prompt from ``env.unwrapped.system_prompt()`` on turn 0; later turns continue after the
    previous response, closing it with ``<|im_end|>`` unless the response ended with that token:
    truncated at ``max_new_tokens``, or stopped on the other EOS ``<|endoftext|>``).
@@ -43,7 +43,7 @@ One turn of an episode
    episode so far (every turn's ``obs_ids`` + ``response_ids``) plus all its images, and names
    its episode (``session``: the trajectory id).
 3. ``env.step(response_text)``; the turn records exactly the fields of ``worldloop.trajectory/1``
-   (``common/schemas.py``): the ids, the behaviour log-probs, the PNG images, the parsed fields and
+   (``common/contracts/schemas.py``): the ids, the behaviour log-probs, the PNG images, the parsed fields and
    rewards from ``info``, ``state_before`` (the state of the previous reset/step ``info``) and
    ``state_after``, ``actions_total = info["actions_executed"]``, ``actions_effective``,
    ``truncated_response`` and ``policy_version`` (the version that produced the response: the
@@ -83,9 +83,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from worldloop.actor.generation import GenerationBackend, GenRequest
-from worldloop.common.config import EnvSpec
-from worldloop.common.modeling import ChatCodec
-from worldloop.common.schemas import TRAJECTORY_SCHEMA, State, Trajectory, Turn, empty_state, state_from_info
+from worldloop.common.contracts.config import EnvSpec
+from worldloop.common.contracts.modeling import ChatCodec
+from worldloop.common.contracts.schemas import TRAJECTORY_SCHEMA, State, Trajectory, Turn, empty_state, state_from_info
 from worldloop.envs.base import observation_parts
 
 log = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ It follows every convention of :mod:`worldloop.actor.generation` (read that firs
 * **Token ids in, token ids out.** Prompts are ``TokensPrompt``\\ s. vLLM's Qwen2-VL processor
   always expands each ``<|image_pad|>`` of a prompt into the image's full run of pads (a prompt
   that is already expanded would be expanded again, silently), so each run made by
-  :class:`worldloop.common.modeling.ChatCodec` is collapsed to one pad (:func:`collapse_image_pads`, which
+  :class:`worldloop.common.contracts.modeling.ChatCodec` is collapsed to one pad (:func:`collapse_image_pads`, which
   also checks the run length against the image) and the images go in ``multi_modal_data``
   with the processor's pixel bounds set to the codec's (``size = {shortest_edge: 28*28,
   longest_edge: max_image_side**2}``), so vLLM resizes nothing and expands each image to the
@@ -82,10 +82,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from worldloop.actor.generation import GenRequest, GenResult, WeightUpdateError, check_finite, cut_at_eos, validate_requests
-from worldloop.common.modeling import MERGE, PATCH, ChatCodec, decode_png, resolve_dtype
+from worldloop.common.contracts.modeling import MERGE, PATCH, ChatCodec, decode_png, resolve_dtype
 
 if TYPE_CHECKING:
-    from worldloop.common.config import Config
+    from worldloop.common.contracts.config import Config
 
 log = logging.getLogger(__name__)
 

@@ -127,7 +127,7 @@ def redis_kill_at_backlog(c, f) -> None:
 
 
 def poison(c, f) -> None:
-    from worldloop.common.schemas import encode_trajectory
+    from worldloop.common.contracts.schemas import encode_trajectory
     from worldloop.testing.trajectories import make_trajectory
 
     tid = f"{POISON_MARK}-{len(c.poisoned)}"

@@ -54,7 +54,7 @@ ENV_SIZE = "WORLDLOOP_BENCH_WEIGHTS_MB"
 
 
 def _child_ours(pub_port: int, fetch_port: int, version: int) -> None:
-    from worldloop.common.weights import WeightSubscriber
+    from worldloop.common.transport.weights import WeightSubscriber
 
     sub = WeightSubscriber(HOST, pub_port, fetch_port, fetch_timeout_s=300)
     cpu0 = _cpu_seconds()
@@ -129,7 +129,7 @@ def make_tensors(size: int) -> dict:
 def measure_ours(tensors: dict, n_subs: int) -> tuple[float, float, float, float, int]:
     """(seconds publish-to-last-subscriber, seconds publish blocked its caller, mean CPU s per subscriber,
     CPU s of this (the publisher's) process over the same span, bytes)."""
-    from worldloop.common.weights import WeightPublisher
+    from worldloop.common.transport.weights import WeightPublisher
 
     want = sum(t.numel() * t.element_size() for t in tensors.values())
     with WeightPublisher(HOST) as pub:

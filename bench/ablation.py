@@ -60,7 +60,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from worldloop.common.config import load_config, to_dict  # noqa: E402
+from worldloop.common.contracts.config import load_config, to_dict  # noqa: E402
 from worldloop.eval.stats import mean_interval  # noqa: E402
 
 GWM = "grounding_worldmodeling"
@@ -118,7 +118,7 @@ def prepare_model(cfg: dict, grounded: Path, warm: Path) -> None:
     """The arm's warm start in ``warm``: the tiny model made and grounding pre-trained once per (env,
     seed) in ``grounded`` (in the Grounding-WorldModeling first turn), then SFT in the arm's format."""
     from worldloop.bootstrap.pipeline import ground, make_tiny, warm_start
-    from worldloop.common.config import config_from_dict
+    from worldloop.common.contracts.config import config_from_dict
 
     arm = config_from_dict(cfg)
     base = config_from_dict(cfg)

@@ -254,11 +254,11 @@ class Chaos:
     # -------------------------------------------------------------- set-up
 
     def start(self) -> None:
-        from worldloop.common.control import write_control
-        from worldloop.common.keys import Keys
+        from worldloop.common.transport.control import write_control
+        from worldloop.common.contracts.keys import Keys
         from worldloop.common.metrics import free_port
-        from worldloop.common.redis_local import LocalRedis
-        from worldloop.common.streams import connect
+        from worldloop.common.transport.redis_local import LocalRedis
+        from worldloop.common.transport.streams import connect
         from worldloop.bootstrap.tiny_model import make_tiny_model
 
         for d in (self.out, self.run_dir / "logs", self.produced_dir):
@@ -374,7 +374,7 @@ class Chaos:
 
     def call(self, fn):
         """``fn(client)`` through a link that waits out Redis restarts and refused writes."""
-        from worldloop.common.streams import RedisLink
+        from worldloop.common.transport.streams import RedisLink
 
         if self._link is None:
             self._link = RedisLink(self.redis.url, "chaos", 1.0, 10.0)
@@ -468,8 +468,8 @@ class Chaos:
     # -------------------------------------------------------------- accounting
 
     def account(self) -> dict:
-        from worldloop.common.control import read_stats
-        from worldloop.common.schemas import decode_deadletter, decode_trajectory
+        from worldloop.common.transport.control import read_stats
+        from worldloop.common.contracts.schemas import decode_deadletter, decode_trajectory
 
         def tid_of(payload) -> str | None:
             try:
@@ -553,7 +553,7 @@ class Chaos:
 
 
 def malformed_entries() -> list[dict]:
-    from worldloop.common.schemas import packb
+    from worldloop.common.contracts.schemas import packb
 
     return [{b"data": b"\xc1 this is not msgpack"},
             {b"data": packb({"schema": "not-a-trajectory", "x": 1})},

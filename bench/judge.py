@@ -39,11 +39,11 @@ sys.path.insert(0, str(ROOT))
 
 from openai import AsyncOpenAI  # noqa: E402
 
-from worldloop.common.config import JudgeConfig, config_from_dict  # noqa: E402
-from worldloop.common.control import Keys  # noqa: E402
-from worldloop.common.redis_local import LocalRedis  # noqa: E402
-from worldloop.common.schemas import State, Trajectory, encode_trajectory  # noqa: E402
-from worldloop.common.streams import StreamProducer, connect  # noqa: E402
+from worldloop.common.contracts.config import JudgeConfig, config_from_dict  # noqa: E402
+from worldloop.common.transport.control import Keys  # noqa: E402
+from worldloop.common.transport.redis_local import LocalRedis  # noqa: E402
+from worldloop.common.contracts.schemas import State, Trajectory, encode_trajectory  # noqa: E402
+from worldloop.common.transport.streams import StreamProducer, connect  # noqa: E402
 from worldloop.judge.llm import LLMClient  # noqa: E402
 from worldloop.judge.process import JudgeWorker  # noqa: E402
 from worldloop.judge.scoring import TrajectoryScorer  # noqa: E402

@@ -16,7 +16,7 @@ the machine's available memory) is skipped before any model is built, with ``doe
 model says X GB > Y GB``; the others print the estimate as ``model GB`` beside the measured peak
 (on CPU also its growth part: gradients, optimizer state, activations and logits, what
 ``rss_growth_mb`` measures). ``--logprobs full`` is the counterfactual of the chunked LM head:
-the whole [N, V] logits, log-softmax and entropy with autograd, as before ``common/logprobs.py``
+the whole [N, V] logits, log-softmax and entropy with autograd, as before ``common/contracts/logprobs.py``
 (patched into the variant's process only). ``tiny-bigvocab`` is the tiny model's body (hidden 64,
 2 layers) with Qwen's 151,936-token vocabulary and about 1,800 loss tokens per micro-batch, so
 that the logits are most of an update's memory on CPU; its table is in
@@ -233,7 +233,7 @@ def _models_for(size: str, tiny_dir: Path, device: torch.device, dtype: torch.dt
     """(policy, critic backbone or None, reference) built in memory (on the meta device: shapes only)."""
     from transformers import AutoModel
 
-    from worldloop.common.modeling import load_policy
+    from worldloop.common.contracts.modeling import load_policy
     from worldloop.learner.engine import load_backbone
 
     if size == "tiny":
@@ -251,7 +251,7 @@ def _models_for(size: str, tiny_dir: Path, device: torch.device, dtype: torch.dt
 def model_estimate(size: str, engine: str, cfg, tiny_dir: Path, lengths: list[int], response: int, cuda: bool, full: bool):
     """The memory model's Estimate of a variant (learner/memory.py), from shapes on the meta device:
     its largest micro-batch is micro_batch_size rows of the longest trajectory (or the token budget)."""
-    from worldloop.common.modeling import freeze_vision_tower
+    from worldloop.common.contracts.modeling import freeze_vision_tower
     from worldloop.learner.kernels import use_liger
     from worldloop.learner.memory import estimate, shape_of
 
@@ -284,7 +284,7 @@ def _memory_limit(cuda: bool) -> float:
 def use_full_logprobs() -> None:
     """The counterfactual of ``--logprobs full``: the LM head's log-probs and entropies computed over
     the whole [N, V] logits with autograd (as before chunking), in this process only."""
-    import worldloop.common.logprobs as lp
+    import worldloop.common.contracts.logprobs as lp
 
     def full(hidden, head, targets, temperature=1.0, chunk_size=512, return_entropy=False, fused=False):
         logp, ent = lp.full_linear_logprobs(hidden, head, targets, temperature)
@@ -343,10 +343,10 @@ def _shapes(size: str, lengths: str, step: int, n: int) -> list[tuple[int, int, 
 
 def run_variant(size: str, engine: str, steps: int, out: Path, lengths: str = "fixed", micro_tokens: str = "0",
                 batch_sizes: str = "", logprobs: str = "chunked", chunk: int = 0) -> dict:
-    from worldloop.common.config import config_from_dict
-    from worldloop.common.modeling import ChatCodec
+    from worldloop.common.contracts.config import config_from_dict
+    from worldloop.common.contracts.modeling import ChatCodec
     from worldloop.bootstrap.tiny_model import make_tiny_model
-    from worldloop.common.weights import WeightPublisher
+    from worldloop.common.transport.weights import WeightPublisher
     from worldloop.learner.engine import DistInfo, assemble_models, gather_policy_weights, init_distributed
     from worldloop.learner.synthetic import synthetic_trajectory
     from worldloop.learner.trainer import PPOTrainer

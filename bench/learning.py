@@ -10,7 +10,7 @@ then trained by the preset's learner steps, or ``--steps``, with 2 actors and 1 
 ``worldloop eval`` twice on the same held-out seeds (``--seed-start``, default ``eval.seed_start``,
 onwards): the SFT model (``model.path``, which the learner never writes) is the baseline, the
 newest learner checkpoint the result. The held-out range is checked, before anything runs, to be
-disjoint from every seed the run trains on (``worldloop.common.config.training_seed_ranges``: the RL
+disjoint from every seed the run trains on (``worldloop.common.contracts.config.training_seed_ranges``: the RL
 seeds ``[actor.seed_start, actor.seed_end)``, the demonstration seeds and the grounding pre-training
 levels). Temperature, max tokens and max
 turns are the actor's; top-p is eval's default 1.0 (as the presets' actors sample), the same for
@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from worldloop.eval.compare import outcomes, paired  # noqa: E402
-from worldloop.common.config import ConfigError, check_held_out_seeds, load_config  # noqa: E402
+from worldloop.common.contracts.config import ConfigError, check_held_out_seeds, load_config  # noqa: E402
 
 
 def _cli(args: list[str], log: Path) -> float:

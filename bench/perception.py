@@ -38,8 +38,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from worldloop.common.config import load_config  # noqa: E402
-from worldloop.common.modeling import ChatCodec, load_policy  # noqa: E402
+from worldloop.common.contracts.config import load_config  # noqa: E402
+from worldloop.common.contracts.modeling import ChatCodec, load_policy  # noqa: E402
 
 ENV_KW = dict(size=4, is_slippery=False, max_actions_per_step=3, min_actions_to_succeed=3, image_size=112,
               render_mode="vision", prompt_format="grounding_worldmodeling", state_format="natural_language")

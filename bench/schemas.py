@@ -35,7 +35,7 @@ from PIL import Image  # noqa: E402
 
 import msgspec  # noqa: E402
 
-from worldloop.common.schemas import (TRAJECTORY_SCHEMA, State, Trajectory, Turn, decode_trajectory,  # noqa: E402
+from worldloop.common.contracts.schemas import (TRAJECTORY_SCHEMA, State, Trajectory, Turn, decode_trajectory,  # noqa: E402
                                       encode_trajectory)
 
 TILE = {"#": (96, 64, 48), "_": (200, 190, 170), "O": (60, 160, 60), "X": (200, 150, 40), "P": (40, 80, 200)}

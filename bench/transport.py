@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 import redis  # noqa: E402
 
-from worldloop.common.redis_local import LocalRedis  # noqa: E402
-from worldloop.common.streams import StreamConsumer, StreamProducer  # noqa: E402
+from worldloop.common.transport.redis_local import LocalRedis  # noqa: E402
+from worldloop.common.transport.streams import StreamConsumer, StreamProducer  # noqa: E402
 
 
 def run_ours(url: str, payload: bytes, count: int, batch: int) -> float:

@@ -13,7 +13,7 @@ names. The Redis password is taken out of the URL before anything is written or 
 * :func:`password_to_env` moves the password of ``redis.url`` into ``$WORLDLOOP_REDIS_PASSWORD``
   for the child processes ``worldloop up`` starts, which read the redacted ``config.yaml``: every
   Redis client of worldloop takes the variable for a URL without a password
-  (:func:`worldloop.common.redis_link.connect`), so the password is in no file and on no command
+  (:func:`worldloop.common.transport.redis_link.connect`), so the password is in no file and on no command
   line.
 """
 
@@ -22,7 +22,9 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from worldloop.common.redis_link import REDIS_PASSWORD_ENV
+# the Redis password for a URL without one: from the environment, so that it is on no process's
+# command line (``ps``, /proc/PID/cmdline) and in no config file a run writes
+REDIS_PASSWORD_ENV = "WORLDLOOP_REDIS_PASSWORD"
 
 REDACTED = "<redacted>"
 _SECRET_WORDS = {"password", "passwd", "token", "apikey", "secret"}  # whole words of a key's name

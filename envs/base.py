@@ -6,7 +6,7 @@ Public API (stable; later changes only add)::
     RENDER_MODES = ("rgb_array", "ansi", "vision", "text")   # vision == rgb_array, text == ansi
     RENDER_MODE_ALIASES = {"vision": "rgb_array", "text": "ansi"}
     TEXT_CHARSET: str                      # characters of observation text (observation_space["text"])
-    IMAGE_PLACEHOLDER = "<image>"          # == worldloop.common.modeling.IMAGE_PLACEHOLDER
+    IMAGE_PLACEHOLDER = "<image>"          # == worldloop.common.contracts.modeling.IMAGE_PLACEHOLDER
     FORMAT_REWARD = 0.5                    # VAGEN Tables 16-20
     observation_parts(obs) -> (text, images)
     relative_position(pos, ref) -> str     # App. D.1 phrase, e.g. "above and on the left side of"

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 from openai import AsyncOpenAI
 
-from worldloop.common.config import JudgeConfig
+from worldloop.common.contracts.config import JudgeConfig
 from worldloop.common.metrics import metric
 from worldloop.common.openai_retry import PermanentError, RetryableError, call_with_retries
 

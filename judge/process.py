@@ -14,13 +14,13 @@ poison entry that kills its judge counts an attempt against no other entry; an e
 and not yet started counts none. Whatever a judge dead-letters gives its admission budget back.
 
 Exactly once into ``scored``: each scored trajectory is handed over with
-:class:`worldloop.common.streams.Forwarder` (XACK + XDEL of the rollouts entry, a trajectory-id
+:class:`worldloop.common.transport.streams.Forwarder` (XACK + XDEL of the rollouts entry, a trajectory-id
 dedup set ``<ns>:judge:forwarded`` and the XADD to ``scored``, in one Lua script; see there). A
 live judge refreshes the idle time of the entries it works on every ``claim_idle_ms / 3``
 (:meth:`StreamConsumer.touch`), so a slow endpoint does not make other judges reclaim live work;
 a dead judge refreshes nothing and its entries are reclaimed.
 
-Process conventions (:class:`worldloop.common.process.ProcessScaffold`): Prometheus ``/metrics``
+Process conventions (:class:`worldloop.common.transport.process.ProcessScaffold`): Prometheus ``/metrics``
 (``metrics.*``), a heartbeat in ``<ns>:procs`` every 2 s with the current phase, run-wide counters ``judge_failures`` (failed LLM attempts) and ``judge_fallbacks`` in
 ``<ns>:stats``, new work paused while the control record says ``paused``, a clean stop (exit 0) on
 SIGTERM/SIGINT or ``stopped``: no new reads, the trajectories in flight get
@@ -38,16 +38,16 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from worldloop.common.admission import Admission
-from worldloop.common.config import Config, ConfigError
-from worldloop.common.control import default_proc_id, stats_incr
+from worldloop.common.transport.admission import Admission
+from worldloop.common.contracts.config import Config, ConfigError
+from worldloop.common.transport.control import default_proc_id, stats_incr
 from worldloop.common.faults import crash_if_poison
-from worldloop.common.keys import ROLLOUTS_GROUP, Keys
+from worldloop.common.contracts.keys import ROLLOUTS_GROUP, Keys
 from worldloop.common.metrics import metric
-from worldloop.common.process import HEARTBEAT_S, ProcessScaffold
-from worldloop.common.schemas import SchemaError, decode_trajectory, encode_trajectory
-from worldloop.common.stream_consumer import consumer_limits
-from worldloop.common.streams import DUPLICATE, FORWARDED, LOST_RACE, Forwarder, Message, StreamConsumer, connect
+from worldloop.common.transport.process import HEARTBEAT_S, ProcessScaffold
+from worldloop.common.contracts.schemas import SchemaError, decode_trajectory, encode_trajectory
+from worldloop.common.transport.stream_consumer import consumer_limits
+from worldloop.common.transport.streams import DUPLICATE, FORWARDED, LOST_RACE, Forwarder, Message, StreamConsumer, connect
 from worldloop.judge.llm import LLMClient, api_key_from_env
 from worldloop.judge.scoring import TrajectoryScorer, fallback_trajectory, needs_llm
 

@@ -63,9 +63,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from worldloop.common.config import JudgeConfig
+from worldloop.common.contracts.config import JudgeConfig
 from worldloop.common.metrics import metric
-from worldloop.common.schemas import Trajectory, Turn
+from worldloop.common.contracts.schemas import Trajectory, Turn
 from worldloop.judge.llm import LLMClient
 from worldloop.judge.local_score import local_score, local_score_facts
 from worldloop.judge.prompts import extract_messages, parse_extraction, parse_verdict, verdict_messages
@@ -262,7 +262,7 @@ def _rule_result(text: str, truth: Truth, env: str, rule_mode: str) -> RuleResul
 
 def rule_text_score(text: str | None, state: Any, env_name: str, rule_mode: str = "f1") -> RuleResult | VagenResult | None:
     """What the ``rule`` scorer of a judge with ``judge.rule_mode`` = ``rule_mode`` scores ``text``
-    against ``state`` (a :class:`worldloop.common.schemas.State` or an env's state dict) before
+    against ``state`` (a :class:`worldloop.common.contracts.schemas.State` or an env's state dict) before
     the repetition penalty and the format gate: a result with ``.score`` (1.0 for a right
     reading), or None when the state offers nothing to compare with."""
     truth = build_truth(text, state, env_name)

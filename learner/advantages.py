@@ -25,7 +25,7 @@ Public API::
 Inputs (all [B, L], one row per trajectory, right padding; masks may be bool or 0/1 numbers):
 
 - ``values``: critic values, ``values[b, i]`` = V(prefix before token i), the value of the
-  state in which token i is generated (the same alignment as ``worldloop.common.modeling.token_logprobs``).
+  state in which token i is generated (the same alignment as ``worldloop.common.contracts.modeling.token_logprobs``).
 - ``response_mask``: 1 on generated tokens (``SequenceLayout.response_mask``).
 - ``turn_end_mask``: 1 at the last generated token of each turn; must lie inside
   ``response_mask`` and the last generated token of a row must be a turn end.
@@ -534,7 +534,7 @@ def compute_advantages(estimator: str, **kwargs):
 
 
 def advantage_kwargs(trainer_cfg: Any) -> dict[str, Any]:
-    """The discount keywords of ``worldloop.common.config.TrainerConfig`` for :func:`compute_advantages`,
+    """The discount keywords of ``worldloop.common.contracts.config.TrainerConfig`` for :func:`compute_advantages`,
     plus ``kl_routing`` from ``bilevel_kl_routing``, ``norm_by_std`` from ``grpo_norm_by_std`` and
     ``step_gamma`` / ``step_weight`` from ``gigpo_gamma`` / ``gigpo_step_weight``.
 

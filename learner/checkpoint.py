@@ -37,7 +37,7 @@ import shutil
 import time
 from pathlib import Path
 
-from worldloop.common.config import ConfigError
+from worldloop.common.contracts.config import ConfigError
 from worldloop.learner.engine import Models, barrier
 
 log = logging.getLogger(__name__)

@@ -37,7 +37,7 @@ from typing import Any, Sequence
 
 import torch
 
-from worldloop.common.schemas import State, Trajectory
+from worldloop.common.contracts.schemas import State, Trajectory
 from worldloop.learner.advantages import grounding_turn_advantages, step_group_sizes
 
 OPEN, CLOSE = "<observation>", "</observation>"
@@ -112,7 +112,7 @@ def _turn_scores(traj: Trajectory) -> list[float | None]:
 def observation_advantages(trajectories: Sequence[Trajectory], rows: range, codec: Any, shape: tuple[int, int], *,
                            baseline: str = "group", coef: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """``(mask, values, stats)`` for the local ``rows`` of the batch ``trajectories`` laid out as
-    :func:`worldloop.common.modeling.build_sequence` does, padded to ``shape``: ``mask`` is 1 on the
+    :func:`worldloop.common.contracts.modeling.build_sequence` does, padded to ``shape``: ``mask`` is 1 on the
     observation tokens of the turns that take part, ``values`` their advantage (module docstring)."""
     if baseline not in BASELINES:
         raise ValueError(f"baseline: expected one of {', '.join(BASELINES)}, got {baseline!r}")

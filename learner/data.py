@@ -31,7 +31,7 @@ complete checkpoint and first re-reads its own pending list (the consumer name i
 
 Acked => in a checkpoint, so nothing acked is lost; the trained set filters the rest, so nothing
 is trained twice in the surviving lineage. Producers are not stalled by what the learner holds:
-the backpressure of ``worldloop.common.streams`` counts undelivered entries only.
+the backpressure of ``worldloop.common.transport.streams`` counts undelivered entries only.
 
 How much is held: at most ``checkpoint_every`` batches of ``train_batch_size`` entries plus the
 drops decided since the last checkpoint. Drops whose fate cannot change (stale even relative to
@@ -71,15 +71,15 @@ import msgspec
 import redis
 import torch
 
-from worldloop.common.config import Config, ConfigError, held_group_size
-from worldloop.common.control import read_stats
-from worldloop.common.keys import Keys, SCORED_GROUP
-from worldloop.common.admission import Admission
+from worldloop.common.contracts.config import Config, ConfigError, held_group_size
+from worldloop.common.transport.control import read_stats
+from worldloop.common.contracts.keys import Keys, SCORED_GROUP
+from worldloop.common.transport.admission import Admission
 from worldloop.common.metrics import metric
-from worldloop.common.modeling import ChatCodec, SequenceLayout, build_sequence
-from worldloop.common.schemas import Trajectory, decode_trajectory, packb
-from worldloop.common.stream_consumer import consumer_limits
-from worldloop.common.streams import Message, RedisLink, StreamConsumer
+from worldloop.common.contracts.modeling import ChatCodec, SequenceLayout, build_sequence
+from worldloop.common.contracts.schemas import Trajectory, decode_trajectory, packb
+from worldloop.common.transport.stream_consumer import consumer_limits
+from worldloop.common.transport.streams import Message, RedisLink, StreamConsumer
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ class ScoredSource:
             # restart re-reads them: recover); whatever it dead-letters refunds its admission
             reclaim=False, on_deadletter=lambda payload: self.admission.refund_payload(payload))
         self.max_deliveries, self.consumer_name = cfg.redis.max_deliveries, consumer_name
-        # retire trained ids, refund the ones that can never be trained (common/admission.py)
+        # retire trained ids, refund the ones that can never be trained (common/transport/admission.py)
         self.admission = Admission(cfg.redis.url, keys, max_staleness=cfg.trainer.max_staleness,
                                    batch_size=cfg.trainer.train_batch_size, lease_s=cfg.actor.admission_lease_s,
                                    reconnect_max_s=cfg.redis.reconnect_max_s, socket_timeout_s=cfg.redis.socket_timeout_s)

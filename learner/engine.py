@@ -21,7 +21,7 @@ Design notes
   loss needs, so every training forward goes through ``engine(...)`` (DeepSpeed's gradient
   accumulation bookkeeping and ZeRO-3 hooks run as designed). The policy wraps the Hugging Face
   model as ``.hf``; weights are published under the HF model's own ``state_dict()`` names.
-* The policy's log-probs come from :func:`worldloop.common.logprobs.token_logprobs` (one backbone pass,
+* The policy's log-probs come from :func:`worldloop.common.contracts.logprobs.token_logprobs` (one backbone pass,
   then LM head + fp32 log-softmax ``trainer.logprob_chunk_tokens`` loss tokens at a time, forward
   and backward: no full-vocabulary logits), so position ``i`` holds ``log p(token_i | tokens < i)``
   at the actors' sampling temperature. On a GPU with ``trainer.liger`` the models get Liger's
@@ -50,9 +50,9 @@ from typing import Any
 
 import torch
 
-from worldloop.common.config import Config, ConfigError
-from worldloop.common.logprobs import model_inputs, token_logprobs
-from worldloop.common.modeling import ChatCodec, freeze_vision_tower, load_policy
+from worldloop.common.contracts.config import Config, ConfigError
+from worldloop.common.contracts.logprobs import model_inputs, token_logprobs
+from worldloop.common.contracts.modeling import ChatCodec, freeze_vision_tower, load_policy
 from worldloop.learner.kernels import apply_liger, configure_attention, use_liger
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ start-up without either, naming the key. It patches each model *instance* (polic
 backbone, reference) with ``apply_liger_kernel_to_qwen2`` / ``apply_liger_kernel_to_qwen2_5_vl``:
 RMSNorm, RoPE and SwiGLU. Their ``fused_linear_cross_entropy`` patch is left off, as it replaces the
 model's ``forward`` and the learner never calls that (it runs the backbone and the head itself,
-``worldloop.common.logprobs``); the fused linear log-prob is used there instead
+``worldloop.common.contracts.logprobs``); the fused linear log-prob is used there instead
 (``token_logprobs(fused=True)``: log-probs without entropies, i.e. the proximal and reference
 passes; Liger has no fused entropy, so the training pass, which reads the entropy, runs the
 chunked path, which gives both from one head matmul per chunk).
@@ -44,7 +44,7 @@ import logging
 
 import torch
 
-from worldloop.common.config import Config, ConfigError
+from worldloop.common.contracts.config import Config, ConfigError
 
 log = logging.getLogger(__name__)
 

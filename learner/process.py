@@ -15,7 +15,7 @@ Launching::
 
 (the CLI also accepts and ignores DeepSpeed's ``--local_rank`` argument, so ``--no_local_rank`` is optional: the rank comes
 from the environment.) One learner per Redis namespace: it reads as the fixed consumer
-``learner-0``, and rank 0 takes the namespace's lease first (``common/lease.py``): a second
+``learner-0``, and rank 0 takes the namespace's lease first (``common/transport/lease.py``): a second
 learner refuses to start, naming the holder; a learner restarted on the same host after a crash
 takes a dead predecessor's lease at once; a learner whose lease another learner took writes
 nothing more (its acks and control writes are fenced in Redis, its files checked before each
@@ -59,15 +59,15 @@ from pathlib import Path
 
 import torch
 
-from worldloop.common.config import Config, ConfigError
-from worldloop.common.control import control_fields, default_proc_id, list_processes, read_control
+from worldloop.common.contracts.config import Config, ConfigError
+from worldloop.common.transport.control import control_fields, default_proc_id, list_processes, read_control
 from worldloop.common.exposure import warn_plain_weights
 from worldloop.common.files import append_lines
-from worldloop.common.keys import Keys
-from worldloop.common.lease import LearnerLease
+from worldloop.common.contracts.keys import Keys
+from worldloop.common.transport.lease import LearnerLease
 from worldloop.common.metrics import metric
-from worldloop.common.process import HEARTBEAT_S, ProcessScaffold
-from worldloop.common.streams import RedisLink
+from worldloop.common.transport.process import HEARTBEAT_S, ProcessScaffold
+from worldloop.common.transport.streams import RedisLink
 from worldloop.common.versions import write_versions
 from worldloop.learner import checkpoint
 from worldloop.learner.data import (DedupWindow, ScoredSource, check_pending_fits, decode_batch, encode_batch,
@@ -109,7 +109,7 @@ class Learner:
         self.proc_id = self.proc.proc_id
         self._lineage: list[dict] = []  # ledger + metrics lines since the last checkpoint (rank 0)
         self.link = self.source = self.publisher = self.lease = self.trackers = None
-        if dist.is_main:  # one learner per namespace, before it writes or builds anything (common/lease.py)
+        if dist.is_main:  # one learner per namespace, before it writes or builds anything (common/transport/lease.py)
             self.proc.set_phase("taking the namespace's learner lease")
             self.lease = LearnerLease(cfg.redis.url, Keys(cfg.redis.namespace), self.t.lease_ttl_s,
                                       holder=f"learner {self.proc_id} ({self.run_dir})",
@@ -177,7 +177,7 @@ class Learner:
         return self.proc.metrics_port
 
     def _start_main(self) -> None:
-        from worldloop.common.weights import publisher_from_config
+        from worldloop.common.transport.weights import publisher_from_config
 
         cfg = self.cfg
         self.keys = Keys(cfg.redis.namespace)
@@ -210,7 +210,7 @@ class Learner:
         return self.proc.should_stop()
 
     def _write_control(self) -> None:
-        # the admission bound's inputs travel with the version (common/admission.py)
+        # the admission bound's inputs travel with the version (common/transport/admission.py)
         fields = dict(policy_version=self.version, max_turns=self.max_turns,
                       train_batch_size=self.t.train_batch_size, max_staleness=self.t.max_staleness)
         self.lease.hset(self.keys.control, control_fields(**fields))  # fenced: never after a take-over

@@ -8,7 +8,7 @@ Public API::
     anneal_max_turns(current_max, observed_turns) -> int    # WMAct Eq. 5
 
 Turn reward (VAGEN Sec. 5.3): r_t = reasoning_reward + format_reward + env_reward
-(``worldloop.common.schemas.total_turn_reward``; an unscored turn has reasoning reward 0).
+(``worldloop.common.contracts.schemas.total_turn_reward``; an unscored turn has reasoning reward 0).
 
 WMAct reward rescaling (WMAct Eq. 4, R_scaled = R_outcome * N_eff / N): the rescaled reward is the
 outcome (task) reward only, i.e. the env rewards; the format and reasoning terms are not scaled.
@@ -31,7 +31,7 @@ from typing import Sequence
 import msgspec
 import torch
 
-from worldloop.common.schemas import Trajectory, total_turn_reward
+from worldloop.common.contracts.schemas import Trajectory, total_turn_reward
 
 
 def effective_action_ratio(traj: Trajectory) -> float:

@@ -1,4 +1,4 @@
-"""Schema-valid trajectories built from a :class:`worldloop.common.modeling.ChatCodec`, for tests and benches.
+"""Schema-valid trajectories built from a :class:`worldloop.common.contracts.modeling.ChatCodec`, for tests and benches.
 
 Public API::
 
@@ -12,14 +12,14 @@ system prompt, every user message with one ``<image>`` when the model is a visio
 responses are ``response_tokens`` ordinary vocabulary tokens plus ``<|im_end|>``, and the behaviour
 log-probs are ``log(1/1024)`` unless ``logprobs`` gives a callable ``(turn_index, response_ids) ->
 list[float]`` (tests pass the model's own log-probs there so that the importance weight is known).
-The result passes :func:`worldloop.common.schemas.check_trajectory` (and encodes).
+The result passes :func:`worldloop.common.contracts.schemas.check_trajectory` (and encodes).
 
     behaviour_logprobs_from(model, codec, temperature) -> callable for ``logprobs=``
     tiny_learner_config(model_dir, redis_url, run_dir, namespace="wl", **trainer) -> Config
     train_until_stopped(cfg, trajectories) -> (Learner, int)
 
 ``behaviour_logprobs_from`` scores each response with a Hugging Face model under the actors'
-log-prob convention (``worldloop.common.modeling.token_logprobs`` at ``temperature``), i.e. what an actor
+log-prob convention (``worldloop.common.contracts.modeling.token_logprobs`` at ``temperature``), i.e. what an actor
 running that model would have recorded. ``tiny_learner_config`` is a CPU-sized learner config
 (small batches, metrics server off, ephemeral weight ports) for tests and the CPU bench smoke run.
 ``train_until_stopped`` puts trajectories into that config's ``scored`` stream and runs a learner's
@@ -34,9 +34,9 @@ from typing import Callable
 
 import numpy as np
 
-from worldloop.common.config import Config, config_from_dict
-from worldloop.common.modeling import IMAGE_PLACEHOLDER, ChatCodec, collate, token_logprobs
-from worldloop.common.schemas import TRAJECTORY_SCHEMA, State, Trajectory, Turn
+from worldloop.common.contracts.config import Config, config_from_dict
+from worldloop.common.contracts.modeling import IMAGE_PLACEHOLDER, ChatCodec, collate, token_logprobs
+from worldloop.common.contracts.schemas import TRAJECTORY_SCHEMA, State, Trajectory, Turn
 
 
 def _state(step: int) -> State:
@@ -144,7 +144,7 @@ def behaviour_logprobs_from(model, codec: ChatCodec, temperature: float) -> Call
     import torch
 
     def score(turn: int, context: list[int], response: list[int], images: list[bytes]) -> list[float]:
-        from worldloop.common.modeling import SequenceLayout
+        from worldloop.common.contracts.modeling import SequenceLayout
 
         ids = torch.tensor(context + response)
         zeros = torch.zeros(len(ids))
@@ -176,9 +176,9 @@ def tiny_learner_config(model_dir, redis_url: str, run_dir, namespace: str = "wl
 def train_until_stopped(cfg: Config, trajectories) -> tuple:
     """Add ``trajectories`` to ``cfg``'s ``scored`` stream, run ``Learner.run_loop`` and close the
     learner; returns ``(learner, run_loop's exit code)`` (the learner closed, its state readable)."""
-    from worldloop.common.keys import Keys
-    from worldloop.common.schemas import encode_trajectory
-    from worldloop.common.streams import StreamProducer
+    from worldloop.common.contracts.keys import Keys
+    from worldloop.common.contracts.schemas import encode_trajectory
+    from worldloop.common.transport.streams import StreamProducer
     from worldloop.learner.engine import init_distributed
     from worldloop.learner.process import Learner
 

@@ -28,7 +28,7 @@ What each tracker gets:
   ``trainer.final_eval_wait_s`` for a live evaluator's evaluation of the final version
   (:meth:`Trackers.wait_for_eval`), so the trackers get that one too; one written later (no live
   evaluator, or past the wait) is only in ``eval.jsonl`` / ``metrics.jsonl``;
-* the resolved config (``common/config.py`` ``to_dict``, secrets removed by ``common/secrets.py``
+* the resolved config (``common/contracts/config.py`` ``to_dict``, secrets removed by ``common/secrets.py``
   ``redacted``) once at start: wandb's run config,
   TensorBoard's text ``config``;
 * every ``trainer.sample_every`` steps (0 = never), :data:`SAMPLES_PER_STEP` episodes of the
@@ -36,7 +36,7 @@ What each tracker gets:
   ``samples`` with one row per turn (image, the agent's text, parsed observation/prediction, the
   true states, actions, env/format/judge/total reward), in TensorBoard one text ``samples/<k>``
   (a markdown table of the turns) and the images ``samples/<k>/turn<i>``. The same episodes go to
-  ``<run_dir>/samples.jsonl`` (one :class:`~worldloop.common.schemas.Trajectory` per line as JSON,
+  ``<run_dir>/samples.jsonl`` (one :class:`~worldloop.common.contracts.schemas.Trajectory` per line as JSON,
   images as base64 PNG, token ids left out, plus ``step`` and ``total_reward``), which
   ``worldloop show <run_dir>/samples.jsonl`` renders.
 
@@ -69,10 +69,10 @@ from typing import Any, Callable
 
 import msgspec
 
-from worldloop.common.config import Config, ConfigError, to_dict
+from worldloop.common.contracts.config import Config, ConfigError, to_dict
 from worldloop.common.secrets import redacted
 from worldloop.common.files import append_lines
-from worldloop.common.schemas import Trajectory, total_turn_reward
+from worldloop.common.contracts.schemas import Trajectory, total_turn_reward
 
 log = logging.getLogger("worldloop.learner.trackers")
 

@@ -14,7 +14,7 @@ Public API::
 
 An iteration, for this rank's contiguous slice of the global batch:
 
-1. collate the slice (token layout of ``worldloop.common.modeling``; images stay with their sequence);
+1. collate the slice (token layout of ``worldloop.common.contracts.modeling``; images stay with their sequence);
 2. without gradients, per micro-batch: proximal log-probs of the current policy (version v, at
    the actors' sampling temperature), reference log-probs, critic values;
 3. turn rewards r_t = reasoning + format + env (``worldloop.learner.rewards.turn_rewards``, WMAct Eq. 4
@@ -74,9 +74,9 @@ from collections import defaultdict
 
 import torch
 
-from worldloop.common.config import Config
-from worldloop.common.modeling import build_sequence, collate
-from worldloop.common.schemas import Trajectory
+from worldloop.common.contracts.config import Config
+from worldloop.common.contracts.modeling import build_sequence, collate
+from worldloop.common.contracts.schemas import Trajectory
 from worldloop.learner import advantages as adv_mod
 from worldloop.learner.credit import observation_advantages, step_group_stats, trajectory_anchors
 from worldloop.learner.data import micro_slices

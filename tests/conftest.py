@@ -23,7 +23,7 @@ _CACHE = tempfile.mkdtemp(prefix="worldloop-test-cache-")
 os.environ["XDG_CACHE_HOME"] = _CACHE
 atexit.register(shutil.rmtree, _CACHE, True)
 
-from worldloop.common.redis_local import LocalRedis  # noqa: E402
+from worldloop.common.transport.redis_local import LocalRedis  # noqa: E402
 
 
 @pytest.fixture

@@ -29,12 +29,12 @@ from transformers import AutoTokenizer
 from worldloop import envs  # noqa: F401  (registers the env ids)
 from worldloop.actor.process import run
 from worldloop.bootstrap.tiny_model import make_tiny_model
-from worldloop.common.config import config_from_dict
-from worldloop.common.control import list_processes, write_control
-from worldloop.common.keys import Keys, SCORED_GROUP
-from worldloop.common.modeling import IMAGE_PLACEHOLDER, ChatCodec, build_sequence, collate, load_policy, token_logprobs
-from worldloop.common.schemas import decode_trajectory
-from worldloop.common.streams import StreamConsumer
+from worldloop.common.contracts.config import config_from_dict
+from worldloop.common.transport.control import list_processes, write_control
+from worldloop.common.contracts.keys import Keys, SCORED_GROUP
+from worldloop.common.contracts.modeling import IMAGE_PLACEHOLDER, ChatCodec, build_sequence, collate, load_policy, token_logprobs
+from worldloop.common.contracts.schemas import decode_trajectory
+from worldloop.common.transport.streams import StreamConsumer
 from procs import Child, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -238,7 +238,7 @@ def test_actor_cli_writes_token_exact_trajectories(vl_dir, policy, redis_url, tm
 
 @pytest.mark.slow
 def test_new_weights_apply_between_generations(vl_dir, policy, redis_url) -> None:
-    from worldloop.common.weights import WeightPublisher
+    from worldloop.common.transport.weights import WeightPublisher
 
     ns = "actor-weights"
     r = redis.Redis.from_url(redis_url)
@@ -289,7 +289,7 @@ def test_learner_restart_reusing_version_numbers_is_followed(vl_dir, policy, red
     control record going back to v1 makes it take what the learner publishes now (and the v2, v3...
     that follow reuse numbers the actor has seen).
     """
-    from worldloop.common.weights import WeightPublisher
+    from worldloop.common.transport.weights import WeightPublisher
 
     ns = "actor-resync"
     r = redis.Redis.from_url(redis_url)
@@ -412,7 +412,7 @@ def test_episodes_that_end_before_their_first_turn_give_their_admission_back(vl_
 
 
 def test_bad_config_fails_before_starting(vl_dir, redis_url) -> None:
-    from worldloop.common.config import ConfigError
+    from worldloop.common.contracts.config import ConfigError
 
     cfg = _config(vl_dir, redis_url, "actor-bad")
     cfg["actor"]["envs"] = [{"id": "worldloop/FrozenLake-v0", "kwargs": {"size": 3, "no_such_knob": 1}}]

@@ -12,8 +12,8 @@ from worldloop.actor.hf_backend import HFBackend
 from worldloop.actor.rollout import (EpisodeSpec, RolloutEngine, Sampling, SeedSchedule, env_name, episode_sample_key,
                                      play_episodes)
 from worldloop.bootstrap.tiny_model import make_tiny_model
-from worldloop.common.config import EnvSpec
-from worldloop.common.schemas import Trajectory, decode_trajectory, encode_trajectory
+from worldloop.common.contracts.config import EnvSpec
+from worldloop.common.contracts.schemas import Trajectory, decode_trajectory, encode_trajectory
 from worldloop.envs.grid.frozenlake import FrozenLakeEnv
 
 SIDE = 112
@@ -162,7 +162,7 @@ def test_seed_schedule_groups_and_per_actor_streams() -> None:
 
 def test_seed_schedule_lays_train_kwargs_over_kwargs_and_start_up_checks_both() -> None:
     from worldloop.actor.process import check_env_specs
-    from worldloop.common.config import ConfigError
+    from worldloop.common.contracts.config import ConfigError
 
     spec = EnvSpec(id="worldloop/Sokoban-v0", kwargs={"dim_room": [6, 6], "min_actions_to_succeed": 2},
                    train_kwargs={"max_actions_to_succeed": 4})

@@ -1,14 +1,14 @@
-"""Rollout admission (common/admission.py) against a real redis-server: the (v + s + 1) * B bound,
+"""Rollout admission (common/transport/admission.py) against a real redis-server: the (v + s + 1) * B bound,
 leases that give the budget back when an actor dies, exactly-once refunds."""
 
 from __future__ import annotations
 
 import time
 
-from worldloop.common.admission import Admission
-from worldloop.common.control import write_control
-from worldloop.common.keys import Keys
-from worldloop.common.streams import connect
+from worldloop.common.transport.admission import Admission
+from worldloop.common.transport.control import write_control
+from worldloop.common.contracts.keys import Keys
+from worldloop.common.transport.streams import connect
 
 
 def _adm(url: str, ns: str, **kw) -> Admission:
@@ -129,7 +129,7 @@ def test_leases_run_on_redis_clock_not_on_a_skewed_actor_clock(redis_url: str, m
     episodes; another process's admission call reaps expired leases. On the actor's clock those
     leases expired an hour ago, and another actor took their budget while they ran. By Redis's
     clock they hold for actor.admission_lease_s."""
-    import worldloop.common.admission as admission_module
+    import worldloop.common.transport.admission as admission_module
 
     skewed = _adm(redis_url, "skew", max_staleness=0, batch_size=2)
     other = _adm(redis_url, "skew", max_staleness=0, batch_size=2)
@@ -153,7 +153,7 @@ def test_a_fresh_learner_counts_what_its_actors_pushed_before_it_was_up(redis_ur
     over the bound) and a fifth of the soak arrived stale. Now the trajectories in the streams
     count, beside the episodes in flight; what vanished (an earlier run's, lost with a Redis without
     persistence) is forgotten."""
-    from worldloop.common.schemas import encode_trajectory
+    from worldloop.common.contracts.schemas import encode_trajectory
     from worldloop.testing.trajectories import make_trajectory
 
     keys = Keys("fresh")
@@ -177,7 +177,7 @@ def test_a_resumed_learner_recounts_what_a_redis_crash_lost(redis_url: str) -> N
     slot over the bound for the rest of the run (the chaos soak's host crashes: 14 % stale after).
     The learner resumed at version v recounts: v x batch trained, the episodes in flight and the
     trajectories in the streams (its own trained-but-unacked entries among them)."""
-    from worldloop.common.schemas import encode_trajectory
+    from worldloop.common.contracts.schemas import encode_trajectory
     from worldloop.testing.trajectories import make_trajectory
 
     keys = Keys("resumed")

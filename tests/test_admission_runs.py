@@ -16,7 +16,7 @@ import redis
 import yaml
 
 from procs import Child
-from worldloop.common.keys import Keys
+from worldloop.common.contracts.keys import Keys
 
 
 def _up(tmp_path: Path, redis_url: str, ns: str, staleness: int, model: Path) -> tuple[list[dict], dict]:

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from worldloop.common.config import TrainerConfig
+from worldloop.common.contracts.config import TrainerConfig
 from worldloop.learner.advantages import (
     ESTIMATORS,
     advantage_kwargs,

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from worldloop.actor.process import ProducedLog
-from worldloop.common.keys import Keys
-from worldloop.common.schemas import deadletter_message, encode_trajectory, packb
-from worldloop.common.streams import connect
+from worldloop.common.contracts.keys import Keys
+from worldloop.common.contracts.schemas import deadletter_message, encode_trajectory, packb
+from worldloop.common.transport.streams import connect
 from worldloop.testing.trajectories import make_trajectory
 
 ROOT = Path(__file__).resolve().parent.parent

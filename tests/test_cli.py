@@ -73,10 +73,10 @@ def test_status_of_a_populated_run(redis_url: str, capsys: pytest.CaptureFixture
     import time
 
     from worldloop import status
-    from worldloop.common.config import load_config
-    from worldloop.common.control import read_stats, register_process, stats_incr, write_control
-    from worldloop.common.keys import Keys, ROLLOUTS_GROUP, SCORED_GROUP
-    from worldloop.common.streams import StreamConsumer, StreamProducer, connect
+    from worldloop.common.contracts.config import load_config
+    from worldloop.common.transport.control import read_stats, register_process, stats_incr, write_control
+    from worldloop.common.contracts.keys import Keys, ROLLOUTS_GROUP, SCORED_GROUP
+    from worldloop.common.transport.streams import StreamConsumer, StreamProducer, connect
 
     keys, r = Keys("demo"), connect(redis_url)
     prod = StreamProducer(redis_url, keys.rollouts, max_backlog=100)

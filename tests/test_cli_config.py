@@ -7,7 +7,7 @@ from pathlib import Path
 import yaml
 
 import worldloop
-from worldloop.common.config import load_config, to_dict
+from worldloop.common.contracts.config import load_config, to_dict
 from test_cli import cli
 
 ROOT = Path(__file__).resolve().parent.parent

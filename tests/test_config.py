@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from worldloop.common.config import Config, ConfigError, config_from_dict, load_config, parse_override, to_dict
+from worldloop.common.contracts.config import Config, ConfigError, config_from_dict, load_config, parse_override, to_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -137,7 +137,7 @@ def test_cross_checks() -> None:
 
 
 def test_held_out_seeds_must_miss_every_training_range() -> None:
-    from worldloop.common.config import check_held_out_seeds, training_seed_ranges
+    from worldloop.common.contracts.config import check_held_out_seeds, training_seed_ranges
 
     cfg = load_config("configs/tiny-frozenlake.yaml")
     ranges = {what.split(" [")[0]: (lo, hi) for what, lo, hi in training_seed_ranges(cfg)}

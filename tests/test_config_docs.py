@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from worldloop.common import config_checks
-from worldloop.common.config import Config, ConfigError, EnvSpec, load_config, to_dict
-from worldloop.common.config_fields import bound_reason, unwrap
+from worldloop.common.contracts import config_checks
+from worldloop.common.contracts.config import Config, ConfigError, EnvSpec, load_config, to_dict
+from worldloop.common.contracts.config_fields import bound_reason, unwrap
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))

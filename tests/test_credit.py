@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from worldloop.bootstrap.tiny_model import fallback_corpus, make_tiny_model
-from worldloop.common.modeling import ChatCodec, build_sequence, collate
-from worldloop.common.schemas import State, decode_trajectory, encode_trajectory
+from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate
+from worldloop.common.contracts.schemas import State, decode_trajectory, encode_trajectory
 from worldloop.learner.credit import (observation_advantages, observation_char_span, observation_token_span,
                                       step_group_stats, trajectory_anchors, turn_anchor)
 from worldloop.learner.synthetic import synthetic_trajectory
@@ -109,8 +109,8 @@ def test_observation_advantages_by_hand(codec: ChatCodec) -> None:
 
 
 def test_config_keys_of_the_credit_options() -> None:
-    from worldloop.common.config import ConfigError, config_from_dict
-    from worldloop.common.config_checks import held_group_size
+    from worldloop.common.contracts.config import ConfigError, config_from_dict
+    from worldloop.common.contracts.config_checks import held_group_size
 
     cfg = config_from_dict({"trainer": {"estimator": "gigpo", "observation_advantage": "grounding",
                                         "observation_baseline": "step", "gigpo_gamma": 0.5},

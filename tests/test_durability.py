@@ -14,12 +14,12 @@ from collections import Counter
 
 import pytest
 
-from worldloop.common.config import config_from_dict
-from worldloop.common.keys import ROLLOUTS_GROUP, Keys
-from worldloop.common.redis_local import LocalRedis
-from worldloop.common.modeling import ChatCodec
-from worldloop.common.schemas import decode_trajectory, encode_trajectory
-from worldloop.common.streams import FORWARDED, Forwarder, StreamConsumer, StreamProducer, connect
+from worldloop.common.contracts.config import config_from_dict
+from worldloop.common.contracts.keys import ROLLOUTS_GROUP, Keys
+from worldloop.common.transport.redis_local import LocalRedis
+from worldloop.common.contracts.modeling import ChatCodec
+from worldloop.common.contracts.schemas import decode_trajectory, encode_trajectory
+from worldloop.common.transport.streams import FORWARDED, Forwarder, StreamConsumer, StreamProducer, connect
 from worldloop.learner.data import DedupWindow, ScoredSource
 from worldloop.learner.synthetic import synthetic_trajectory
 from worldloop.bootstrap.tiny_model import make_tiny_model

@@ -166,7 +166,7 @@ def test_prompt_pieces() -> None:
 
 
 def test_image_placeholder_is_the_codecs() -> None:
-    from worldloop.common.modeling import IMAGE_PLACEHOLDER as CODEC_PLACEHOLDER
+    from worldloop.common.contracts.modeling import IMAGE_PLACEHOLDER as CODEC_PLACEHOLDER
 
     assert IMAGE_PLACEHOLDER == CODEC_PLACEHOLDER
 

@@ -11,8 +11,8 @@ import torch
 import yaml
 
 from worldloop.bootstrap.tiny_model import make_tiny_model
-from worldloop.common.config import load_config
-from worldloop.common.modeling import load_policy
+from worldloop.common.contracts.config import load_config
+from worldloop.common.contracts.modeling import load_policy
 from worldloop.eval.model import ModelNotFound, resolve_model
 
 

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from worldloop.common.control import list_processes, register_process
-from worldloop.common.keys import Keys
-from worldloop.common.streams import connect
+from worldloop.common.transport.control import list_processes, register_process
+from worldloop.common.contracts.keys import Keys
+from worldloop.common.transport.streams import connect
 from worldloop.eval.cpu import CpuBudget, cpu_by_role
 
 

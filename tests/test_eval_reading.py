@@ -15,9 +15,9 @@ import pytest
 from worldloop import envs  # noqa: F401  (registers the ids)
 from worldloop.bootstrap.sft import make_demonstrations
 from worldloop.bootstrap.tiny_model import make_tiny_model
-from worldloop.common.config import JudgeConfig
-from worldloop.common.modeling import ChatCodec
-from worldloop.common.schemas import state_from_info
+from worldloop.common.contracts.config import JudgeConfig
+from worldloop.common.contracts.modeling import ChatCodec
+from worldloop.common.contracts.schemas import state_from_info
 from worldloop.eval.reading import first_turn_reading, observation_score, reading_right
 from worldloop.judge.scoring import TrajectoryScorer
 

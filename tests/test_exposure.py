@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from worldloop.common.exposure import is_loopback, warn_plain_weights
-from worldloop.common.redis_link import REDIS_PASSWORD_ENV, connect
-from worldloop.common.redis_local import LocalRedis
+from worldloop.common.transport.redis_link import REDIS_PASSWORD_ENV, connect
+from worldloop.common.transport.redis_local import LocalRedis
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

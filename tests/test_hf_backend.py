@@ -13,8 +13,8 @@ from worldloop.actor.generation import GenerationBackend, GenRequest, WeightUpda
 from worldloop.actor.hf_backend import HFBackend
 from worldloop.bootstrap.sft import run_sft
 from worldloop.bootstrap.tiny_model import make_tiny_model
-from worldloop.common.config import Config
-from worldloop.common.modeling import ChatCodec, build_sequence, collate, load_policy, token_logprobs
+from worldloop.common.contracts.config import Config
+from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate, load_policy, token_logprobs
 from worldloop.testing.trajectories import one_turn_trajectory
 
 ANSWER = "<answer>Up</answer>"

@@ -9,10 +9,10 @@ import re
 
 import pytest
 
-from worldloop.common.config import JudgeConfig
+from worldloop.common.contracts.config import JudgeConfig
 from worldloop.common.metrics import metric
 from worldloop.common.openai_retry import RETRY_AFTER_CAP_S, call_with_retries
-from worldloop.common.schemas import Trajectory
+from worldloop.common.contracts.schemas import Trajectory
 from worldloop.judge.llm import LLMClient
 from worldloop.judge.prompts import AGENT_CLOSE, AGENT_OPEN, parse_extraction, parse_verdict
 from worldloop.judge.scoring import TrajectoryScorer

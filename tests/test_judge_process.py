@@ -14,11 +14,11 @@ import pytest
 import yaml
 from redis.exceptions import ResponseError
 
-from worldloop.common.control import list_processes, read_stats, write_control
+from worldloop.common.transport.control import list_processes, read_stats, write_control
 
-from worldloop.common.keys import Keys, ROLLOUTS_GROUP
-from worldloop.common.schemas import Trajectory, decode_deadletter, decode_trajectory, encode_trajectory
-from worldloop.common.streams import DUPLICATE, FORWARDED, LOST_RACE, Forwarder, StreamConsumer, StreamProducer, connect
+from worldloop.common.contracts.keys import Keys, ROLLOUTS_GROUP
+from worldloop.common.contracts.schemas import Trajectory, decode_deadletter, decode_trajectory, encode_trajectory
+from worldloop.common.transport.streams import DUPLICATE, FORWARDED, LOST_RACE, Forwarder, StreamConsumer, StreamProducer, connect
 from worldloop.testing.fake_openai import FakeOpenAI
 from tests.procs import Child, wait_for
 from tests.test_judge_llm import above_judge
@@ -238,7 +238,7 @@ def test_a_poison_entry_that_kills_each_judge_is_dead_lettered_after_max_deliver
     judge dead-letters it instead of dying again. The entries that were in flight with it (in the
     first judge's batch) are scored once each, not dead-lettered with it, and the poison's
     admission budget comes back."""
-    from worldloop.common.admission import Admission
+    from worldloop.common.transport.admission import Admission
     from worldloop.common.faults import POISON_ENV, POISON_EXIT
 
     keys = Keys("jpoison")
@@ -281,7 +281,7 @@ def test_an_error_on_one_entry_leaves_it_pending_and_never_ends_the_judge(redis_
     pending for a retry and the judge carries on."""
     import asyncio
 
-    from worldloop.common.config import load_config
+    from worldloop.common.contracts.config import load_config
     from worldloop.judge.process import JudgeWorker
     from worldloop.judge.scoring import TrajectoryScorer
 

@@ -7,11 +7,11 @@ import re
 
 import pytest
 
-from worldloop.common.config import JudgeConfig
+from worldloop.common.contracts.config import JudgeConfig
 from worldloop.judge.rule import (RepetitionTracker, build_truth, lexicon_from_sentences, relation_facts, relation_items,
                         rule_score)
 from worldloop.judge.scoring import TrajectoryScorer, gated_aggregate
-from worldloop.common.schemas import State, Trajectory
+from worldloop.common.contracts.schemas import State, Trajectory
 from worldloop.testing.trajectories import make_trajectory
 
 # ----------------------------------------------------------------------------- realistic states

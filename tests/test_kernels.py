@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from worldloop.common.config import ConfigError, config_from_dict
+from worldloop.common.contracts.config import ConfigError, config_from_dict
 from worldloop.learner.kernels import apply_liger, configure_attention, pad_multiple, use_liger
 
 HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None
@@ -92,7 +92,7 @@ def transformers_restored():
 
 
 def _run(model, batch, mask, entropy: bool, fused: bool):
-    from worldloop.common.logprobs import token_logprobs
+    from worldloop.common.contracts.logprobs import token_logprobs
 
     model.zero_grad(set_to_none=True)
     lp, ent = token_logprobs(model, batch, temperature=0.7, chunk_size=16, return_entropy=entropy, only=mask, fused=fused)
@@ -111,7 +111,7 @@ def _run(model, batch, mask, entropy: bool, fused: bool):
 def test_liger_gives_the_plain_path_log_probs_entropies_and_gradients(tmp_path, transformers_restored, arch, entropy):
     """The tiny model (fp32 on CUDA) with Liger's RMSNorm, RoPE and SwiGLU, and its fused linear
     log-prob where no entropy is asked for, against the plain modules and the chunked head."""
-    from worldloop.common.modeling import ChatCodec, build_sequence, collate, load_policy
+    from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate, load_policy
     from worldloop.learner.synthetic import synthetic_trajectory
     from worldloop.bootstrap.tiny_model import make_tiny_model
 
@@ -138,7 +138,7 @@ def test_liger_gives_the_plain_path_log_probs_entropies_and_gradients(tmp_path, 
 def test_fused_linear_log_probs_match_the_chunked_function(dtype):
     """Liger's fused linear cross entropy (reduction none) against ChunkedLinearLogprob: values and
     the gradients of a per-token weighted loss (wrong for grad_weight before liger-kernel 0.8.2)."""
-    from worldloop.common.logprobs import linear_logprobs
+    from worldloop.common.contracts.logprobs import linear_logprobs
 
     torch.manual_seed(0)
     n, h, v = 300, 64, 5000

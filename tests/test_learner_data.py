@@ -11,12 +11,12 @@ import pytest
 import redis
 import torch
 
-from worldloop.common.config import ConfigError, config_from_dict
-from worldloop.common.control import read_stats
-from worldloop.common.keys import Keys, SCORED_GROUP
-from worldloop.common.modeling import ChatCodec, build_sequence, collate
-from worldloop.common.schemas import Trajectory, decode_deadletter, encode_trajectory
-from worldloop.common.streams import StreamProducer, connect
+from worldloop.common.contracts.config import ConfigError, config_from_dict
+from worldloop.common.transport.control import read_stats
+from worldloop.common.contracts.keys import Keys, SCORED_GROUP
+from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate
+from worldloop.common.contracts.schemas import Trajectory, decode_deadletter, encode_trajectory
+from worldloop.common.transport.streams import StreamProducer, connect
 from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.learner.data import (
     DedupWindow,
@@ -431,7 +431,7 @@ def test_an_entry_read_by_max_deliveries_learners_that_died_is_dead_lettered_and
     """A poison entry for the learner: every learner process that reads it dies before a checkpoint
     (a crash in training). The restarts re-read it; past redis.max_deliveries it is dead-lettered
     as poison with its admission budget given back, instead of killing the next learner too."""
-    from worldloop.common.admission import Admission
+    from worldloop.common.transport.admission import Admission
 
     cfg = _cfg(redis_url)
     cfg.redis.max_deliveries = 2

@@ -1,5 +1,5 @@
 """One learner per namespace (issue 31, item 7): the learner lease with its fencing token
-(common/lease.py) on a real redis-server, and a second `worldloop learner` process refused."""
+(common/transport/lease.py) on a real redis-server, and a second `worldloop learner` process refused."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ import yaml
 
 from procs import ROOT, Child
 from worldloop.bootstrap.tiny_model import make_tiny_model
-from worldloop.common.keys import Keys
-from worldloop.common.lease import LearnerLease, LeaseHeld, LeaseLost
-from worldloop.common.redis_link import Fenced
-from worldloop.common.streams import StreamConsumer, StreamProducer, connect
+from worldloop.common.contracts.keys import Keys
+from worldloop.common.transport.lease import LearnerLease, LeaseHeld, LeaseLost
+from worldloop.common.transport.redis_link import Fenced
+from worldloop.common.transport.streams import StreamConsumer, StreamProducer, connect
 
 HOLDER = textwrap.dedent('''
     import sys, time
-    from worldloop.common.keys import Keys
-    from worldloop.common.lease import LearnerLease
+    from worldloop.common.contracts.keys import Keys
+    from worldloop.common.transport.lease import LearnerLease
     LearnerLease(sys.argv[1], Keys(sys.argv[2]), 30.0, holder="the first learner").acquire()
     print("held", flush=True)
     time.sleep(600)
@@ -88,7 +88,7 @@ def test_a_learner_whose_lease_was_taken_over_writes_nothing_more(redis_url) -> 
 
 
 def test_a_lease_that_expired_while_redis_was_away_is_taken_back_when_nobody_took_it() -> None:
-    from worldloop.common.redis_local import LocalRedis
+    from worldloop.common.transport.redis_local import LocalRedis
 
     keys = Keys("lease3")
     with LocalRedis() as srv:

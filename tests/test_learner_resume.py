@@ -17,11 +17,11 @@ import pytest
 import yaml
 from redis.exceptions import ResponseError
 
-from worldloop.common.config import to_dict
-from worldloop.common.keys import Keys, SCORED_GROUP
-from worldloop.common.modeling import ChatCodec
-from worldloop.common.schemas import decode_trajectory, encode_trajectory
-from worldloop.common.streams import StreamProducer, connect
+from worldloop.common.contracts.config import to_dict
+from worldloop.common.contracts.keys import Keys, SCORED_GROUP
+from worldloop.common.contracts.modeling import ChatCodec
+from worldloop.common.contracts.schemas import decode_trajectory, encode_trajectory
+from worldloop.common.transport.streams import StreamProducer, connect
 from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.learner import checkpoint
 from worldloop.learner.synthetic import synthetic_trajectory, tiny_learner_config

@@ -20,7 +20,7 @@ from worldloop.up import LEARNER_QUIET_S, Progress, child_threads, learner_time_
 
 START = """
 import torch, deepspeed
-from worldloop.common.config import load_config
+from worldloop.common.contracts.config import load_config
 from worldloop.learner.engine import init_distributed
 dist = init_distributed(load_config(None, []))
 print("DIST", dist.world_size, flush=True)
@@ -93,7 +93,7 @@ def test_children_share_the_cores_instead_of_each_taking_all() -> None:
 
 
 def test_up_time_budget_leaves_the_learner_what_is_left() -> None:
-    from worldloop.common.config import Config
+    from worldloop.common.contracts.config import Config
 
     cfg = Config()
     assert learner_time_budget(cfg, 500.0) is None and cfg.trainer.time_limit_s is None  # no budget: no limit

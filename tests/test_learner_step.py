@@ -16,14 +16,14 @@ import torch
 
 from worldloop.actor.generation import check_state_dict
 from worldloop.actor.hf_backend import HFBackend
-from worldloop.common.control import read_control
-from worldloop.common.keys import Keys, SCORED_GROUP
-from worldloop.common.modeling import ChatCodec, build_sequence, collate, load_policy, token_logprobs
-from worldloop.common.redis_local import LocalRedis
-from worldloop.common.schemas import encode_trajectory
-from worldloop.common.streams import StreamProducer, connect
+from worldloop.common.transport.control import read_control
+from worldloop.common.contracts.keys import Keys, SCORED_GROUP
+from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate, load_policy, token_logprobs
+from worldloop.common.transport.redis_local import LocalRedis
+from worldloop.common.contracts.schemas import encode_trajectory
+from worldloop.common.transport.streams import StreamProducer, connect
 from worldloop.bootstrap.tiny_model import make_tiny_model
-from worldloop.common.weights import WeightSubscriber
+from worldloop.common.transport.weights import WeightSubscriber
 from worldloop.learner import checkpoint
 from worldloop.learner.engine import init_distributed
 from worldloop.learner.process import Learner
@@ -139,7 +139,7 @@ def test_micro_batch_weighting_gives_the_exact_mini_batch_token_mean():
     over the whole mini-batch (DeepSpeed's 1/accumulation scaling undone by the trainer)."""
     import deepspeed
 
-    from worldloop.common.config import load_config
+    from worldloop.common.contracts.config import load_config
     from worldloop.learner.engine import init_distributed
     from worldloop.learner.trainer import micro_loss_scale
 

@@ -9,8 +9,8 @@ import gymnasium
 import pytest
 
 from worldloop import envs  # noqa: F401  (registers worldloop/* ids)
-from worldloop.common.config import ConfigError, JudgeConfig, config_from_dict
-from worldloop.common.schemas import State
+from worldloop.common.contracts.config import ConfigError, JudgeConfig, config_from_dict
+from worldloop.common.contracts.schemas import State
 from worldloop.envs.grid.frozenlake import frozenlake_state
 from worldloop.envs.parsing import parse_response
 from worldloop.judge.local_score import local_score, local_truth_items

@@ -1,4 +1,4 @@
-"""Chunked log-probs and entropies (common/logprobs.py) equal the full-vocabulary computation,
+"""Chunked log-probs and entropies (common/contracts/logprobs.py) equal the full-vocabulary computation,
 values and gradients, and hold nothing of the vocabulary's size beyond one chunk."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from worldloop.common.logprobs import ChunkedLinearLogprob, full_linear_logprobs, linear_logprobs, token_logprobs
-from worldloop.common.modeling import ChatCodec, collate, load_policy, model_inputs
+from worldloop.common.contracts.logprobs import ChunkedLinearLogprob, full_linear_logprobs, linear_logprobs, token_logprobs
+from worldloop.common.contracts.modeling import ChatCodec, collate, load_policy, model_inputs
 from worldloop.learner.synthetic import synthetic_trajectory
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,7 +100,7 @@ def test_no_tensor_of_the_vocabulary_size_is_kept_for_the_backward():
 
 _MEMORY_PROBE = """
 import json, torch
-from worldloop.common.logprobs import full_linear_logprobs, linear_logprobs
+from worldloop.common.contracts.logprobs import full_linear_logprobs, linear_logprobs
 torch.manual_seed(0)
 n, h, v = 1024, 16, 16384
 head = torch.nn.Linear(h, v, bias=False)
@@ -162,7 +162,7 @@ def tiny(tmp_path_factory):
     codec = ChatCodec(path, max_image_side=112)
     trajs = [synthetic_trajectory(codec, trajectory_id=f"t{i}", seed=i, turns=1 + i, response_tokens=5 + 3 * i,
                                   image_side=56) for i in range(2)]
-    from worldloop.common.modeling import build_sequence
+    from worldloop.common.contracts.modeling import build_sequence
 
     return path, collate([build_sequence(t) for t in trajs], codec)
 

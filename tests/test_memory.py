@@ -83,7 +83,7 @@ def test_pending_state_is_the_gradients_and_moments_not_yet_allocated():
 
 
 def test_shape_of_counts_tied_weights_once_and_frozen_ones_as_untrainable(tmp_path):
-    from worldloop.common.modeling import freeze_vision_tower, load_policy
+    from worldloop.common.contracts.modeling import freeze_vision_tower, load_policy
     from worldloop.bootstrap.tiny_model import make_tiny_model
 
     model = load_policy(make_tiny_model(tmp_path / "vl", max_image_side=112))
@@ -101,7 +101,7 @@ def test_shape_of_counts_tied_weights_once_and_frozen_ones_as_untrainable(tmp_pa
 def test_auto_micro_batch_tokens_on_cuda_fills_the_free_memory(tmp_path):
     """trainer.micro_batch_tokens auto on a GPU: the budget is what the memory model fits into the
     free memory (a multiple of 128), the update runs with it and stays within the device."""
-    from worldloop.common.modeling import ChatCodec, load_policy
+    from worldloop.common.contracts.modeling import ChatCodec, load_policy
     from worldloop.learner.engine import assemble_models, init_distributed, load_backbone
     from worldloop.learner.memory import activation_bytes_per_token
     from worldloop.learner.synthetic import synthetic_trajectory, tiny_learner_config

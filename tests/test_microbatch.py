@@ -109,7 +109,7 @@ def run_update(model_dir: Path, *, micro_batch_tokens: int | str, zero_stage: in
                loss_agg_mode: str = "token-mean", **trainer) -> tuple[dict, dict, dict]:
     """One PPOTrainer.update on fresh models from ``model_dir``: (stats, {engine: [grads per step]},
     {engine: [final parameters]})."""
-    from worldloop.common.modeling import ChatCodec, load_policy
+    from worldloop.common.contracts.modeling import ChatCodec, load_policy
     from worldloop.learner.engine import assemble_models, init_distributed, load_backbone
     from worldloop.learner.synthetic import tiny_learner_config
     from worldloop.learner.trainer import PPOTrainer

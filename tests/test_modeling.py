@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from worldloop.common.modeling import ChatCodec, build_sequence, collate, load_policy, target_size, token_logprobs
-from worldloop.common.schemas import Trajectory, Turn
+from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate, load_policy, target_size, token_logprobs
+from worldloop.common.contracts.schemas import Trajectory, Turn
 from worldloop.testing.trajectories import make_trajectory, make_turn
 from worldloop.bootstrap.tiny_model import IMAGE_MEAN, IMAGE_STD, make_tiny_model
 

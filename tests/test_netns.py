@@ -49,12 +49,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from worldloop.common.control import read_control
-from worldloop.common.keys import Keys
+from worldloop.common.transport.control import read_control
+from worldloop.common.contracts.keys import Keys
 from worldloop.common.metrics import free_port
-from worldloop.common.redis_local import LocalRedis
-from worldloop.common.schemas import decode_deadletter, decode_trajectory
-from worldloop.common.streams import connect
+from worldloop.common.transport.redis_local import LocalRedis
+from worldloop.common.contracts.schemas import decode_deadletter, decode_trajectory
+from worldloop.common.transport.streams import connect
 from worldloop.bootstrap.tiny_model import make_tiny_model
 from ci import unavailable
 
@@ -278,7 +278,7 @@ def _scrape_all(r, keys: Keys, want: set[str]) -> dict[str, str] | None:
     """{process: metrics URL} once each process in ``want`` (role, or actor id) answered a scrape."""
     import urllib.request
 
-    from worldloop.common.control import list_processes
+    from worldloop.common.transport.control import list_processes
 
     got = {}
     for p in list_processes(r, keys):

@@ -82,7 +82,7 @@ def test_a_fresh_venv_imports_worldloop_and_nothing_else(wheel: Path, tmp_path: 
         return subprocess.run(args, cwd=outside, env=env, capture_output=True, text=True, timeout=120)
 
     probe = run(str(py), "-c", (
-        "import importlib, json, worldloop.common.config as c\n"
+        "import importlib, json, worldloop.common.contracts.config as c\n"
         "out = {'config': c.__file__}\n"
         "for name in ('common', 'envs', 'actor', 'judge', 'learner'):\n"
         "    try:\n"
@@ -100,12 +100,12 @@ def test_a_fresh_venv_imports_worldloop_and_nothing_else(wheel: Path, tmp_path: 
         h = run(str(script), cmd, "--help")
         assert h.returncode == 0 and "usage: worldloop " + cmd in h.stdout, h.stdout + h.stderr
     # a preset by name, from the package data of the wheel
-    shown = run(str(py), "-c", "from worldloop.common.config import load_config; "
+    shown = run(str(py), "-c", "from worldloop.common.contracts.config import load_config; "
                                "c = load_config('tiny-sokoban'); print(c.run.name, c.source)")
     assert shown.returncode == 0, shown.stderr
     name, source = shown.stdout.split()
     assert name == "tiny-sokoban" and str(env_dir) in source
-    bad = run(str(py), "-c", "from worldloop.common.config import load_config; load_config('no-such-preset')")
+    bad = run(str(py), "-c", "from worldloop.common.contracts.config import load_config; load_config('no-such-preset')")
     assert bad.returncode != 0 and "tiny-sokoban" in bad.stderr  # the error lists the presets
     # a fresh install starts a preset from its shipped warm start, inside the installed package
     where = run(str(script), "model", "resolve", "tiny-frozenlake")

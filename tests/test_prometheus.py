@@ -18,8 +18,8 @@ import pytest
 import redis
 import yaml
 
-from worldloop.common.control import list_processes, register_process
-from worldloop.common.keys import Keys
+from worldloop.common.transport.control import list_processes, register_process
+from worldloop.common.contracts.keys import Keys
 from worldloop.common.metrics import CATALOG, advertised_host, exported_names, free_port, metrics_url
 from worldloop.sd import targets, write_atomic
 from ci import require_tool
@@ -212,7 +212,7 @@ def test_real_prometheus_scrapes_a_run_found_by_worldloop_sd(tmp_path, redis_url
     prometheus = _tool("prometheus")
     import msgspec
 
-    from worldloop.common.schemas import decode_trajectory, encode_trajectory
+    from worldloop.common.contracts.schemas import decode_trajectory, encode_trajectory
     from worldloop.testing.fake_openai import FakeOpenAI, Reply
     from procs import Child, wait_for
 

@@ -21,10 +21,10 @@ import yaml
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from procs import Child, returns_within, wait_for
-from worldloop.common.keys import ROLLOUTS_GROUP, Keys
+from worldloop.common.contracts.keys import ROLLOUTS_GROUP, Keys
 from worldloop.common.metrics import free_port
-from worldloop.common.redis_local import LocalRedis
-from worldloop.common.streams import RedisUnreachable, StopRequested, StreamConsumer, StreamProducer, connect
+from worldloop.common.transport.redis_local import LocalRedis
+from worldloop.common.transport.streams import RedisUnreachable, StopRequested, StreamConsumer, StreamProducer, connect
 
 
 def _judge_config(tmp_path: Path, name: str, url: str, **redis) -> Path:
@@ -131,10 +131,10 @@ def test_a_learner_step_rides_out_a_redis_restart_at_its_control_write(tmp_path:
     """Redis dies after an update's compute and before the learner writes the new version to the
     control record and reads the run-wide counters (the chaos soak's ``redis_kill`` landing there
     ended the learner with a ConnectionError): the step waits Redis out and completes."""
-    from worldloop.common.control import read_control
-    from worldloop.common.keys import Keys
-    from worldloop.common.modeling import ChatCodec
-    from worldloop.common.schemas import encode_trajectory
+    from worldloop.common.transport.control import read_control
+    from worldloop.common.contracts.keys import Keys
+    from worldloop.common.contracts.modeling import ChatCodec
+    from worldloop.common.contracts.schemas import encode_trajectory
     from worldloop.learner.engine import init_distributed
     from worldloop.learner.process import Learner
     from worldloop.learner.synthetic import synthetic_trajectory, tiny_learner_config

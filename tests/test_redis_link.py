@@ -12,10 +12,10 @@ import pytest
 import redis
 from redis.exceptions import RedisError
 
-from worldloop.common.keys import ROLLOUTS_GROUP, Keys
-from worldloop.common.redis_link import RedisLink
-from worldloop.common.redis_local import LocalRedis
-from worldloop.common.streams import FORWARDED, Forwarder, StreamConsumer, StreamProducer, connect
+from worldloop.common.contracts.keys import ROLLOUTS_GROUP, Keys
+from worldloop.common.transport.redis_link import RedisLink
+from worldloop.common.transport.redis_local import LocalRedis
+from worldloop.common.transport.streams import FORWARDED, Forwarder, StreamConsumer, StreamProducer, connect
 
 
 def test_threads_sharing_one_forwarder_survive_redis_kills_and_forward_each_entry_once() -> None:
@@ -122,7 +122,7 @@ def test_a_refused_write_waits_with_a_log_line_and_a_metric_then_goes_through(ki
                 done.append(e)
 
         t = threading.Thread(target=add, daemon=True)
-        with caplog.at_level("WARNING", logger="worldloop.common.redis_link"):
+        with caplog.at_level("WARNING", logger="worldloop.common.transport.redis_link"):
             t.start()
             deadline = time.monotonic() + 30
             metric = lambda: REGISTRY.get_sample_value(  # noqa: E731
@@ -144,8 +144,8 @@ def test_a_judges_final_stats_flush_never_hides_the_error_that_ended_it(redis_ur
     replace the error that ended the judge); the counts stay unsent and go out with a later flush."""
     from types import SimpleNamespace
 
-    from worldloop.common.config import load_config
-    from worldloop.common.control import read_stats
+    from worldloop.common.contracts.config import load_config
+    from worldloop.common.transport.control import read_stats
     from worldloop.judge.process import JudgeWorker
 
     cfg = load_config(None, [f"redis.url={redis_url}", "redis.namespace=flush", "metrics.enabled=false"])

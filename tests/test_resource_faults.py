@@ -27,12 +27,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from worldloop.common.config import to_dict
+from worldloop.common.contracts.config import to_dict
 from worldloop.common.files import append_lines
-from worldloop.common.keys import Keys, SCORED_GROUP
-from worldloop.common.modeling import ChatCodec
-from worldloop.common.schemas import encode_trajectory
-from worldloop.common.streams import StreamProducer, connect
+from worldloop.common.contracts.keys import Keys, SCORED_GROUP
+from worldloop.common.contracts.modeling import ChatCodec
+from worldloop.common.contracts.schemas import encode_trajectory
+from worldloop.common.transport.streams import StreamProducer, connect
 from worldloop.learner import checkpoint
 from worldloop.learner.synthetic import synthetic_trajectory, tiny_learner_config
 from worldloop.bootstrap.tiny_model import make_tiny_model
@@ -195,7 +195,7 @@ def test_hanging_judge_endpoint_gives_the_flagged_fallback_after_timeout_and_ret
     ``python bench/judge.py --hang``, not here."""
     from tests.procs import Child, wait_for
     from tests.test_judge_process import _push, _scored
-    from worldloop.common.keys import ROLLOUTS_GROUP
+    from worldloop.common.contracts.keys import ROLLOUTS_GROUP
     from worldloop.testing.fake_openai import FakeOpenAI
 
     keys = Keys("jhang")
@@ -253,10 +253,10 @@ def test_backlog_at_its_limit_blocks_visibly_and_recovers_when_drained(redis_url
 
     from tests.procs import Child, wait_for
     from worldloop.actor.process import PUSH_SLICE_S
-    from worldloop.common.control import list_processes
-    from worldloop.common.keys import ROLLOUTS_GROUP
-    from worldloop.common.schemas import decode_trajectory
-    from worldloop.common.streams import StreamConsumer
+    from worldloop.common.transport.control import list_processes
+    from worldloop.common.contracts.keys import ROLLOUTS_GROUP
+    from worldloop.common.contracts.schemas import decode_trajectory
+    from worldloop.common.transport.streams import StreamConsumer
 
     keys = Keys("bp")
     r = connect(redis_url)

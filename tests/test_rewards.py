@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from worldloop.common.schemas import Trajectory, decode_trajectory, encode_trajectory
+from worldloop.common.contracts.schemas import Trajectory, decode_trajectory, encode_trajectory
 from worldloop.learner.rewards import anneal_max_turns, effective_action_ratio, place_turn_rewards, turn_rewards
 from worldloop.testing.trajectories import make_trajectory
 

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from worldloop.testing.trajectories import make_trajectory, make_turn
-from worldloop.common.schemas import (
+from worldloop.common.contracts.schemas import (
     TRAJECTORY_SCHEMA,
     DeadLetter,
     SchemaError,

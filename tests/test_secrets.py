@@ -13,8 +13,8 @@ import yaml
 
 from procs import Child, wait_for
 from test_cli import cli
-from worldloop.common.config import load_config, to_dict
-from worldloop.common.redis_link import REDIS_PASSWORD_ENV, connect
+from worldloop.common.contracts.config import load_config, to_dict
+from worldloop.common.transport.redis_link import REDIS_PASSWORD_ENV, connect
 from worldloop.common.secrets import REDACTED, password_to_env, redacted, redacted_override, strip_password
 
 PW = "s3cr3t-PW-9f1c"
@@ -44,7 +44,7 @@ def test_redaction_removes_url_passwords_and_secret_named_values_but_keeps_curve
 def test_redaction_leaves_every_shipped_preset_as_it_is() -> None:
     """config.yaml is what `worldloop up`'s children read: redaction may change no key but a
     URL's password (a count named max_new_tokens, a discount named gamma_token, a variable name)."""
-    from worldloop.common.config import preset_names
+    from worldloop.common.contracts.config import preset_names
 
     for name in [None, *preset_names()]:
         d = to_dict(load_config(name))
@@ -52,7 +52,7 @@ def test_redaction_leaves_every_shipped_preset_as_it_is() -> None:
 
 
 def test_the_password_moves_to_the_environment_and_still_connects() -> None:
-    from worldloop.common.redis_local import LocalRedis
+    from worldloop.common.transport.redis_local import LocalRedis
 
     with LocalRedis(password="p@ss:w/rd%") as srv:
         assert "p%40ss%3Aw%2Frd%25@" in srv.url  # percent-encoded in the URL, as redis-py reads it
@@ -80,7 +80,7 @@ def test_a_run_on_a_redis_with_a_password_writes_it_nowhere(tmp_path: Path) -> N
     """`worldloop up` with `redis.url=redis://:PW@...` (TensorBoard and wandb offline on): the run
     works (its children get the password from the environment) and no file under the run
     directory, no line of up's output and no child's command line holds the password."""
-    from worldloop.common.redis_local import LocalRedis
+    from worldloop.common.transport.redis_local import LocalRedis
 
     with LocalRedis(password=PW) as srv:
         run_dir = tmp_path / "run"

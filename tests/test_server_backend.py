@@ -32,9 +32,9 @@ from procs import Child, wait_for
 from test_hf_backend import _recomputed, _requests
 from test_vllm_backend import SIDE, _require_vllm, make_vllm_tiny_model
 from worldloop.actor.generation import GenRequest
-from worldloop.common.config import ConfigError
+from worldloop.common.contracts.config import ConfigError
 from worldloop.common.metrics import free_port
-from worldloop.common.modeling import load_policy
+from worldloop.common.contracts.modeling import load_policy
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -84,7 +84,7 @@ def served(tmp_path_factory):
     _require_vllm()
     import zmq.auth
 
-    from worldloop.common.weights import WeightPublisher
+    from worldloop.common.transport.weights import WeightPublisher
 
     root = tmp_path_factory.mktemp("served")
     model = make_vllm_tiny_model(root / "vl")

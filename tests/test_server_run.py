@@ -26,9 +26,9 @@ import yaml
 from procs import Child, wait_for
 from test_vllm_backend import SIDE, _require_vllm, make_vllm_tiny_model
 from worldloop.actor.process import ProducedLog
-from worldloop.common.control import list_processes
-from worldloop.common.keys import Keys
-from worldloop.common.schemas import decode_deadletter, decode_trajectory
+from worldloop.common.transport.control import list_processes
+from worldloop.common.contracts.keys import Keys
+from worldloop.common.contracts.schemas import decode_deadletter, decode_trajectory
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -9,7 +9,7 @@ import gymnasium
 import numpy as np
 import pytest
 
-from worldloop.common.modeling import ChatCodec, build_sequence, collate
+from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate
 from worldloop.bootstrap.tiny_model import fallback_corpus, make_tiny_model
 from worldloop.bootstrap.sft import answer_format_ok, format_ok_rate, make_demonstrations, run_sft
 
@@ -210,7 +210,7 @@ def test_concise_demonstrations_are_shorter_and_still_solve(codec: ChatCodec, wo
 
 
 def test_demonstration_seeds_must_not_overlap_rl_or_eval_seeds() -> None:
-    from worldloop.common.config import ConfigError, load_config
+    from worldloop.common.contracts.config import ConfigError, load_config
 
     cfg = load_config("configs/tiny-sokoban.yaml")
     demo = range(cfg.sft.seed_start, cfg.sft.seed_start + cfg.sft.episodes + 8)
@@ -226,7 +226,7 @@ def test_demonstration_seeds_must_not_overlap_rl_or_eval_seeds() -> None:
 
 
 def test_distinct_moves_demonstrations_take_each_direction_once_per_turn(codec: ChatCodec, worldloop_envs) -> None:
-    from worldloop.common.config import load_config
+    from worldloop.common.contracts.config import load_config
 
     spec = {"id": "worldloop/FrozenLake-v0", "kwargs": {"size": 4, "min_actions_to_succeed": 3, "image_size": 112,
                                                         "prompt_format": "grounding_worldmodeling"}}

@@ -26,7 +26,7 @@ from PIL import Image
 
 from worldloop import envs  # noqa: F401  (registers the ids)
 from worldloop.cli import main
-from worldloop.common.schemas import TRAJECTORY_SCHEMA, State, Trajectory, Turn
+from worldloop.common.contracts.schemas import TRAJECTORY_SCHEMA, State, Trajectory, Turn
 from worldloop.envs.parsing import parse_response
 from worldloop.judge.rule import rule_score
 from worldloop.bootstrap.tiny_model import make_tiny_model

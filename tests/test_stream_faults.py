@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 from lossy_proxy import LossyProxy
-from worldloop.common.control import read_stats
-from worldloop.common.keys import Keys
-from worldloop.common.schemas import decode_deadletter
-from worldloop.common.streams import StreamConsumer, StreamProducer, connect
+from worldloop.common.transport.control import read_stats
+from worldloop.common.contracts.keys import Keys
+from worldloop.common.contracts.schemas import decode_deadletter
+from worldloop.common.transport.streams import StreamConsumer, StreamProducer, connect
 
 
 @pytest.fixture
@@ -94,7 +94,7 @@ def test_the_dead_letter_stream_is_trimmed(redis_url) -> None:
 
 
 def _admitted(url: str, keys: Keys, tids: list[str]):
-    from worldloop.common.admission import Admission
+    from worldloop.common.transport.admission import Admission
 
     adm = Admission(url, keys, max_staleness=4, batch_size=4)
     assert adm.admit(tids, actor_version=0).admitted
@@ -107,7 +107,7 @@ def test_an_entry_delivered_more_than_max_deliveries_is_dead_lettered_and_refund
     """Consumers that take an entry and never ack it (each died, or gave up on it) hand it on with
     its attempt count; past ``max_deliveries`` attempts it goes to the dead-letter stream as ``poison``
     instead of to the next victim, and its admission budget comes back."""
-    from worldloop.common.schemas import decode_trajectory, encode_trajectory
+    from worldloop.common.contracts.schemas import decode_trajectory, encode_trajectory
     from worldloop.testing.trajectories import make_trajectory
 
     keys = Keys("poison")
@@ -138,7 +138,7 @@ def test_an_entry_delivered_more_than_max_deliveries_is_dead_lettered_and_refund
 def test_every_dead_letter_of_a_judge_gives_the_admission_budget_back(redis_url) -> None:
     """Item 6: an entry the consumer dead-letters at decode (too large here) refunds the trajectory
     it names, once, and an entry that names none refunds nothing."""
-    from worldloop.common.schemas import decode_trajectory, encode_trajectory
+    from worldloop.common.contracts.schemas import decode_trajectory, encode_trajectory
     from worldloop.testing.trajectories import make_trajectory
 
     keys = Keys("refund")

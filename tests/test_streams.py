@@ -21,9 +21,9 @@ import pytest
 import redis
 from prometheus_client import REGISTRY
 
-from worldloop.common.redis_local import LocalRedis, find_redis_server
-from worldloop.common.schemas import decode_deadletter, decode_trajectory, encode_trajectory, packb, unpackb
-from worldloop.common.streams import StreamConsumer, StreamProducer, connect
+from worldloop.common.transport.redis_local import LocalRedis, find_redis_server
+from worldloop.common.contracts.schemas import decode_deadletter, decode_trajectory, encode_trajectory, packb, unpackb
+from worldloop.common.transport.streams import StreamConsumer, StreamProducer, connect
 from worldloop.testing.trajectories import make_trajectory
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,8 +45,8 @@ def sample(name: str, **labels: str) -> float:
 
 WORKER = textwrap.dedent('''
     import sys, time
-    from worldloop.common.streams import StreamConsumer
-    from worldloop.common.schemas import unpackb
+    from worldloop.common.transport.streams import StreamConsumer
+    from worldloop.common.contracts.schemas import unpackb
     import redis
     url, stream, name, hang_after, total = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
     r = redis.Redis.from_url(url)

@@ -146,8 +146,8 @@ def test_presets_render_one_grid_cell_per_image_token(preset: str, vl_dir: Path)
     import numpy as np
 
     from worldloop import envs  # noqa: F401  (registers worldloop/* ids)
-    from worldloop.common.config import load_config
-    from worldloop.common.modeling import MERGE, PATCH, ChatCodec, decode_png
+    from worldloop.common.contracts.config import load_config
+    from worldloop.common.contracts.modeling import MERGE, PATCH, ChatCodec, decode_png
 
     cfg = load_config(f"configs/{preset}.yaml")
     spec = cfg.actor.envs[0]

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from worldloop.common.config import ConfigError, config_from_dict
-from worldloop.common.schemas import TRAJECTORY_SCHEMA, State, Trajectory, Turn
+from worldloop.common.contracts.config import ConfigError, config_from_dict
+from worldloop.common.contracts.schemas import TRAJECTORY_SCHEMA, State, Trajectory, Turn
 from worldloop.learner.trackers import flatten, open_trackers, pick_samples, sample_record
 
 # --------------------------------------------------------------------------- readers
@@ -396,8 +396,8 @@ def test_resumed_learner_continues_the_wandb_run_and_skips_old_evals(tmp_path, o
 def test_a_real_learner_step_reaches_tensorboard_wandb_and_samples(tmp_path, offline_wandb):
     """Two PPO updates of the tiny model (real DeepSpeed, Redis, ZeroMQ): every number of each
     step's metrics.jsonl line is in TensorBoard and wandb at that step; samples of step 2."""
-    from worldloop.common.modeling import ChatCodec
-    from worldloop.common.redis_local import LocalRedis
+    from worldloop.common.contracts.modeling import ChatCodec
+    from worldloop.common.transport.redis_local import LocalRedis
     from worldloop.learner.synthetic import synthetic_trajectory, tiny_learner_config, train_until_stopped
     from worldloop.bootstrap.tiny_model import make_tiny_model
 

@@ -21,9 +21,9 @@ import yaml
 
 import sys
 
-from worldloop.common.config import load_config
-from worldloop.common.control import list_processes, write_control
-from worldloop.common.keys import Keys
+from worldloop.common.contracts.config import load_config
+from worldloop.common.transport.control import list_processes, write_control
+from worldloop.common.contracts.keys import Keys
 from procs import Child, wait_for
 
 @pytest.mark.slow

@@ -242,7 +242,7 @@ def test_facts_of_an_extractor_score_the_same_way() -> None:
 
 
 def test_rule_mode_passes_the_prompt_kwarg_and_bad_values_fail_at_start_up() -> None:
-    from worldloop.common.config import ConfigError, config_from_dict
+    from worldloop.common.contracts.config import ConfigError, config_from_dict
 
     envs = [{"id": "worldloop/Sokoban-v0", "kwargs": {"dim_room": [6, 6]}}, {"id": "worldloop/FrozenLake-v0"},
             {"id": "worldloop/Maze-v0"}]
@@ -262,7 +262,7 @@ def test_rule_mode_passes_the_prompt_kwarg_and_bad_values_fail_at_start_up() -> 
 
 
 def test_bilevel_kl_routing_key() -> None:
-    from worldloop.common.config import ConfigError, config_from_dict
+    from worldloop.common.contracts.config import ConfigError, config_from_dict
     from worldloop.learner.advantages import advantage_kwargs
 
     assert advantage_kwargs(config_from_dict({}).trainer)["kl_routing"] == "own_turn"
@@ -304,7 +304,7 @@ def judged(turns: list[tuple[str | None, float, dict]], env: str = "sokoban", fm
 def run_judge(traj, scorer=None, **cfg):
     import asyncio
 
-    from worldloop.common.config import JudgeConfig
+    from worldloop.common.contracts.config import JudgeConfig
     from worldloop.judge.scoring import TrajectoryScorer
 
     return asyncio.run((scorer or TrajectoryScorer(JudgeConfig(**cfg))).score(traj))
@@ -329,7 +329,7 @@ def test_reasoning_reward_needs_the_format_reward() -> None:
 
 
 def test_unrewarded_turns_stay_out_of_the_repetition_history() -> None:
-    from worldloop.common.config import JudgeConfig
+    from worldloop.common.contracts.config import JudgeConfig
     from worldloop.judge.scoring import TrajectoryScorer
 
     scorer = TrajectoryScorer(JudgeConfig(repetition_top_k=1))
@@ -342,7 +342,7 @@ def test_unrewarded_turns_stay_out_of_the_repetition_history() -> None:
 
 
 def test_fallback_pays_nothing_without_the_format_reward() -> None:
-    from worldloop.common.config import JudgeConfig
+    from worldloop.common.contracts.config import JudgeConfig
     from worldloop.judge.scoring import fallback_trajectory
 
     traj = fallback_trajectory(judged([(TRUE_BOX, 0.5, BELOW), (TRUE_BOX, 0.0, BELOW)]),

@@ -17,8 +17,8 @@ import torch
 import worldloop.bootstrap.tiny_model as tiny
 from worldloop.actor.backends import make_backend
 from worldloop.actor.generation import GenerationBackend, GenRequest, WeightUpdateError
-from worldloop.common.config import Config
-from worldloop.common.modeling import load_policy
+from worldloop.common.contracts.config import Config
+from worldloop.common.contracts.modeling import load_policy
 from test_hf_backend import _recomputed, _requests  # the same requests and reference
 from ci import require_import
 

@@ -18,7 +18,7 @@ from worldloop.bootstrap.recipe import (BUILDER_VERSION, data_fingerprint, read_
                                         tokenizer_hash)
 from worldloop.bootstrap.store import SHIPPED_DIR, cache_root, prepare_model, resolve_model, shipped_models
 from worldloop.bootstrap.tiny_model import make_tiny_model
-from worldloop.common.config import load_config
+from worldloop.common.contracts.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = ("tiny-frozenlake", "tiny-sokoban")

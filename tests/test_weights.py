@@ -23,9 +23,9 @@ import zmq
 import zmq.auth
 from prometheus_client import REGISTRY
 
-from worldloop.common.config import ConfigError, config_from_dict
+from worldloop.common.contracts.config import ConfigError, config_from_dict
 from worldloop.common.metrics import free_port
-from worldloop.common.weights import (
+from worldloop.common.transport.weights import (
     DTYPES,
     WeightPublisher,
     WeightsError,
@@ -678,7 +678,7 @@ def test_a_set_larger_than_max_bytes_is_refused_before_any_chunk_is_fetched(publ
 
 
 def test_default_max_bytes_follows_the_model_directory(tmp_path: Path) -> None:
-    from worldloop.common.weights import default_max_bytes
+    from worldloop.common.transport.weights import default_max_bytes
 
     (tmp_path / "model-00001.safetensors").write_bytes(b"\0" * 1000)
     (tmp_path / "model-00002.safetensors").write_bytes(b"\0" * 500)

@@ -4,20 +4,22 @@
     python tools/check_layers.py            # prints the rules, the counts, and every violation
     python tools/check_layers.py --graph    # also prints every module's worldloop imports
 
-Layers, lowest first (``worldloop/__init__.py`` says what each holds):
+Layers, lowest first, read from the folders (``worldloop/__init__.py`` says what each holds):
 
-    contracts    worldloop.common.{config (+ config_fields, config_checks, config_load), schemas, keys,
-                 modeling, logprobs}
-    machinery    the rest of worldloop.common
-    envs         worldloop.envs
-    roles        worldloop.actor, worldloop.judge, worldloop.learner
-    apps         worldloop (cli, up, plot, status, bootstrap, eval, testing)
+    contracts    common/contracts/    worldloop.common.contracts.*  (config, schemas, keys, modeling, logprobs)
+    utilities    common/*.py          the small modules at the top of worldloop.common (metrics, files, ...)
+    transport    common/transport/    worldloop.common.transport.*  (Redis streams, admission, lease, weights, ...)
+    envs         envs/                worldloop.envs.*
+    roles        actor/ judge/ learner/
+    apps         worldloop/           (cli, up, plot, status, bootstrap, eval, testing)
 
 Rules: a module imports only its own layer or lower ones; a role never imports another role;
-only actors and applications import envs; contracts import no machinery; envs import only
+only actors and applications import envs; contracts import only contracts; envs import only
 contracts. Every import counts, also the lazy ones inside functions and those under
 ``TYPE_CHECKING``. Cycles are found between modules (strongly connected components of the
-module graph), and a package counts as the module that its ``__init__`` is.
+module graph), and a package counts as the module that its ``__init__`` is. A module's layer
+comes from its folder alone: a new file in ``common/transport/`` is transport without any list
+to edit.
 
 Reads the sources only (nothing is imported or run) and exits 1 when anything is found, so
 CI and ``tests/test_layers.py`` use it as is.
@@ -40,23 +42,34 @@ PACKAGE_DIRS = {
     "learner": "worldloop.learner",
     "envs": "worldloop.envs",
 }
-CONTRACTS = {"worldloop.common.config", "worldloop.common.config_fields", "worldloop.common.config_checks",
-             "worldloop.common.config_load", "worldloop.common.schemas", "worldloop.common.keys", "worldloop.common.modeling",
-             "worldloop.common.logprobs"}
+# folder (relative to the repository root) -> layer; the longest matching prefix wins
+LAYER_FOLDERS = {
+    "common/contracts": "contracts",
+    "common/transport": "transport",
+    "common": "utilities",
+    "envs": "envs",
+    "actor": "roles",
+    "judge": "roles",
+    "learner": "roles",
+    "worldloop": "apps",
+}
 ROLES = ("worldloop.actor", "worldloop.judge", "worldloop.learner")
-RANK = {"contracts": 0, "machinery": 1, "envs": 1, "roles": 2, "apps": 3}
+RANK = {"contracts": 0, "utilities": 1, "transport": 2, "envs": 2, "roles": 3, "apps": 4}
+
+
+def module_path(mod: str) -> str:
+    """The repository path of a dotted module name, without its suffix (``worldloop.common.contracts.keys``
+    -> ``common/contracts/keys``), through the package-dir mapping."""
+    pkg = max((p for p in PACKAGE_DIRS.values() if mod == p or mod.startswith(p + ".")), key=len)
+    folder = next(f for f, p in PACKAGE_DIRS.items() if p == pkg)
+    rest = mod[len(pkg):].lstrip(".")
+    return f"{folder}/{rest.replace('.', '/')}" if rest else folder
 
 
 def layer(mod: str) -> str:
-    if mod in CONTRACTS or mod == "worldloop.common":
-        return "contracts"
-    if mod.startswith("worldloop.common."):
-        return "machinery"
-    if mod == "worldloop.envs" or mod.startswith("worldloop.envs."):
-        return "envs"
-    if role_of(mod):
-        return "roles"
-    return "apps"
+    """The layer of a module, from the folder its file sits in (the longest matching folder wins)."""
+    path = module_path(mod) + "/"
+    return LAYER_FOLDERS[max((f for f in LAYER_FOLDERS if path.startswith(f + "/")), key=len)]
 
 
 def role_of(mod: str) -> str | None:
@@ -104,7 +117,7 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
                 out.add(t)
     # ``from worldloop.x import y`` where y is a module also names the package worldloop.x; keep
     # only the most specific module of each import
-    return {m for m in out if not any(o != m and o.startswith(m + ".") for o in out) or m in CONTRACTS}
+    return {m for m in out if not any(o != m and o.startswith(m + ".") for o in out) or layer(m) == "contracts"}
 
 
 def violations(graph: dict[str, set[str]]) -> list[str]:

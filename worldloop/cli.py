@@ -29,11 +29,11 @@ import sys
 from typing import Any, Callable
 
 from worldloop import __version__
-from worldloop.common.config import Config, ConfigError, load_config, to_dict
-from worldloop.common.lease import LeaseHeld
-from worldloop.common.redis_link import REDIS_PASSWORD_ENV, Fenced
+from worldloop.common.contracts.config import Config, ConfigError, load_config, to_dict
+from worldloop.common.transport.lease import LeaseHeld
+from worldloop.common.transport.redis_link import REDIS_PASSWORD_ENV, Fenced
 from worldloop.common.secrets import redacted, redacted_override, url_password
-from worldloop.common.streams import RedisUnreachable
+from worldloop.common.transport.streams import RedisUnreachable
 
 # subcommand -> (module, function, one-line help, long description)
 COMMANDS: dict[str, tuple[str, str, str, str]] = {

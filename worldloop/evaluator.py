@@ -46,12 +46,12 @@ from pathlib import Path
 from worldloop.actor.backends import make_backend
 from worldloop.actor.process import WeightFetcher
 from worldloop.actor.rollout import EpisodeSpec, Sampling, env_name, play_episodes
-from worldloop.common.config import Config, ConfigError
-from worldloop.common.control import default_proc_id, list_processes
+from worldloop.common.contracts.config import Config, ConfigError
+from worldloop.common.transport.control import default_proc_id, list_processes
 from worldloop.common.files import append_lines
 from worldloop.common.metrics import metric
-from worldloop.common.process import ProcessScaffold
-from worldloop.common.schemas import total_turn_reward
+from worldloop.common.transport.process import ProcessScaffold
+from worldloop.common.contracts.schemas import total_turn_reward
 from worldloop.eval.cpu import CpuBudget
 from worldloop.eval.reading import first_turn_reading
 from worldloop.eval.stats import wilson_interval
@@ -102,7 +102,7 @@ def evaluate(backend, cfg: Config, specs: list[EpisodeSpec]) -> list:
 def checkpoint_weights(cfg: Config, run_dir: Path, version: int) -> dict | None:
     """The policy weights of ``version`` from the run's newest complete checkpoint, or None when there
     is none or it holds another version (the learner writes one after its last step)."""
-    from worldloop.common.modeling import load_policy
+    from worldloop.common.contracts.modeling import load_policy
     from worldloop.eval.model import ModelNotFound, resolve_model
 
     try:
@@ -145,7 +145,7 @@ def write_record(run_dir: Path, rec: dict) -> None:
 
 def run(cfg: Config, args: argparse.Namespace | None = None) -> int:
     _check_config(cfg)
-    from worldloop.common.weights import subscriber_from_config
+    from worldloop.common.transport.weights import subscriber_from_config
     from worldloop.learner.process import run_dir_of
 
     run_dir = run_dir_of(cfg)
@@ -191,7 +191,7 @@ class Evaluations:
     """The evaluations of one evaluator: in-run ones within the CPU budget, and the final one."""
 
     def __init__(self, cfg: Config, proc, backend, run_dir: Path, budget: CpuBudget):
-        from worldloop.common.streams import connect
+        from worldloop.common.transport.streams import connect
 
         self.cfg, self.proc, self.backend, self.run_dir, self.budget = cfg, proc, backend, run_dir, budget
         self.in_run = held_out_specs(cfg)

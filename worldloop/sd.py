@@ -1,7 +1,7 @@
 """``worldloop sd``: Prometheus ``file_sd`` targets from the processes' heartbeats.
 
 Every learner, actor and judge records a heartbeat in Redis (``<namespace>:procs``, see
-:func:`worldloop.common.control.register_process`) with the URL of its ``/metrics``. This command
+:func:`worldloop.common.transport.control.register_process`) with the URL of its ``/metrics``. This command
 turns the live ones into a Prometheus file-based service discovery file, so a Prometheus with
 
     scrape_configs:
@@ -32,9 +32,9 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from worldloop.common.config import Config, ConfigError
-from worldloop.common.control import list_processes
-from worldloop.common.keys import Keys
+from worldloop.common.contracts.config import Config, ConfigError
+from worldloop.common.transport.control import list_processes
+from worldloop.common.contracts.keys import Keys
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     if (interval is not None and interval <= 0) or timeout_s <= 0:
         print("worldloop sd: --interval and --timeout must be > 0 seconds", file=sys.stderr)
         return 2
-    from worldloop.common.streams import connect
+    from worldloop.common.transport.streams import connect
 
     r = connect(cfg.redis.url, cfg.redis.socket_timeout_s)
     if interval is None:

@@ -24,7 +24,7 @@ import os
 import sys
 from pathlib import Path
 
-from worldloop.common.config import Config, ConfigError
+from worldloop.common.contracts.config import Config, ConfigError
 
 log = logging.getLogger("worldloop.serve")
 

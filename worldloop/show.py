@@ -16,7 +16,7 @@ Episode: ``env`` or ``env_name`` (label), ``env_id`` + ``env_kwargs`` + ``seed``
 ``success``, ``total_reward``, ``model``, ``policy_version``, ``trajectory_id`` or ``key``,
 ``end_reason``, ``error``, ``prompt_format`` / ``settings.prompt_format``, ``settings.state_format``,
 and ``turns`` (required, a list). This is both the eval record of ``worldloop/eval/evaluate.py`` and
-a :class:`worldloop.common.schemas.Trajectory` encoded as JSON (``msgspec.json.encode``: bytes
+a :class:`worldloop.common.contracts.schemas.Trajectory` encoded as JSON (``msgspec.json.encode``: bytes
 become base64 strings), so a run's sampled episodes can be written either way.
 
 Turn: ``response`` or ``response_text`` (the model's text); ``observation``, ``reasoning``,

@@ -18,10 +18,10 @@ import time
 
 import redis
 
-from worldloop.common.config import Config
-from worldloop.common.control import list_processes, read_control, read_stats
-from worldloop.common.keys import Keys
-from worldloop.common.streams import connect, stream_info
+from worldloop.common.contracts.config import Config
+from worldloop.common.transport.control import list_processes, read_control, read_stats
+from worldloop.common.contracts.keys import Keys
+from worldloop.common.transport.streams import connect, stream_info
 
 SEEN_WINDOW_S = 60.0
 
@@ -68,7 +68,7 @@ def render(info: dict) -> str:
     for p in info["processes"]:
         lines.append(f"  {p.get('role', '?'):<8} {p.get('id', '?'):<28} host {p.get('host', '?')}, "
                      f"seen {_age(now, p.get('seen_at'))}, metrics {p.get('metrics_url') or '-'}")
-        if p.get("phase"):  # what it is doing or waiting on, and since when (common/process.py)
+        if p.get("phase"):  # what it is doing or waiting on, and since when (common/transport/process.py)
             lines.append(f"           {p['phase']} (for {_age(now, p.get('phase_since')).removesuffix(' ago')})")
     lines += ["", "counters:"]
     lines += [f"  {k}: {v}" for k, v in info["stats"].items()] or ["  (none)"]

@@ -48,16 +48,16 @@ from typing import TYPE_CHECKING
 import yaml
 
 from worldloop.bootstrap.store import prepare_model
-from worldloop.common.config import Config, to_dict
-from worldloop.common.control import list_processes, read_control, write_control
-from worldloop.common.keys import Keys
+from worldloop.common.contracts.config import Config, to_dict
+from worldloop.common.transport.control import list_processes, read_control, write_control
+from worldloop.common.contracts.keys import Keys
 from worldloop.common.secrets import password_to_env, redacted
 from worldloop.common.versions import write_versions
 from worldloop.plot import plot_metrics
 from worldloop.serve import plan_local_servers
 
 if TYPE_CHECKING:
-    from worldloop.common.redis_local import LocalRedis
+    from worldloop.common.transport.redis_local import LocalRedis
 
 log = logging.getLogger("worldloop.up")
 
@@ -265,7 +265,7 @@ def _refresh(progress: Progress, r, keys: Keys, run_dir: Path) -> None:
 
 
 def run(cfg: Config, args) -> int:
-    from worldloop.common.streams import connect
+    from worldloop.common.transport.streams import connect
 
     started = time.monotonic()
     run_dir = _open_run_dir(cfg)
@@ -319,7 +319,7 @@ def _local_services(cfg: Config, run_dir: Path) -> LocalRedis | None:
     and free ports for the weight channel's ports left at 0, so several local runs can share a
     machine; the config is updated to name them."""
     from worldloop.common.metrics import free_port
-    from worldloop.common.redis_local import LocalRedis
+    from worldloop.common.transport.redis_local import LocalRedis
 
     local_redis = None
     if cfg.redis.url is None:

@@ -27,7 +27,7 @@ What it adds to vLLM's own server (``/inference/v1/generate``, ``/metrics``, ``/
 * **Metrics and discovery.** ``worldloop_server_*`` metrics (version, updates, pause seconds,
   failures) join vLLM's on the server's ``/metrics``. With ``redis.url`` in the config the server
   heartbeats in ``<ns>:procs`` as role ``server`` with that ``/metrics`` URL
-  (:class:`~worldloop.common.process.ProcessScaffold`, heartbeat only), so ``worldloop sd`` hands it
+  (:class:`~worldloop.common.transport.process.ProcessScaffold`, heartbeat only), so ``worldloop sd`` hands it
   to Prometheus like every other process of the run.
 * **Faults.** A failed set-up (a bad config, missing CURVE keys, an unreadable model) is logged and
   reported by ``/worldloop/info`` (``error``); generation requests then get 503 with the reason.
@@ -164,7 +164,7 @@ class ServerDriver:
         """Role ``server`` in ``<ns>:procs`` with this server's ``/metrics`` (when the config names a Redis)."""
         if self.cfg is None or not self.cfg.redis.url:
             return
-        from worldloop.common.process import ProcessScaffold
+        from worldloop.common.transport.process import ProcessScaffold
 
         host, port = self.args.host or "0.0.0.0", int(self.args.port)
         # vLLM serves /metrics itself: the scaffold only beats, advertising that address

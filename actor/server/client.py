@@ -49,7 +49,7 @@ backend (``loads_own_weights``). How each convention of :mod:`worldloop.actor.ge
   drops the episode (``end_reason`` ``server_error``, no turns), so the actor refunds its
   admission: nothing is pushed twice and nothing admitted is leaked.
 * **Start.** The backend waits up to ``startup_timeout_s`` for a server to be ready and refuses,
-  with :class:`~worldloop.common.config.ConfigError` on ``actor.servers`` naming the server and the
+  with :class:`~worldloop.common.contracts.config.ConfigError` on ``actor.servers`` naming the server and the
   reason, any server whose tokenizer or model differs from ``model_dir``'s
   (:func:`~worldloop.actor.server.fingerprint.fingerprint_mismatch`) or whose ``max_model_len`` is
   smaller than the actor's. A server that turns up later with such a difference is never used
@@ -74,12 +74,12 @@ from typing import TYPE_CHECKING, Any
 from worldloop.actor.generation import GenRequest, GenResult, WeightUpdateError, cut_at_eos, validate_requests
 from worldloop.actor.server.fingerprint import fingerprint_mismatch, model_fingerprint
 from worldloop.actor.vllm_backend import collapse_image_pads, request_seeds, sampling_kwargs
-from worldloop.common.config import ConfigError
+from worldloop.common.contracts.config import ConfigError
 from worldloop.common.metrics import metric
-from worldloop.common.modeling import ChatCodec
+from worldloop.common.contracts.modeling import ChatCodec
 
 if TYPE_CHECKING:
-    from worldloop.common.config import Config
+    from worldloop.common.contracts.config import Config
 
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request in the actor's log

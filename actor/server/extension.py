@@ -13,8 +13,8 @@ vLLM adds this class to its worker's bases; the API server calls its methods thr
   same convention: ``log_softmax(logits / T)`` of the full vocabulary at the sampled token,
   before top-p.
 * **Weights.** With a weight channel in the config (``weights.pub_port`` and ``fetch_port``), a
-  thread of the worker owns a :class:`~worldloop.common.weights.WeightSubscriber` made by
-  :func:`~worldloop.common.weights.subscriber_from_config` (the actors' subscriber: CURVE keys,
+  thread of the worker owns a :class:`~worldloop.common.transport.weights.WeightSubscriber` made by
+  :func:`~worldloop.common.transport.weights.subscriber_from_config` (the actors' subscriber: CURVE keys,
   per-chunk CRC, whole-set hash, size cap) and fetches every newer announced version into memory
   (at most one set waits: a newer one replaces it). A learner that restarted from an older
   checkpoint announces a lower version than the one held: the next fetch then takes whatever it
@@ -43,7 +43,7 @@ from typing import Any
 from worldloop.actor.generation import WeightUpdateError
 from worldloop.actor.server.launch import CONFIG_ENV
 from worldloop.actor.vllm_backend import install_no_torchvision_compat, load_weights_in_place, reference_params, wrap_sampler
-from worldloop.common.config import Config, config_from_dict
+from worldloop.common.contracts.config import Config, config_from_dict
 
 log = logging.getLogger("worldloop.server")
 
@@ -93,7 +93,7 @@ class WeightSync:
                         model_dir)
 
     def _run(self) -> None:
-        from worldloop.common.weights import WeightsError, subscriber_from_config
+        from worldloop.common.transport.weights import WeightsError, subscriber_from_config
 
         sub = subscriber_from_config(self.cfg)  # made here: a subscriber belongs to one thread
         try:

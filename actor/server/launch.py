@@ -39,11 +39,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from worldloop.common.config import to_dict
-from worldloop.common.modeling import MERGE, PATCH
+from worldloop.common.contracts.config import to_dict
+from worldloop.common.contracts.modeling import MERGE, PATCH
 
 if TYPE_CHECKING:
-    from worldloop.common.config import Config
+    from worldloop.common.contracts.config import Config
 
 CONFIG_ENV = "WORLDLOOP_SERVE_CONFIG"  # the resolved config as JSON, for the server's processes
 EXTENSION = "worldloop.actor.server.extension.WorldloopWorkerExtension"
@@ -66,7 +66,7 @@ def _is_vision(model_dir: str) -> bool:
 
 def serve_args(cfg: "Config", *, host: str, port: int, on_gpu: bool | None = None) -> list[str]:
     """``vllm serve``'s arguments for the config's model (see the module docstring)."""
-    from worldloop.common.modeling import resolve_dtype
+    from worldloop.common.contracts.modeling import resolve_dtype
 
     on_gpu = _on_gpu() if on_gpu is None else on_gpu
     a, m = cfg.actor, cfg.model

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from worldloop.common.schemas import State
+from worldloop.common.contracts.schemas import State
 from worldloop.judge.rule.f1 import (Fact, Item, RepetitionTracker, RuleResult, f1, f1_from_counts, max_matching,
                                      normalise_sentence, score_items, sentences_of)
 from worldloop.judge.rule.parsing import (Lexicon, lexicon_from_sentences, make_fact, norm_key, relation_facts,

@@ -1,6 +1,6 @@
 """The ground truth a text is compared with, built from an env state, and the scoring method.
 
-The state is a trajectory's :class:`worldloop.common.schemas.State` or the env's own
+The state is a trajectory's :class:`worldloop.common.contracts.schemas.State` or the env's own
 ``{"relations", "symbolic", "structured"}`` dict (``info["state"]``). The scoring method is chosen
 from what the text and the state offer (first match wins):
 
@@ -41,7 +41,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from worldloop.common.schemas import State
+from worldloop.common.contracts.schemas import State
 from worldloop.judge.rule.f1 import Fact, Item
 from worldloop.judge.rule.parsing import (BASIC_COLORS, Lexicon, coordinate_facts, directions_of, extracted_position_items,
                                           extracted_relation_items, grid_block, grid_items, grid_rows, has_number_tuple,

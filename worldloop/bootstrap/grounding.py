@@ -42,7 +42,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from worldloop.common.modeling import ChatCodec, SequenceLayout, collate, freeze_vision_tower, load_policy, model_inputs
+from worldloop.common.contracts.modeling import ChatCodec, SequenceLayout, collate, freeze_vision_tower, load_policy, model_inputs
 from worldloop.envs.base import observation_parts
 
 PROMPT = "<image>"  # the image alone: the user turn of a pretraining example

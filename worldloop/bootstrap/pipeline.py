@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from worldloop.common.config import GROUNDING_EVAL_BOARDS, SFT_PROBE_SEEDS, Config
+from worldloop.common.contracts.config import GROUNDING_EVAL_BOARDS, SFT_PROBE_SEEDS, Config
 
 # the steps import torch and transformers inside them: ``worldloop up`` on a model that exists
 # never loads them into the supervising process
@@ -109,7 +109,7 @@ def warm_start(cfg: Any, model_dir: str | Path, *, probe_prompts: int = SFT_PROB
     import numpy as np
 
     from worldloop.bootstrap.sft import demonstration_style, format_ok_rate, make_demonstrations, run_sft
-    from worldloop.common.modeling import ChatCodec
+    from worldloop.common.contracts.modeling import ChatCodec
 
     model_dir = Path(model_dir)
     s, a = cfg.sft, cfg.actor

@@ -40,7 +40,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from worldloop.common.config import Config
+from worldloop.common.contracts.config import Config
 
 BUILDER_VERSION = 1
 RECIPE_FILE = "recipe.json"
@@ -107,7 +107,7 @@ def data_fingerprint(cfg: Config, model_dir: str | Path) -> str:
     nothing."""
     from worldloop.bootstrap.grounding import grounding_examples
     from worldloop.bootstrap.pipeline import demonstrations, env_specs
-    from worldloop.common.modeling import ChatCodec
+    from worldloop.common.contracts.modeling import ChatCodec
 
     m = cfg.model
     if not (m.tiny_grounding_steps or cfg.sft.enabled):

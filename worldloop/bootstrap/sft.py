@@ -14,9 +14,9 @@ Demonstrations are played with ``env.unwrapped.expert_response()`` as the respon
 (the env contract: ``gymnasium.make(id, **kwargs)``, ``obs = {"text", "image"}``,
 ``env.unwrapped.system_prompt()``, ``env.step(response_text)``), so they carry the
 ``<observation>``/``<prediction>`` fields of the env's prompt format. Each demonstration is a
-:class:`worldloop.common.schemas.Trajectory` (``policy_version`` 0, ``logprobs`` zeros, the parsed
+:class:`worldloop.common.contracts.schemas.Trajectory` (``policy_version`` 0, ``logprobs`` zeros, the parsed
 fields, rewards and states from the env's ``info``; ``actor_id`` "sft") that
-:func:`worldloop.common.modeling.build_sequence` accepts, laid out exactly as the actors lay out
+:func:`worldloop.common.contracts.modeling.build_sequence` accepts, laid out exactly as the actors lay out
 their episodes.
 
 ``run_sft`` minimises the mean cross-entropy of the response tokens only (plain ``torch.optim.AdamW``,
@@ -37,8 +37,8 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from worldloop.common.modeling import ChatCodec, build_sequence, collate, freeze_vision_tower, load_policy, token_logprobs
-from worldloop.common.schemas import TRAJECTORY_SCHEMA, Trajectory, Turn, state_from_info
+from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate, freeze_vision_tower, load_policy, token_logprobs
+from worldloop.common.contracts.schemas import TRAJECTORY_SCHEMA, Trajectory, Turn, state_from_info
 from worldloop.envs.base import observation_parts
 from worldloop.envs.parsing import parse_response
 

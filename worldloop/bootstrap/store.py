@@ -53,7 +53,7 @@ from typing import Iterator
 from worldloop.bootstrap.pipeline import build_model
 from worldloop.bootstrap.recipe import (BUILDER_VERSION, RECIPE_FILE, code_fingerprint, data_fingerprint, read_recipe,
                                         recipe_hash, recipe_keys, tokenizer_hash)
-from worldloop.common.config import Config
+from worldloop.common.contracts.config import Config
 from worldloop.common.versions import package_versions
 
 log = logging.getLogger(__name__)

@@ -44,7 +44,7 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
-from worldloop.common.modeling import DEFAULT_SYSTEM, MERGE, PATCH, TEMPORAL_PATCH
+from worldloop.common.contracts.modeling import DEFAULT_SYSTEM, MERGE, PATCH, TEMPORAL_PATCH
 
 log = logging.getLogger(__name__)
 

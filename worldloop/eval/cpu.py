@@ -10,7 +10,7 @@ Public API::
     cpu_by_role(last_values) -> dict    # `worldloop up`: CPU seconds per role from the last scrapes
 
 **The rule.** Every process of a run puts its CPU seconds so far (``time.process_time()``, all its
-threads) into its heartbeat (``cpu_s``, :func:`worldloop.common.control.register_process`). The
+threads) into its heartbeat (``cpu_s``, :func:`worldloop.common.transport.control.register_process`). The
 run's CPU is their sum: the newest value of every process ever seen (a restarted process is a new
 one; the evaluator's own value is read live). An in-run evaluation starts only while
 

@@ -79,7 +79,7 @@ from typing import Any, Callable
 from worldloop.eval.model import ModelNotFound, ModelRef, resolve_model
 from worldloop.eval.plan import Episode, EnvPlan, make_checked
 from worldloop.eval.stats import Table, build_table, family_of
-from worldloop.common.config import Config, ConfigError, env_label
+from worldloop.common.contracts.config import Config, ConfigError, env_label
 
 log = logging.getLogger("worldloop.eval")
 

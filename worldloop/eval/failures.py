@@ -36,7 +36,7 @@ import typing
 from pathlib import Path
 from typing import Any, Iterable
 
-from worldloop.common.config import JudgeConfig
+from worldloop.common.contracts.config import JudgeConfig
 
 KINDS = ("first", "later")
 COUNTS = ("turns", "well_formed", "observation_right", "on_shortest_path", "right_reading_on_path",

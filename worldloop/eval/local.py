@@ -27,8 +27,8 @@ from worldloop.eval.remote import turn_record
 if TYPE_CHECKING:
     from worldloop.eval.model import ModelRef
     from worldloop.eval.plan import Episode
-    from worldloop.common.config import Config
-    from worldloop.common.schemas import Trajectory
+    from worldloop.common.contracts.config import Config
+    from worldloop.common.contracts.schemas import Trajectory
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from worldloop.common.config import Config
+from worldloop.common.contracts.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ def _base_model_dir(ckpt: Path, cfg: Config) -> Path:
     candidates: list[Path] = []
     run_cfg = ckpt.parent.parent / "config.yaml"
     if run_cfg.is_file():
-        from worldloop.common.config import load_config
+        from worldloop.common.contracts.config import load_config
 
         try:
             run_model = load_config(run_cfg).model.path
@@ -144,7 +144,7 @@ def consolidate_deepspeed(ckpt: Path, base_model_dir: Path, out: Path) -> Path:
 
     import torch
 
-    from worldloop.common.modeling import load_policy
+    from worldloop.common.contracts.modeling import load_policy
 
     ds_dir = ckpt / "policy"
     model = load_policy(base_model_dir, dtype="float32", device="cpu")

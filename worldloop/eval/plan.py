@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from worldloop.common.config import ConfigError
+from worldloop.common.contracts.config import ConfigError
 
 
 @dataclass(frozen=True)

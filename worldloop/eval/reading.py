@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Iterable
 
-from worldloop.common.config import JudgeConfig
+from worldloop.common.contracts.config import JudgeConfig
 
 
 def _scorer(judge: JudgeConfig):

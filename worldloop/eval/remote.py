@@ -41,7 +41,7 @@ import numpy as np
 import openai
 from openai import AsyncOpenAI
 
-from worldloop.envs.base import IMAGE_PLACEHOLDER  # == worldloop.common.modeling.IMAGE_PLACEHOLDER (no torch import here)
+from worldloop.envs.base import IMAGE_PLACEHOLDER  # == worldloop.common.contracts.modeling.IMAGE_PLACEHOLDER (no torch import here)
 from worldloop.common.openai_retry import PermanentError, RetryableError, call_with_retries
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worldloop.common.schemas import TRAJECTORY_SCHEMA, State, Trajectory, Turn, empty_state
+from worldloop.common.contracts.schemas import TRAJECTORY_SCHEMA, State, Trajectory, Turn, empty_state
 
 
 def make_turn(index: int, n_resp: int = 3) -> Turn:

@@ -1,5 +1,5 @@
 """The control record the learner publishes to actors, process heartbeats and run counters, in
-Redis under the key names of :mod:`worldloop.common.keys`."""
+Redis under the key names of :mod:`worldloop.common.contracts.keys`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import socket
 import time
 
-from worldloop.common.keys import RUN_STATES, Keys
+from worldloop.common.contracts.keys import RUN_STATES, Keys
 from worldloop.common.metrics import metrics_url
 
 
@@ -42,7 +42,7 @@ def register_process(r, keys: Keys, role: str, proc_id: str, metrics_port: int |
                      extra: dict | None = None) -> None:
     """Heartbeat: record that this process is alive, where its /metrics is and its CPU seconds so far
     (``cpu_s``, every thread; the run's evaluator sums them to keep to its CPU share) (call every few
-    seconds); ``extra`` adds fields such as the process's current ``phase`` (see ``common/process.py``)."""
+    seconds); ``extra`` adds fields such as the process's current ``phase`` (see ``common/transport/process.py``)."""
     info = {
         **(extra or {}),
         "role": role,

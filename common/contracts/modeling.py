@@ -16,13 +16,13 @@ Public API::
     build_sequence(traj: dict) -> SequenceLayout
     collate(layouts, codec, pad_to_multiple=8) -> dict[str, Tensor]
     token_logprobs(model, batch, temperature=1.0, chunk_size=512, return_entropy=False, only=None, fused=False)
-        -> (logprobs [B, L], entropy [B, L] | None)     # from worldloop.common.logprobs (chunked LM head)
-    model_inputs(batch, device, dtype) -> dict          # from worldloop.common.logprobs
+        -> (logprobs [B, L], entropy [B, L] | None)     # from worldloop.common.contracts.logprobs (chunked LM head)
+    model_inputs(batch, device, dtype) -> dict          # from worldloop.common.contracts.logprobs
 
 Layout of a multi-turn episode
 ------------------------------
 The full model input of an episode is the concatenation over turns ``t`` of ``obs_ids[t]`` and
-``response_ids[t]`` (the fields of a ``worldloop.trajectory/1`` turn, see ``common/schemas.py``):
+``response_ids[t]`` (the fields of a ``worldloop.trajectory/1`` turn, see ``common/contracts/schemas.py``):
 
 * ``obs_ids[0]`` = ``<|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{user_0}<|im_end|>\\n
   <|im_start|>assistant\\n`` (``system=None`` gives Qwen's default system prompt, exactly as the chat
@@ -61,10 +61,10 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 import torch
 
-from worldloop.common.logprobs import MODEL_KEYS, model_inputs, token_logprobs  # noqa: F401  (re-exported)
+from worldloop.common.contracts.logprobs import MODEL_KEYS, model_inputs, token_logprobs  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
-    from worldloop.common.schemas import Trajectory
+    from worldloop.common.contracts.schemas import Trajectory
 
 # Qwen2.5-VL's vision token geometry (every model of the family, the tiny one included): 14-px
 # patches, 2x2 of them merged into one image token, 2 frames per temporal patch.
@@ -361,7 +361,7 @@ class SequenceLayout:
 
 
 def build_sequence(traj: Trajectory) -> SequenceLayout:
-    """Flatten a trajectory message (:class:`worldloop.common.schemas.Trajectory`) into a :class:`SequenceLayout`."""
+    """Flatten a trajectory message (:class:`worldloop.common.contracts.schemas.Trajectory`) into a :class:`SequenceLayout`."""
     ids: list[int] = []
     resp: list[float] = []
     tindex: list[int] = []

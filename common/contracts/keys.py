@@ -9,8 +9,8 @@ Every key of a run is ``<namespace>:<what>``:
     <ns>:procs        hash    "<role>:<id>" -> JSON {host, pid, metrics_url, seen_at}
     <ns>:stats        hash    counter name -> int (judge failures, fallbacks, learner drops; see stats_incr)
     <ns>:judge:forwarded  zset  trajectory ids forwarded to scored (exactly-once dedup)
-    <ns>:admission[:leases|:ids|:expired]  the rollout admission budget (common/admission.py)
-    <ns>:learner:lease|owner|epoch  one learner per namespace, with a fencing token (common/lease.py)
+    <ns>:admission[:leases|:ids|:expired]  the rollout admission budget (common/transport/admission.py)
+    <ns>:learner:lease|owner|epoch  one learner per namespace, with a fencing token (common/transport/lease.py)
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Keys:
 
     @property
     def admission(self) -> str:
-        """Hash of the run's admission budget (``common/admission.py``): admitted, expired, refunded."""
+        """Hash of the run's admission budget (``common/transport/admission.py``): admitted, expired, refunded."""
         return f"{self.ns}:admission"
 
     @property
@@ -69,7 +69,7 @@ class Keys:
 
     @property
     def learner_lease(self) -> str:
-        """Hash: the learner lease (common/lease.py): token and holder; expires unless renewed."""
+        """Hash: the learner lease (common/transport/lease.py): token and holder; expires unless renewed."""
         return f"{self.ns}:learner:lease"
 
     @property

@@ -1,6 +1,6 @@
 """The config's cross-field rules, all in one place: what no single field can check alone.
 
-A field's own bound stands on the field (:mod:`worldloop.common.config`); a rule that ties two
+A field's own bound stands on the field (:mod:`worldloop.common.contracts.config`); a rule that ties two
 or more keys together is a function here, listed in :data:`CROSS_CHECKS` in the order it runs.
 Its docstring is the rule in prose: ``tools/gen_config_docs.py`` copies it into
 ``docs/configuration.md``. Each raises :class:`ConfigError` on the key to change.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from worldloop.common.config_fields import ConfigError
+from worldloop.common.contracts.config_fields import ConfigError
 
 SFT_PROBE_SEEDS = 8  # format probes played after the demonstrations (worldloop/bootstrap/pipeline.py warm_start)
 GROUNDING_EVAL_BOARDS = 128  # held-out boards of grounding pre-training (worldloop/bootstrap/grounding.py)

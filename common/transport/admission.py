@@ -56,10 +56,10 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-from worldloop.common.keys import Keys
+from worldloop.common.contracts.keys import Keys
 from worldloop.common.metrics import metric
-from worldloop.common.redis_link import RedisLink
-from worldloop.common.schemas import trajectory_id_of
+from worldloop.common.transport.redis_link import RedisLink
+from worldloop.common.contracts.schemas import trajectory_id_of
 
 log = logging.getLogger(__name__)
 

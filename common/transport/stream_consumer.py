@@ -1,7 +1,7 @@
 """Reading a Redis stream through a consumer group: :class:`StreamConsumer` and the
-:class:`Message` it delivers. Part of the stream transport of :mod:`worldloop.common.streams`,
+:class:`Message` it delivers. Part of the stream transport of :mod:`worldloop.common.transport.streams`,
 whose module docstring states the guarantees (ack = XACK + XDEL once the work is durable,
-reclaims, dead letters, reconnects); :mod:`worldloop.common.streams` re-exports both names.
+reclaims, dead letters, reconnects); :mod:`worldloop.common.transport.streams` re-exports both names.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any, Callable, Iterable
 import redis
 from redis.exceptions import ResponseError
 
-from worldloop.common.lease import fence_lua
+from worldloop.common.transport.lease import fence_lua
 from worldloop.common.metrics import metric
-from worldloop.common.redis_link import RETRYABLE, RedisLink
-from worldloop.common.schemas import deadletter_message, packb
+from worldloop.common.transport.redis_link import RETRYABLE, RedisLink
+from worldloop.common.contracts.schemas import deadletter_message, packb
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class StreamConsumer:
       itself).
     * ``on_deadletter(payload)`` runs after each entry this consumer dead-lettered (an admission
       refund).
-    * ``fence``: (owner key, token) of the learner lease (:mod:`worldloop.common.lease`): acks and
+    * ``fence``: (owner key, token) of the learner lease (:mod:`worldloop.common.transport.lease`): acks and
       dead letters fail with ``Fenced`` once another learner took the namespace.
     """
 

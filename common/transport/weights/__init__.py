@@ -30,7 +30,7 @@ hex digest of the whole encoding and the version's identity in every chunk reque
 pickle: the header is JSON, the payload raw little-endian tensor bytes.
 """
 
-from worldloop.common.weights.codec import (
+from worldloop.common.transport.weights.codec import (
     DEFAULT_HASH,
     DTYPES,
     FORMAT,
@@ -44,8 +44,8 @@ from worldloop.common.weights.codec import (
     decode_tensors,
     encode_tensors,
 )
-from worldloop.common.weights.publisher import WeightPublisher, publisher_from_config
-from worldloop.common.weights.subscriber import WeightSubscriber, default_max_bytes, subscriber_from_config
+from worldloop.common.transport.weights.publisher import WeightPublisher, publisher_from_config
+from worldloop.common.transport.weights.subscriber import WeightSubscriber, default_max_bytes, subscriber_from_config
 
 __all__ = [
     "DEFAULT_HASH", "DTYPES", "FORMAT", "HASHES", "KeyFileError", "Manifest", "WeightPublisher", "WeightSubscriber",

@@ -1,6 +1,6 @@
 """From YAML text to a plain config tree: files, shipped presets and ``key.sub=value`` overrides.
 
-Nothing here knows the schema; :func:`worldloop.common.config.config_from_dict` validates the tree
+Nothing here knows the schema; :func:`worldloop.common.contracts.config.config_from_dict` validates the tree
 this module builds. An override's value is parsed as YAML, so ``actor.envs=[{id: x}]`` and
 ``judge.base_url=null`` work. Every error is a :class:`ConfigError` naming the key (or ``<file>``
 / ``<root>``) and the reason.
@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from worldloop.common.config_fields import ConfigError
+from worldloop.common.contracts.config_fields import ConfigError
 
 
 def parse_override(text: str) -> tuple[str, Any]:

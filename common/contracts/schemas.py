@@ -6,7 +6,7 @@ Never pickle. A message is a :class:`msgspec.Struct` (:class:`Trajectory`, :clas
 makes the checks a type cannot express (:func:`check_trajectory`); any failure raises
 :class:`SchemaError` whose message starts with the path of the bad field
 (``$.turns[1].logprobs: 2 values for 3 response tokens``). Consumers send such messages to the
-dead-letter stream (``worldloop.common.streams``) instead of crashing. Unknown map keys are
+dead-letter stream (``worldloop.common.transport.streams``) instead of crashing. Unknown map keys are
 ignored (a newer producer may add fields); a missing required key, a null where no null is allowed,
 a bool where an int is expected, a non-finite float or a wrong ``schema`` tag are errors.
 

@@ -2,7 +2,7 @@
 the one retry wrapper that every Redis call of worldloop's roles goes through (redis-py, sync API).
 
 This module speaks Redis, not streams: it knows connections, errors and backoff, never a stream
-entry, group or payload. :mod:`worldloop.common.streams` (the only module that speaks Redis
+entry, group or payload. :mod:`worldloop.common.transport.streams` (the only module that speaks Redis
 streams) and the roles' other Redis state (admission, counters, leases) build on it.
 
 Design decisions
@@ -28,7 +28,7 @@ Design decisions
   Redis refuses a script (OOM, MISCONF, READONLY) at its first write, never after it wrote: neither
   leaves half of its writes behind.
 * **Fenced writes.** A script that finds another learner's fencing token
-  (:mod:`worldloop.common.lease`) fails with ``FENCED``: :class:`Fenced` is raised, never retried.
+  (:mod:`worldloop.common.transport.lease`) fails with ``FENCED``: :class:`Fenced` is raised, never retried.
 * **Start-up.** Until a first call succeeds, the retrying gives up after ``startup_timeout_s`` with
   :class:`RedisUnreachable`: a wrong ``redis.url`` must not look like a slow start.
 * **Secrets.** A URL's password is never printed (:func:`redis_address` is what errors show); a
@@ -58,6 +58,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from worldloop.common.exposure import warn_open_redis
 from worldloop.common.metrics import metric
+from worldloop.common.secrets import REDIS_PASSWORD_ENV  # re-exported: the variable's home is secrets
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +69,6 @@ _BACKOFF_START_S = 0.05
 T = TypeVar("T")
 
 
-# the Redis password for a URL without one: from the environment, so that it is on no process's
-# command line (``ps``, /proc/PID/cmdline) and in no config file a run writes
-REDIS_PASSWORD_ENV = "WORLDLOOP_REDIS_PASSWORD"
 
 
 def connect(url: str, socket_timeout_s: float = 10.0) -> redis.Redis:
@@ -125,7 +123,7 @@ class WriteRefused(RedisConnectionError):
 
 class Fenced(RuntimeError):
     """A fenced write script refused this process's write: another learner took the namespace's
-    lease (:mod:`worldloop.common.lease`). Never retried: the process must stop writing."""
+    lease (:mod:`worldloop.common.transport.lease`). Never retried: the process must stop writing."""
 
 
 class RedisUnreachable(RuntimeError):

@@ -24,7 +24,7 @@ with its next value, so tokens grow with every hand-over).
 * **Fencing.** A learner that lost its lease writes nothing more. In Redis this is atomic: the
   learner's acks and dead letters (``StreamConsumer(fence=...)``) and its control-record writes
   (:meth:`hset`) run as scripts that first compare ``owner`` with the learner's token and fail
-  with ``FENCED`` (:class:`worldloop.common.redis_link.Fenced`; :class:`LeaseLost` is one) when
+  with ``FENCED`` (:class:`worldloop.common.transport.redis_link.Fenced`; :class:`LeaseLost` is one) when
   another learner took over.
   Its files (checkpoints, ``metrics.jsonl``, the ledger) are guarded by :meth:`check`, a Redis
   read right before each update's writes and each checkpoint. A learner paused exactly between
@@ -41,8 +41,8 @@ import time
 import uuid
 from typing import Callable
 
-from worldloop.common.keys import Keys
-from worldloop.common.redis_link import Fenced, RedisLink, redis_address
+from worldloop.common.contracts.keys import Keys
+from worldloop.common.transport.redis_link import Fenced, RedisLink, redis_address
 
 log = logging.getLogger(__name__)
 

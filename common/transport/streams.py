@@ -1,7 +1,7 @@
 """The Redis-stream transport between actors, judges and the learner (redis-py, sync API): the only
 module that speaks Redis streams (its reading half, :class:`StreamConsumer`, lives in
-:mod:`worldloop.common.stream_consumer` and is re-exported here). Connections, retries and URLs
-are :mod:`worldloop.common.redis_link`.
+:mod:`worldloop.common.transport.stream_consumer` and is re-exported here). Connections, retries and URLs
+are :mod:`worldloop.common.transport.redis_link`.
 
 Every entry carries its msgpack payload in the field ``b"data"`` (plus optional
 extra fields). A :class:`StreamProducer` appends with XADD; a
@@ -36,7 +36,7 @@ Design decisions
   entry may have been half-processed: downstream dedups by trajectory id.
 * **Poison messages.** An entry whose ``data`` field is missing, whose payload
   is larger than ``max_message_bytes`` or whose ``decode`` raises goes to the
-  dead-letter stream (``worldloop.common.schemas`` ``deadletter_message``:
+  dead-letter stream (``worldloop.common.contracts.schemas`` ``deadletter_message``:
   reason, source stream, entry id, consumer, time, original bytes) and is
   acked+deleted in the same script, which writes nothing when the entry was no
   longer pending (one record per entry, also after a lost reply); it is never
@@ -44,7 +44,7 @@ Design decisions
   about ``deadletter_maxlen`` records. Entries deleted while pending (XAUTOCLAIM
   finds their id but no entry) are acked and skipped.
 * **Reconnects.** Every Redis call goes through the one retry wrapper of
-  :class:`worldloop.common.redis_link.RedisLink` (reconnect with capped
+  :class:`worldloop.common.transport.redis_link.RedisLink` (reconnect with capped
   exponential backoff, forever unless closed or asked to stop; a wrong URL
   fails at start-up with :class:`RedisUnreachable`). A NOGROUP error (Redis
   restarted without persistence) recreates the consumer's group and the call
@@ -66,8 +66,8 @@ import redis
 from redis.exceptions import ResponseError
 
 from worldloop.common.metrics import metric
-from worldloop.common.redis_link import RETRYABLE, RedisLink, RedisUnreachable, connect
-from worldloop.common.stream_consumer import DATA_FIELD, Message, StreamConsumer, _text
+from worldloop.common.transport.redis_link import RETRYABLE, RedisLink, RedisUnreachable, connect
+from worldloop.common.transport.stream_consumer import DATA_FIELD, Message, StreamConsumer, _text
 
 log = logging.getLogger(__name__)
 

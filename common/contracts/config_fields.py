@@ -1,6 +1,6 @@
 """How a config field is declared, and how a value that breaks it is reported.
 
-Every section of :mod:`worldloop.common.config` is a :class:`Section`: a pydantic model that
+Every section of :mod:`worldloop.common.contracts.config` is a :class:`Section`: a pydantic model that
 forbids unknown keys and validates strictly, so its fields hold their type, default, bound and
 one-line doc together::
 

@@ -33,11 +33,11 @@ import threading
 import time
 from typing import Any
 
-from worldloop.common.config import Config
-from worldloop.common.control import read_control, register_process
-from worldloop.common.keys import Keys
+from worldloop.common.contracts.config import Config
+from worldloop.common.transport.control import read_control, register_process
+from worldloop.common.contracts.keys import Keys
 from worldloop.common.metrics import serve_metrics
-from worldloop.common.redis_link import connect
+from worldloop.common.transport.redis_link import connect
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The actors' side of the weight channel: fetch the newest complete, verified version.
 
 :class:`WeightSubscriber` connects a SUB socket (announcements) and a DEALER (chunk requests)
-to a :class:`~worldloop.common.weights.publisher.WeightPublisher`; see the package docstring for
+to a :class:`~worldloop.common.transport.weights.publisher.WeightPublisher`; see the package docstring for
 the wire protocol.
 
 * **Verified, complete, single-version hand-over.** Every chunk is checked against its CRC-32C
@@ -64,7 +64,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from worldloop.common.metrics import metric
-from worldloop.common.weights.codec import (
+from worldloop.common.transport.weights.codec import (
     FORMAT,
     TOPIC,
     Manifest,
@@ -79,7 +79,7 @@ from worldloop.common.weights.codec import (
     is_int,
     new_hasher,
 )
-from worldloop.common.weights.keys import client_keys, from_config
+from worldloop.common.transport.weights.keys import client_keys, from_config
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from worldloop.common.weights.codec import KeyFileError, WeightsArgumentError, WeightsError
+from worldloop.common.transport.weights.codec import KeyFileError, WeightsArgumentError, WeightsError
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ CONFIG_KEYS = {
 
 def from_config(make: Any, **kwargs: Any) -> Any:
     """``make(**kwargs)``, with an argument error turned into a ConfigError that names the config key."""
-    from worldloop.common.config import ConfigError
+    from worldloop.common.contracts.config import ConfigError
 
     try:
         return make(**kwargs)

@@ -52,7 +52,7 @@ import torch
 import zmq
 
 from worldloop.common.metrics import metric
-from worldloop.common.weights.codec import (
+from worldloop.common.transport.weights.codec import (
     DEFAULT_HASH,
     FORMAT,
     HASHES,
@@ -71,8 +71,8 @@ from worldloop.common.weights.codec import (
     n_chunks,
     new_hasher,
 )
-from worldloop.common.weights.buffers import EncodingBuffer
-from worldloop.common.weights.keys import from_config, server_keys
+from worldloop.common.transport.weights.buffers import EncodingBuffer
+from worldloop.common.transport.weights.keys import from_config, server_keys
 
 log = logging.getLogger(__name__)
 
