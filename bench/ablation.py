@@ -61,6 +61,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 
 from worldloop.common.contracts.config import load_config, to_dict  # noqa: E402
+from worldloop.common.contracts.algorithms import estimator_spec  # noqa: E402
 from worldloop.eval.stats import mean_interval  # noqa: E402
 
 GWM = "grounding_worldmodeling"
@@ -96,9 +97,9 @@ def arm_config(env: str, arm: tuple[str, bool, str], seed: int, steps: int, eval
     cfg["judge"]["enabled"] = bool(reasoning)
     # the critic is the baseline of every estimator but the group ones (which normalise within a group)
     cfg["trainer"].update(estimator=estimator, total_steps=steps, eval_every=steps, eval_episodes=eval_episodes,
-                          resume=False, use_critic=estimator not in ("grpo", "gigpo"),
+                          resume=False, use_critic=estimator_spec(estimator).reads_values,
                           observation_advantage=arm[3] if len(arm) > 3 else "task")
-    if estimator in ("grpo", "gigpo") and cfg["actor"]["n_samples_per_seed"] < 2:
+    if estimator_spec(estimator).grouped and cfg["actor"]["n_samples_per_seed"] < 2:
         cfg["actor"]["n_samples_per_seed"] = 2  # a group of one has no baseline
     return cfg
 

@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from worldloop.common.contracts.algorithms import ESTIMATORS  # noqa: E402
 from worldloop.learner.advantages import compute_advantages  # noqa: E402
 
 KW = dict(gamma=1.0, lam=0.95, gamma_turn=0.95, lam_turn=1.0, gamma_token=1.0, lam_token=0.95)
@@ -122,7 +123,7 @@ def main() -> None:
     no_attention = {k: v for k, v in batch.items() if k != "attention_mask"}
     groups = [b // 8 for b in range(args.rows)]
     baselines = {"masked_gae": dense_masked_gae, "bilevel_gae": dense_bilevel_gae}
-    for name in ("masked_gae", "bilevel_gae", "turn_ppo", "grpo", "vanilla_ppo"):
+    for name in (n for n, spec in ESTIMATORS.items() if not spec.step_groups):  # step groups need anchors
         ours_ms, ours = timed(lambda: compute_advantages(name, **batch, **KW, group_ids=groups), args.repeat, args.device)
         if name in baselines:
             base_ms, base = timed(lambda: baselines[name](**no_attention, **KW), args.repeat, args.device)

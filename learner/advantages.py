@@ -98,11 +98,11 @@ from typing import Any, Sequence
 
 import torch
 
+from worldloop.common.contracts.algorithms import ESTIMATOR_NAMES, estimator_spec
 from worldloop.learner.losses import masked_var
 
-ESTIMATORS = ("masked_gae", "bilevel_gae", "turn_ppo", "grpo", "gigpo", "vanilla_ppo")
-# estimators without a critic whose baselines are the groups of the whole batch (group_ids)
-GROUP_ESTIMATORS = ("grpo", "gigpo")
+# the names and what each estimator needs live in one registry (common/contracts/algorithms.py)
+ESTIMATORS = ESTIMATOR_NAMES
 # bilevel_gae: where the turn-end token's token_rewards (-beta*KL) go (TrainerConfig.bilevel_kl_routing)
 KL_ROUTINGS = ("own_turn", "turn_reward")
 
@@ -468,8 +468,7 @@ def loss_mask_for(estimator: str, response_mask: torch.Tensor, attention_mask: t
     observation tokens after the first response (every attended token from the first generated
     token on); that one needs ``attention_mask``.
     """
-    _check_estimator(estimator)
-    if estimator != "vanilla_ppo":
+    if not estimator_spec(estimator).loss_on_observations:
         return response_mask
     if attention_mask is None:
         raise ValueError("loss_mask_for('vanilla_ppo', ...): attention_mask is required")
@@ -509,8 +508,9 @@ _DISCOUNTS = ("gamma", "lam", "gamma_turn", "lam_turn", "gamma_token", "lam_toke
 
 
 def _check_estimator(estimator: str) -> None:
+    estimator_spec(estimator)  # a ValueError naming the known estimators
     if estimator not in _FUNCTIONS:
-        raise ValueError(f"estimator: unknown {estimator!r}, expected one of {', '.join(ESTIMATORS)}")
+        raise ValueError(f"estimator: {estimator!r} is registered but has no implementation in learner/advantages.py")
 
 
 def compute_advantages(estimator: str, **kwargs):

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import torch
 
-KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+from worldloop.common.contracts.algorithms import KL_ALIASES, KL_ESTIMATOR_NAMES, kl_estimator_name
+
+KL_KINDS = (*KL_ESTIMATOR_NAMES, *KL_ALIASES)  # the registry's names and their aliases
 
 
 def _bool(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -241,14 +243,15 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "
     and the result to [-10, 10]. No masking: mask the result yourself (token_rewards = -beta * kl).
     """
     _same_shape("ref_logprobs", ref_logprobs, logprobs)
+    kind = kl_estimator_name(kind)  # a ValueError naming the known estimators
     diff = logprobs.float() - ref_logprobs.float()
-    if kind in ("kl", "k1"):
+    if kind == "kl":
         return diff
     if kind == "abs":
         return diff.abs()
-    if kind in ("mse", "k2"):
+    if kind == "mse":
         return 0.5 * diff * diff
-    if kind in ("low_var_kl", "k3"):
+    if kind == "low_var_kl":
         log_ratio = (-diff).clamp(-20.0, 20.0)
         return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(-10.0, 10.0)
-    raise ValueError(f"kind: unknown KL estimator {kind!r}, expected one of {', '.join(KL_KINDS)}")
+    raise ValueError(f"kind: KL estimator {kind!r} is registered but kl_penalty has no branch for it")

@@ -75,6 +75,7 @@ from collections import defaultdict
 import torch
 
 from worldloop.common.contracts.config import Config
+from worldloop.common.contracts.algorithms import estimator_spec
 from worldloop.common.contracts.modeling import build_sequence, collate
 from worldloop.common.contracts.schemas import Trajectory
 from worldloop.learner import advantages as adv_mod
@@ -239,10 +240,11 @@ class PPOTrainer:
         self.pad = pad_multiple(cfg, self.device)
         self._cuda_budget: int | None = None  # micro_batch_tokens auto on CUDA, set at the first update
         self._grad_norm_now: dict[str, float] = {}
-        if self.t.estimator in adv_mod.GROUP_ESTIMATORS and models.critic is not None:
+        self.spec = estimator_spec(self.t.estimator)  # what the estimator needs (common/contracts/algorithms.py)
+        if not self.spec.reads_values and models.critic is not None:
             log.warning("trainer.estimator=%s does not read values: the critic (trainer.use_critic) is trained for nothing",
                         self.t.estimator)
-        if self.t.estimator not in adv_mod.GROUP_ESTIMATORS and models.critic is None:
+        if self.spec.reads_values and models.critic is None:
             log.warning("trainer.use_critic=false with %s: values are 0, advantages are Monte-Carlo returns", self.t.estimator)
 
     # ------------------------------------------------------------------ helpers
@@ -392,7 +394,7 @@ class PPOTrainer:
             pre["ref_logprobs"] if models.reference is not None else None, wmact_rescale=t.wmact_rescale,
             kl_coef=t.kl_coef, kl_in_reward=t.kl_in_reward, kl_estimator=t.kl_estimator)
         common = dict(adv_mod.advantage_kwargs(t))
-        if t.estimator in adv_mod.GROUP_ESTIMATORS:
+        if self.spec.grouped:
             rows, length = self._local_rows(), mask.shape[1]
             full, tok = self._grpo_token_rewards(trajectories, token_rewards.sum(1), length)
             full_rewards = place_turn_rewards(full["turn_end_mask"], [turn_rewards(x, wmact_rescale=t.wmact_rescale) for x in trajectories])
@@ -406,8 +408,7 @@ class PPOTrainer:
             advantages, returns = adv_mod.compute_advantages(
                 t.estimator, values=pre["old_values"], response_mask=resp, turn_end_mask=batch["turn_end_mask"],
                 turn_rewards=rewards, token_rewards=token_rewards, attention_mask=batch["attention_mask"], **common)
-        grouped = t.estimator in adv_mod.GROUP_ESTIMATORS
-        whitened = self._whiten(advantages, mask) if t.whiten_advantages and not grouped else advantages
+        whitened = self._whiten(advantages, mask) if t.whiten_advantages and not self.spec.grouped else advantages
         advantages, whitened, credit = self._credit(trajectories, advantages, whitened, mask)
         batch.update(pre)
         batch.update(advantages=whitened, returns=returns, loss_weight=aggregation_weights(mask, t.loss_agg_mode))
@@ -439,7 +440,7 @@ class PPOTrainer:
 
     def _group_inputs(self, trajectories: list[Trajectory]) -> dict:
         """The group estimator's per-turn inputs of the whole batch: gigpo's anchors."""
-        return {"anchors": trajectory_anchors(trajectories)} if self.t.estimator == "gigpo" else {}
+        return {"anchors": trajectory_anchors(trajectories)} if self.spec.step_groups else {}
 
     def _credit(self, trajectories: list[Trajectory], raw_adv: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -447,7 +448,7 @@ class PPOTrainer:
         grounding advantage in place of the task advantage (before and after whitening alike);
         the stats of gigpo's step groups and of the observation advantage."""
         t, out = self.t, {}
-        if t.estimator == "gigpo":
+        if self.spec.step_groups:
             out["step_groups"] = step_group_stats(trajectories)
         if t.observation_advantage == "grounding":
             obs, values, st = observation_advantages(trajectories, self._local_rows(), self.models.codec, tuple(mask.shape),

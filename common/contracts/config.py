@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, PrivateAttr, ValidationError
 
+from worldloop.common.contracts.algorithms import ESTIMATOR_NAMES, KL_ESTIMATOR_NAMES
 from worldloop.common.contracts.config_checks import (  # noqa: F401  (re-exported)
     GROUNDING_EVAL_BOARDS, RELATION_PROMPT_ENVS, SFT_PROBE_SEEDS, check_held_out_seeds, cross_check, held_group_size,
     pass_rule_mode, training_seed_ranges,
@@ -294,7 +295,7 @@ class JudgeConfig(Section):
 class TrainerConfig(Section):
     """The learner's PPO/GRPO updates, checkpoints and evaluation while training."""
 
-    estimator: Literal["masked_gae", "bilevel_gae", "turn_ppo", "grpo", "gigpo", "vanilla_ppo"] = Field(
+    estimator: Literal[ESTIMATOR_NAMES] = Field(
         "bilevel_gae", description="the advantage estimator (learner/advantages.py); gigpo = grpo plus a per-turn baseline "
                                    "over the group's turns that started from the same state")
     total_steps: int = Field(100, ge=1, description="policy updates in the run")
@@ -394,7 +395,7 @@ class TrainerConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda:<LOCAL_RANK> when visible, else cpu")
     kl_in_reward: bool = Field(True, description="KL to the frozen reference as a per-token reward -kl_coef * KL (VAGEN), "
                                                  "or else as a loss term")
-    kl_estimator: Literal["kl", "abs", "mse", "low_var_kl"] = Field("kl", description="the KL estimator (k1, |k1|, k2, k3)")
+    kl_estimator: Literal[KL_ESTIMATOR_NAMES] = Field("kl", description="the KL estimator (k1, |k1|, k2, k3)")
     # stream entries are acked only after a checkpoint holds their update (learner/data.py)
     max_pending_mb: int = Field(1024, ge=1, description="when the payload bytes held pending (acked only after a "
                                                         "checkpoint holds their update) pass this, the learner "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from worldloop.common.contracts.algorithms import estimator_spec
 from worldloop.common.contracts.config_fields import ConfigError
 
 SFT_PROBE_SEEDS = 8  # format probes played after the demonstrations (worldloop/bootstrap/pipeline.py warm_start)
@@ -66,7 +67,7 @@ def held_group_size(cfg: Any) -> int:
     (``trainer.filter_groups``, or ``trainer.whole_groups`` with estimator grpo or gigpo), or 0 when
     it batches in arrival order (no groups, or neither knob applies)."""
     t, n = cfg.trainer, cfg.actor.n_samples_per_seed
-    grouped = t.filter_groups or (t.whole_groups and t.estimator in ("grpo", "gigpo"))
+    grouped = t.filter_groups or (t.whole_groups and estimator_spec(t.estimator).grouped)
     return n if grouped and n >= 2 else 0
 
 
@@ -106,8 +107,9 @@ def check_observation_advantage(cfg: Any) -> None:
     if t.observation_advantage == "grounding" and not cfg.judge.enabled:
         raise ConfigError("trainer.observation_advantage", "grounding needs the judge's grounding scores: set judge.enabled "
                           "true, or observation_advantage task")
-    if (t.observation_advantage == "grounding" or t.estimator == "gigpo") and cfg.actor.n_samples_per_seed < 2:
-        key = "trainer.estimator" if t.estimator == "gigpo" else "trainer.observation_advantage"
+    step_groups = estimator_spec(t.estimator).step_groups
+    if (t.observation_advantage == "grounding" or step_groups) and cfg.actor.n_samples_per_seed < 2:
+        key = "trainer.estimator" if step_groups else "trainer.observation_advantage"
         raise ConfigError(key, "compares turns within GRPO groups: set actor.n_samples_per_seed >= 2 "
                           f"(got {cfg.actor.n_samples_per_seed})")
 
