@@ -74,7 +74,8 @@ from worldloop.learner.data import (DedupWindow, ScoredSource, check_pending_fit
                                     whole_group_fraction)
 from worldloop.learner.engine import DistInfo, all_reduce_sum, broadcast_bytes, build_models, gather_policy_weights, init_distributed
 from worldloop.learner.rewards import anneal_max_turns
-from worldloop.learner.trainer import PPOTrainer, batch_reward_stats
+from worldloop.learner.rewards import batch_reward_stats
+from worldloop.learner.trainer import PPOTrainer
 from worldloop.learner.trackers import open_trackers
 
 STEP_TIME_WINDOW = 5  # trainer.time_limit_s judges the next update by the slowest of the last this many

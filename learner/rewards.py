@@ -6,6 +6,9 @@ Public API::
     turn_rewards(traj, *, wmact_rescale) -> list[float]     # r_t per turn
     place_turn_rewards(turn_end_mask, rewards) -> [B, L] float32 tensor
     anneal_max_turns(current_max, observed_turns) -> int    # WMAct Eq. 5
+    assemble_token_rewards(trajectories, turn_end_mask, loss_mask, logprobs, ref_logprobs, *,
+                           wmact_rescale, kl_coef, kl_in_reward, kl_estimator) -> (turn, kl, token) [B, L]
+    batch_reward_stats(trajectories, wmact_rescale) -> dict  # an update's reward and success stats
 
 Turn reward (VAGEN Sec. 5.3): r_t = reasoning_reward + format_reward + env_reward
 (``worldloop.common.contracts.schemas.total_turn_reward``; an unscored turn has reasoning reward 0).
@@ -26,12 +29,14 @@ action parsed in any turn) has no ineffective action to penalise: its ratio is 1
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from typing import Sequence
 
 import msgspec
 import torch
 
 from worldloop.common.contracts.schemas import Trajectory, total_turn_reward
+from worldloop.learner.losses import kl_penalty
 
 
 def effective_action_ratio(traj: Trajectory) -> float:
@@ -98,3 +103,41 @@ def anneal_max_turns(current_max: int, observed_turns: Sequence[int]) -> int:
     mean, largest = sum(turns) / len(turns), max(turns)
     target = math.ceil((mean + largest) / 2)  # exact when it is an integer: the turn counts are ints
     return max(1, min(current_max, target))
+
+
+def batch_reward_stats(trajectories: list[Trajectory], wmact_rescale: bool) -> dict:
+    """Mean per-trajectory reward by component, success rate overall and per env, turn counts."""
+    n = max(len(trajectories), 1)
+    comp = {"total": 0.0, "env": 0.0, "format": 0.0, "reasoning": 0.0}
+    success: dict[str, list[int]] = defaultdict(list)
+    for traj in trajectories:
+        comp["total"] += sum(turn_rewards(traj, wmact_rescale=wmact_rescale))
+        for t in traj.turns:
+            comp["env"] += float(t.env_reward)
+            comp["format"] += float(t.format_reward)
+            comp["reasoning"] += float(t.reasoning_reward or 0.0)
+        success[traj.env_name].append(int(traj.success))
+    rates = {"all": sum(sum(v) for v in success.values()) / n}
+    rates.update({k: sum(v) / len(v) for k, v in sorted(success.items())})
+    return {"reward": {k: v / n for k, v in comp.items()}, "success_rate": rates,
+            "turns": [len(t.turns) for t in trajectories]}
+
+
+def assemble_token_rewards(trajectories: list[Trajectory], turn_end_mask: torch.Tensor, loss_mask: torch.Tensor,
+                           logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None, *, wmact_rescale: bool,
+                           kl_coef: float, kl_in_reward: bool, kl_estimator: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rewards an update trains on, all [B, L] float32 (step 3 of ``worldloop.learner.trainer``'s docstring):
+
+    * turn rewards: row b's k-th turn end holds r_k = reasoning + format + env of trajectory b's
+      turn k (``turn_rewards``, WMAct-rescaled with ``wmact_rescale``), 0 elsewhere;
+    * per-token KL(prox || ref) by ``kl_estimator`` on the ``loss_mask`` tokens, 0 elsewhere (and
+      everywhere without a reference model, ``ref_logprobs`` None);
+    * token rewards: ``-kl_coef * KL`` with ``kl_in_reward`` and a reference, else 0.
+    """
+    turn = place_turn_rewards(turn_end_mask, [turn_rewards(x, wmact_rescale=wmact_rescale) for x in trajectories])
+    if ref_logprobs is None:
+        kl_tok = torch.zeros_like(loss_mask)
+    else:
+        kl_tok = torch.where(loss_mask > 0, kl_penalty(logprobs, ref_logprobs, kind=kl_estimator), 0.0)
+    token = -kl_coef * kl_tok if (kl_in_reward and ref_logprobs is not None) else torch.zeros_like(loss_mask)
+    return turn, kl_tok, token

@@ -4,9 +4,6 @@ Public API::
 
     PPOTrainer(cfg, models, seed=0)
         .update(trajectories, step) -> dict     # every rank calls it with the SAME global batch
-    assemble_token_rewards(trajectories, turn_end_mask, loss_mask, logprobs, ref_logprobs, *,
-                           wmact_rescale, kl_coef, kl_in_reward, kl_estimator) -> (turn, kl, token) [B, L]
-    batch_reward_stats(trajectories, wmact_rescale) -> dict
     micro_loss_scale(n_micro, n_global, world_size, accumulation) -> float
     token_budget_micro_batches(rows, lengths, budget, pad_to=8) -> list[list[int]]
     split_micro_batches(micro_batches, lengths, n, pad_to=8) -> list[list[int]]
@@ -17,7 +14,7 @@ An iteration, for this rank's contiguous slice of the global batch:
 1. collate the slice (token layout of ``worldloop.common.contracts.modeling``; images stay with their sequence);
 2. without gradients, per micro-batch: proximal log-probs of the current policy (version v, at
    the actors' sampling temperature), reference log-probs, critic values;
-3. turn rewards r_t = reasoning + format + env (``worldloop.learner.rewards.turn_rewards``, WMAct Eq. 4
+3. turn rewards r_t = reasoning + format + env (``worldloop.learner.rewards.assemble_token_rewards``, WMAct Eq. 4
    rescaling by config) at each turn's last token; with ``kl_in_reward`` the token rewards are
    ``-kl_coef * KL(prox || ref)``; advantages and returns from ``worldloop.learner.advantages``; the
    advantages are whitened over the global batch (all ranks) unless the estimator is grpo or gigpo
@@ -86,51 +83,13 @@ from worldloop.learner.kernels import pad_multiple
 from worldloop.learner.memory import auto_micro_batch_tokens
 from worldloop.learner.losses import (aggregation_normaliser, aggregation_weights, kl_penalty, masked_mean, policy_loss,
                                       value_loss, weighted_sum)
-from worldloop.learner.rewards import place_turn_rewards, turn_rewards
+from worldloop.learner.rewards import assemble_token_rewards, place_turn_rewards, turn_rewards
 
 log = logging.getLogger(__name__)
 
 # stats reduced with max / min over ranks and micro-batches (everything else: token-weighted mean)
 _MAX_STATS = ("iw_max", "ratio_max")
 _MIN_STATS = ("iw_min", "ratio_min")
-
-
-def batch_reward_stats(trajectories: list[Trajectory], wmact_rescale: bool) -> dict:
-    """Mean per-trajectory reward by component, success rate overall and per env, turn counts."""
-    n = max(len(trajectories), 1)
-    comp = {"total": 0.0, "env": 0.0, "format": 0.0, "reasoning": 0.0}
-    success: dict[str, list[int]] = defaultdict(list)
-    for traj in trajectories:
-        comp["total"] += sum(turn_rewards(traj, wmact_rescale=wmact_rescale))
-        for t in traj.turns:
-            comp["env"] += float(t.env_reward)
-            comp["format"] += float(t.format_reward)
-            comp["reasoning"] += float(t.reasoning_reward or 0.0)
-        success[traj.env_name].append(int(traj.success))
-    rates = {"all": sum(sum(v) for v in success.values()) / n}
-    rates.update({k: sum(v) / len(v) for k, v in sorted(success.items())})
-    return {"reward": {k: v / n for k, v in comp.items()}, "success_rate": rates,
-            "turns": [len(t.turns) for t in trajectories]}
-
-
-def assemble_token_rewards(trajectories: list[Trajectory], turn_end_mask: torch.Tensor, loss_mask: torch.Tensor,
-                           logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None, *, wmact_rescale: bool,
-                           kl_coef: float, kl_in_reward: bool, kl_estimator: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The rewards an update trains on, all [B, L] float32 (step 3 of the module docstring):
-
-    * turn rewards: row b's k-th turn end holds r_k = reasoning + format + env of trajectory b's
-      turn k (``turn_rewards``, WMAct-rescaled with ``wmact_rescale``), 0 elsewhere;
-    * per-token KL(prox || ref) by ``kl_estimator`` on the ``loss_mask`` tokens, 0 elsewhere (and
-      everywhere without a reference model, ``ref_logprobs`` None);
-    * token rewards: ``-kl_coef * KL`` with ``kl_in_reward`` and a reference, else 0.
-    """
-    turn = place_turn_rewards(turn_end_mask, [turn_rewards(x, wmact_rescale=wmact_rescale) for x in trajectories])
-    if ref_logprobs is None:
-        kl_tok = torch.zeros_like(loss_mask)
-    else:
-        kl_tok = torch.where(loss_mask > 0, kl_penalty(logprobs, ref_logprobs, kind=kl_estimator), 0.0)
-    token = -kl_coef * kl_tok if (kl_in_reward and ref_logprobs is not None) else torch.zeros_like(loss_mask)
-    return turn, kl_tok, token
 
 
 PAD_TO = 8  # the default multiple micro-batch lengths are rounded up to (trainer.pad_to_multiple)

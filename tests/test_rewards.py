@@ -1,5 +1,5 @@
 """worldloop.learner.rewards: turn rewards, WMAct Eq. 4 rescaling and Eq. 5 annealing, and the trainer's
-assembly of turn and KL token rewards (learner/trainer.py assemble_token_rewards), by hand."""
+assembly of turn and KL token rewards (learner/rewards.py assemble_token_rewards), by hand."""
 
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def same(got: torch.Tensor, want: list[list[float]]) -> None:
 
 
 def test_assembly_places_turn_rewards_at_turn_ends_and_minus_kl_coef_kl_on_loss_tokens() -> None:
-    from worldloop.learner.trainer import assemble_token_rewards
+    from worldloop.learner.rewards import assemble_token_rewards
 
     trajs, end, mask, lp, ref = _assembly_batch()
     turn, kl, tok = assemble_token_rewards(trajs, end, mask, lp, ref, wmact_rescale=False, kl_coef=0.1,
@@ -124,7 +124,7 @@ def test_assembly_places_turn_rewards_at_turn_ends_and_minus_kl_coef_kl_on_loss_
 
 
 def test_assembly_with_wmact_and_kl_as_a_loss_term_or_without_a_reference() -> None:
-    from worldloop.learner.trainer import assemble_token_rewards
+    from worldloop.learner.rewards import assemble_token_rewards
 
     trajs, end, mask, lp, ref = _assembly_batch()
     # WMAct Eq. 4: positive env rewards * N_eff/N (3/6 and 1/2): 10 -> 5, 1.0 -> 0.5; the rest as it was
