@@ -348,7 +348,7 @@ def run_variant(size: str, engine: str, steps: int, out: Path, lengths: str = "f
     from worldloop.bootstrap.tiny_model import make_tiny_model
     from worldloop.common.transport.weights import WeightPublisher
     from worldloop.learner.engine import DistInfo, assemble_models, gather_policy_weights, init_distributed
-    from worldloop.learner.synthetic import synthetic_trajectory
+    from worldloop.testing.trajectories import synthetic_trajectory
     from worldloop.learner.trainer import PPOTrainer
 
     spec = dict(SIZES[size])

@@ -11,7 +11,7 @@ from worldloop.common.contracts.modeling import ChatCodec, build_sequence, colla
 from worldloop.common.contracts.schemas import State, decode_trajectory, encode_trajectory
 from worldloop.learner.credit import (observation_advantages, observation_char_span, observation_token_span,
                                       step_group_stats, trajectory_anchors, turn_anchor)
-from worldloop.learner.synthetic import synthetic_trajectory
+from worldloop.testing.trajectories import synthetic_trajectory
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from worldloop.common.contracts.modeling import ChatCodec
 from worldloop.common.contracts.schemas import decode_trajectory, encode_trajectory
 from worldloop.common.transport.streams import FORWARDED, Forwarder, StreamConsumer, StreamProducer, connect
 from worldloop.learner.data import DedupWindow, ScoredSource
-from worldloop.learner.synthetic import synthetic_trajectory
+from worldloop.testing.trajectories import synthetic_trajectory
 from worldloop.bootstrap.tiny_model import make_tiny_model
 
 NS = "dur"

@@ -21,7 +21,7 @@ def checkpoints(tmp_path_factory) -> dict:
     """A run dir with a checkpoint that has the hf/ export and one without, after a weight change."""
     from worldloop.learner import checkpoint
     from worldloop.learner.engine import build_models, gather_policy_weights, init_distributed
-    from worldloop.learner.synthetic import tiny_learner_config
+    from worldloop.testing.learner import tiny_learner_config
 
     root = tmp_path_factory.mktemp("ckpt")
     model_dir = make_tiny_model(root / "base", max_image_side=112)

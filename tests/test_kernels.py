@@ -38,7 +38,7 @@ def test_liger_on_without_the_package_names_the_key_and_auto_stays_off():
 
 def test_a_learner_with_liger_on_a_cpu_fails_before_loading_models(tmp_path: Path):
     from worldloop.learner.engine import DistInfo, build_models
-    from worldloop.learner.synthetic import tiny_learner_config
+    from worldloop.testing.learner import tiny_learner_config
     from worldloop.bootstrap.tiny_model import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "tiny", arch="qwen2", max_image_side=112)
@@ -112,7 +112,7 @@ def test_liger_gives_the_plain_path_log_probs_entropies_and_gradients(tmp_path, 
     """The tiny model (fp32 on CUDA) with Liger's RMSNorm, RoPE and SwiGLU, and its fused linear
     log-prob where no entropy is asked for, against the plain modules and the chunked head."""
     from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate, load_policy
-    from worldloop.learner.synthetic import synthetic_trajectory
+    from worldloop.testing.trajectories import synthetic_trajectory
     from worldloop.bootstrap.tiny_model import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / arch, arch=arch, max_image_side=112)

@@ -25,7 +25,8 @@ from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.learner import checkpoint
 from worldloop.learner.engine import init_distributed
 from worldloop.learner.process import Learner
-from worldloop.learner.synthetic import synthetic_trajectory, tiny_learner_config
+from worldloop.testing.trajectories import synthetic_trajectory
+from worldloop.testing.learner import tiny_learner_config
 
 NS = "anneal"
 # turns per trajectory of the four batches (4 trajectories per update, trained in stream order)

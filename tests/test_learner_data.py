@@ -29,7 +29,7 @@ from worldloop.learner.data import (
     micro_slices,
     whole_group_fraction,
 )
-from worldloop.learner.synthetic import synthetic_trajectory
+from worldloop.testing.trajectories import synthetic_trajectory
 
 NS = "ld"
 

@@ -24,7 +24,8 @@ from worldloop.common.contracts.schemas import decode_trajectory, encode_traject
 from worldloop.common.transport.streams import StreamProducer, connect
 from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.learner import checkpoint
-from worldloop.learner.synthetic import synthetic_trajectory, tiny_learner_config
+from worldloop.testing.trajectories import synthetic_trajectory
+from worldloop.testing.learner import tiny_learner_config
 from procs import run_to_end, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -27,7 +27,8 @@ from worldloop.common.transport.weights import WeightSubscriber
 from worldloop.learner import checkpoint
 from worldloop.learner.engine import init_distributed
 from worldloop.learner.process import Learner
-from worldloop.learner.synthetic import behaviour_logprobs_from, synthetic_trajectory, tiny_learner_config, train_until_stopped
+from worldloop.testing.trajectories import behaviour_logprobs_from, synthetic_trajectory
+from worldloop.testing.learner import tiny_learner_config, train_until_stopped
 
 TEMPERATURE = 0.7  # the actor's sampling temperature (config default)
 

@@ -13,7 +13,7 @@ import torch
 
 from worldloop.common.contracts.logprobs import ChunkedLinearLogprob, full_linear_logprobs, linear_logprobs, token_logprobs
 from worldloop.common.contracts.modeling import ChatCodec, collate, load_policy, model_inputs
-from worldloop.learner.synthetic import synthetic_trajectory
+from worldloop.testing.trajectories import synthetic_trajectory
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -104,7 +104,8 @@ def test_auto_micro_batch_tokens_on_cuda_fills_the_free_memory(tmp_path):
     from worldloop.common.contracts.modeling import ChatCodec, load_policy
     from worldloop.learner.engine import assemble_models, init_distributed, load_backbone
     from worldloop.learner.memory import activation_bytes_per_token
-    from worldloop.learner.synthetic import synthetic_trajectory, tiny_learner_config
+    from worldloop.testing.trajectories import synthetic_trajectory
+    from worldloop.testing.learner import tiny_learner_config
     from worldloop.learner.trainer import PPOTrainer
     from worldloop.bootstrap.tiny_model import make_tiny_model
 

@@ -69,7 +69,7 @@ BUDGET = 320  # token slots: a 232-token row goes alone, two of 144 fit
 def _trajectories(codec, n: int = 8):
     """The first 8: lengths 53 to 231 tokens (1 to 3 turns, 4 to 40 response tokens); the next 8
     (the second rank's half of 16): all short. The same batch every call."""
-    from worldloop.learner.synthetic import synthetic_trajectory
+    from worldloop.testing.trajectories import synthetic_trajectory
 
     shapes = [(1, 4), (3, 40), (1, 8), (2, 30), (3, 36), (1, 6), (2, 12), (3, 24),
               (1, 4), (1, 6), (1, 8), (1, 5), (1, 7), (1, 4), (1, 6), (1, 3)]
@@ -111,7 +111,7 @@ def run_update(model_dir: Path, *, micro_batch_tokens: int | str, zero_stage: in
     {engine: [final parameters]})."""
     from worldloop.common.contracts.modeling import ChatCodec, load_policy
     from worldloop.learner.engine import assemble_models, init_distributed, load_backbone
-    from worldloop.learner.synthetic import tiny_learner_config
+    from worldloop.testing.learner import tiny_learner_config
     from worldloop.learner.trainer import PPOTrainer
 
     cfg = tiny_learner_config(model_dir, redis_url, model_dir.parent / "run", train_batch_size=train_batch_size,

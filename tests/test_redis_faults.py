@@ -137,7 +137,8 @@ def test_a_learner_step_rides_out_a_redis_restart_at_its_control_write(tmp_path:
     from worldloop.common.contracts.schemas import encode_trajectory
     from worldloop.learner.engine import init_distributed
     from worldloop.learner.process import Learner
-    from worldloop.learner.synthetic import synthetic_trajectory, tiny_learner_config
+    from worldloop.testing.trajectories import synthetic_trajectory
+    from worldloop.testing.learner import tiny_learner_config
     from worldloop.bootstrap.tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path / "model", max_image_side=56)

@@ -34,7 +34,8 @@ from worldloop.common.contracts.modeling import ChatCodec
 from worldloop.common.contracts.schemas import encode_trajectory
 from worldloop.common.transport.streams import StreamProducer, connect
 from worldloop.learner import checkpoint
-from worldloop.learner.synthetic import synthetic_trajectory, tiny_learner_config
+from worldloop.testing.trajectories import synthetic_trajectory
+from worldloop.testing.learner import tiny_learner_config
 from worldloop.bootstrap.tiny_model import make_tiny_model
 from ci import unavailable
 from procs import exit_code, run_to_end, wait_for

@@ -398,7 +398,8 @@ def test_a_real_learner_step_reaches_tensorboard_wandb_and_samples(tmp_path, off
     step's metrics.jsonl line is in TensorBoard and wandb at that step; samples of step 2."""
     from worldloop.common.contracts.modeling import ChatCodec
     from worldloop.common.transport.redis_local import LocalRedis
-    from worldloop.learner.synthetic import synthetic_trajectory, tiny_learner_config, train_until_stopped
+    from worldloop.testing.trajectories import synthetic_trajectory
+    from worldloop.testing.learner import tiny_learner_config, train_until_stopped
     from worldloop.bootstrap.tiny_model import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "vl", max_image_side=112)
