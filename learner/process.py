@@ -59,7 +59,7 @@ from pathlib import Path
 
 import torch
 
-from worldloop.common.contracts.config import Config, ConfigError
+from worldloop.common.contracts.config import Config, ConfigError, run_dir_of
 from worldloop.common.transport.control import control_fields, default_proc_id, list_processes, read_control
 from worldloop.common.exposure import warn_plain_weights
 from worldloop.common.files import append_lines
@@ -83,10 +83,6 @@ STEP_TIME_WINDOW = 5  # trainer.time_limit_s judges the next update by the slowe
 log = logging.getLogger("worldloop.learner")
 
 _MULTI_RANK_WAIT_S = 30.0  # rank 0 tells the others "still waiting" this often
-
-
-def run_dir_of(cfg: Config) -> Path:
-    return Path(cfg.run.run_dir) if cfg.run.run_dir else Path("runs") / cfg.run.name
 
 
 class Learner:

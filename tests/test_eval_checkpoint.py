@@ -102,7 +102,7 @@ def test_a_stopping_evaluator_takes_the_final_version_from_the_checkpoint(checkp
     """The learner closes its weight channel after the last checkpoint: the evaluator's final version
     comes from that checkpoint, and only when it holds exactly that version."""
     from worldloop.actor.hf_backend import HFBackend
-    from worldloop.evaluator import checkpoint_weights
+    from worldloop.heldout import checkpoint_weights
 
     cfg = load_config()
     run = checkpoints["root"] / "run"

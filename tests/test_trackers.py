@@ -259,7 +259,7 @@ def _drive(run_dir: Path, loggers: list[str]):
     cfg = make_cfg(run_dir, loggers, sample_every=2)
     batch = [episode(i, [float(i), 0.5 * i]) for i in range(6)]
     trackers = open_trackers(run_dir, cfg)
-    with open(run_dir / "eval.jsonl", "a") as f:  # what worldloop/evaluator.py appends
+    with open(run_dir / "eval.jsonl", "a") as f:  # what worldloop/heldout.py appends
         f.write(json.dumps({"eval": {"policy_version": 0, "step": 0, "success_rate": {"all": 0.125, "sokoban": 0.125},
                                      "episodes": {"all": 8}, "reward_mean": -0.5, "ci95": {"all": [0.0, 0.5]}}}) + "\n")
     for step in (1, 2, 3):

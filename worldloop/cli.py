@@ -77,7 +77,7 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
         "Use --resume (or trainer.resume=true) to continue from the newest checkpoint.",
     ),
     "evaluator": (
-        "worldloop.evaluator", "run",
+        "worldloop.heldout", "run",
         "evaluate held-out seeds while a run trains",
         "Play trainer.eval_episodes held-out seeds per env (from eval.seed_start on) with the newest "
         "weights every trainer.eval_every policy versions, taking the weights from the learner's ZeroMQ "

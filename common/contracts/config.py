@@ -30,7 +30,7 @@ from worldloop.common.contracts.config_checks import (  # noqa: F401  (re-export
 )
 from worldloop.common.contracts.config_fields import ConfigError, Float, Rule, Section, config_error
 from worldloop.common.contracts.config_load import (  # noqa: F401  (re-exported)
-    parse_override, preset_names, read_config_file, resolve_config_path, with_overrides,
+    parse_override, preset_names, read_config_file, resolve_config_path, run_dir_of, with_overrides,
 )
 
 SCORERS = ("rule", "llm", "hybrid")
@@ -400,7 +400,7 @@ class TrainerConfig(Section):
     max_pending_mb: int = Field(1024, ge=1, description="when the payload bytes held pending (acked only after a "
                                                         "checkpoint holds their update) pass this, the learner "
                                                         "checkpoints early")
-    # worldloop/evaluator.py, started by `worldloop up`
+    # worldloop/heldout.py, started by `worldloop up`
     eval_every: int = Field(0, ge=0, json_schema_extra={"note": "0 = no evaluation during training"},
                             description="held-out evaluation while training: every eval_every policy versions, "
                                         "eval_episodes seeds per env from eval.seed_start on; 0 = off")

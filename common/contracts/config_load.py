@@ -96,3 +96,9 @@ def read_config_file(path: str | os.PathLike) -> tuple[dict, Path]:
     if not isinstance(data, dict):
         raise ConfigError("<root>", f"{p} must hold a mapping of sections, got {type(data).__name__}")
     return data, p
+
+
+def run_dir_of(cfg: Any) -> Path:
+    """The run folder of a config: ``run.run_dir``, or ``runs/<run.name>`` when it is unset (the
+    learner writes there; the evaluator reads the final checkpoint from there)."""
+    return Path(cfg.run.run_dir) if cfg.run.run_dir else Path("runs") / cfg.run.name

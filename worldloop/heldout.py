@@ -46,7 +46,7 @@ from pathlib import Path
 from worldloop.actor.backends import make_backend
 from worldloop.actor.process import WeightFetcher
 from worldloop.actor.rollout import EpisodeSpec, Sampling, env_name, play_episodes
-from worldloop.common.contracts.config import Config, ConfigError
+from worldloop.common.contracts.config import Config, ConfigError, run_dir_of
 from worldloop.common.transport.control import default_proc_id, list_processes
 from worldloop.common.files import append_lines
 from worldloop.common.metrics import metric
@@ -146,7 +146,6 @@ def write_record(run_dir: Path, rec: dict) -> None:
 def run(cfg: Config, args: argparse.Namespace | None = None) -> int:
     _check_config(cfg)
     from worldloop.common.transport.weights import subscriber_from_config
-    from worldloop.learner.process import run_dir_of
 
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
