@@ -453,7 +453,7 @@ class SFTConfig(Section):
                                                             "(all of them where the env's relation_prompt is local: "
                                                             "exactly what its prompt asks for)")
     # plan: the model picks its move right after reading the board, then predicts and answers from that choice
-    # (README "What the presets do": Sokoban)
+    # (docs/learning-history.md "What the presets do, and why": Sokoban)
     concise_reasoning: Literal["empty", "plan"] = Field(
         "empty", description="the concise reasoning: empty, or plan = the turn's actions (as the answer writes them) before "
                              "the prediction")

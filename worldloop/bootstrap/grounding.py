@@ -10,7 +10,7 @@ Public API::
                        agent_every=0, agent_batch_size=8, prompt="image") -> dict
 
 A pretrained vision-language model arrives able to say what is where in an image; the tiny model
-made on the spot does not, and a few hundred SFT demonstrations do not teach it (README,
+made on the spot does not, and a few hundred SFT demonstrations do not teach it (docs/learning-history.md
 "Why the tiny model could not see"). So before SFT, ``worldloop up`` trains the newly made model
 (:func:`worldloop.bootstrap.pipeline.ground` reads the config and calls :func:`grounding_pretrain`)
 on the cheapest grounding task the run's own envs give for free: the first-turn image of a fresh

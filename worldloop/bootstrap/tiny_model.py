@@ -95,7 +95,7 @@ MROPE_SECTION = [4, 6, 6]  # sums to head_dim / 2 = (64 / 2) / 2 = 16
 # The text RoPE base. Qwen2.5-VL's 1e6 with a 32-dim head turns one image row into 0.03-0.001 rad and
 # one column into < 2e-4 rad (M-RoPE gives height and width the lowest frequencies), so a tiny model
 # trained from scratch cannot tell where on the board an image token is: it never learnt a relation
-# such as "goal is above the player" (README, "Why the tiny model could not see"). With base 10 a
+# such as "goal is above the player" (docs/learning-history.md "Why the tiny model could not see"). With base 10 a
 # cell moves the height section by 0.56-0.27 rad and the width section by 0.24-0.12 rad.
 ROPE_THETA = 10.0
 VISION_DEPTH = 2
@@ -372,7 +372,7 @@ def copy_pretrain(model, steps: int, low: int, high: int, generator) -> float:
     any pretrained language model brings; return the copy accuracy on fresh spans afterwards.
 
     A random-init tiny model lacks it, and SFT on a few hundred demonstrations does not build it:
-    see the README's learning section for what it changes."""
+    see docs/learning-history.md "Why the tiny model could not see" for what it changes."""
     import torch
 
     opt = torch.optim.AdamW(model.parameters(), lr=COPY_LR)
