@@ -88,3 +88,13 @@ def test_the_checks_find_a_missing_page_section_and_path(tmp_path: Path) -> None
     assert _PATH.findall("`common/contracts/config.py` and `envs/grid/` and `worldloop/Sokoban-v0`") == [
         "common/contracts/config.py", "envs/grid/"]
     assert is_heading("Evaluation", {"Evaluation (`worldloop eval`)"}) and not is_heading("Eval", {"Evaluation"})
+
+
+def test_only_the_transport_room_speaks_redis_streams() -> None:
+    # README and docs/architecture.md: no role or application issues a stream command itself
+    call = re.compile(r"\.(xadd|xread|xreadgroup|xack|xdel|xrange|xrevrange|xlen|xtrim|xpending|xpending_range|"
+                      r"xautoclaim|xclaim|xgroup_create|xgroup_destroy|xinfo_stream|xinfo_groups)\(", re.I)
+    speakers = sorted({f for f in tracked("actor/*.py", "judge/*.py", "learner/*.py", "worldloop/*.py", "envs/*.py",
+                                          "common/*.py")
+                       if call.search((ROOT / f).read_text())})
+    assert speakers and all(f.startswith("common/transport/") for f in speakers), speakers

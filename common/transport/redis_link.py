@@ -2,8 +2,9 @@
 the one retry wrapper that every Redis call of worldloop's roles goes through (redis-py, sync API).
 
 This module speaks Redis, not streams: it knows connections, errors and backoff, never a stream
-entry, group or payload. :mod:`worldloop.common.transport.streams` (the only module that speaks Redis
-streams) and the roles' other Redis state (admission, counters, leases) build on it.
+entry, group or payload. The stream modules (:mod:`worldloop.common.transport.streams`,
+:mod:`~worldloop.common.transport.stream_consumer`) and the roles' other Redis state (admission,
+counters, leases), all in ``worldloop.common.transport``, build on it.
 
 Design decisions
 ----------------

@@ -1,7 +1,9 @@
-"""The Redis-stream transport between actors, judges and the learner (redis-py, sync API): the only
-module that speaks Redis streams (its reading half, :class:`StreamConsumer`, lives in
-:mod:`worldloop.common.transport.stream_consumer` and is re-exported here). Connections, retries and URLs
-are :mod:`worldloop.common.transport.redis_link`.
+"""The Redis-stream transport between actors, judges and the learner (redis-py, sync API): the
+writing half and acks (its reading half, :class:`StreamConsumer`, lives in
+:mod:`worldloop.common.transport.stream_consumer` and is re-exported here). Only modules of
+``worldloop.common.transport`` speak Redis streams: these two, and
+:mod:`worldloop.common.transport.admission`, which counts both streams' backlogs with XRANGE.
+Connections, retries and URLs are :mod:`worldloop.common.transport.redis_link`.
 
 Every entry carries its msgpack payload in the field ``b"data"`` (plus optional
 extra fields). A :class:`StreamProducer` appends with XADD; a
