@@ -67,6 +67,10 @@ CATALOG: dict[str, Spec] = {
         buckets=_TIME_BUCKETS),
     "worldloop_weights_superseded_versions": Spec(
         "counter", "Handed-over weight versions replaced by a newer one before their preparation started"),
+    "worldloop_weights_delta_bytes": Spec("counter", "Bytes of delta versions prepared (zstd of the XOR with the version before)"),
+    "worldloop_weights_fetched_bytes": Spec("counter", "Bytes received for weight versions, by kind (full, delta)", ("kind",)),
+    "worldloop_weights_delta_refused": Spec(
+        "counter", "Delta versions refused (corrupt, truncated, wrong base): a full snapshot was fetched instead"),
     # ---- actor
     "worldloop_actor_episodes": Spec("counter", "Finished episodes", ("env",)),
     "worldloop_actor_successes": Spec("counter", "Finished episodes that succeeded", ("env",)),

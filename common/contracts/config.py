@@ -110,6 +110,10 @@ class WeightsConfig(Section):
     fetch_port: int = Field(5556, ge=0, lt=65536, json_schema_extra={"note": "a TCP port"},
                             description="ROUTER socket: chunked fetch of the latest version")
     chunk_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="bytes per fetched chunk of a weight set")
+    delta: bool = Field(True, description="send each version also as its changed bytes against the one before it, to "
+                                          "subscribers that hold that one (they keep its encoding: one more copy of the "
+                                          "weights in host memory); the rebuilt set is checked against the new version's "
+                                          "hash")
     # ZeroMQ CURVE: paths to key files made by `zmq.auth.create_certificates`
     curve_server_public: str | None = Field(None, description="CURVE: the server's public .key file (actors); "
                                                               "all curve_* null = plaintext")

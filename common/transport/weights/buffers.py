@@ -31,6 +31,11 @@ class EncodingBuffer:
             storage.numpy().fill(0)
         return cls(storage[:size], pinned, storage)
 
+    def fresh_like(self) -> EncodingBuffer:
+        """A second buffer like this one, allocated and touched now rather than by the next hand-over
+        (page faults on a fresh buffer cost as much as the copy itself)."""
+        return EncodingBuffer.alloc(self.nbytes, self.pinned, self.capacity, touch=True)
+
     def sized(self, size: int) -> EncodingBuffer:
         return EncodingBuffer(self.storage[:size], self.pinned, self.storage)
 

@@ -190,6 +190,14 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def json_object(raw: bytes) -> dict:
+    """A request's JSON object (ValueError otherwise)."""
+    req = json.loads(raw)
+    if not isinstance(req, dict):
+        raise ValueError("request must be a JSON object")
+    return req
+
+
 def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 

@@ -39,7 +39,6 @@ no per-subscriber copy or re-encoding). One ROUTER thread serves any number of s
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -67,11 +66,13 @@ from worldloop.common.transport.weights.codec import (
     encode_into,
     endpoint,
     is_int,
+    json_object,
     layout,
     n_chunks,
     new_hasher,
 )
 from worldloop.common.transport.weights.buffers import EncodingBuffer
+from worldloop.common.transport.weights.delta import DeltaOffer, make_offer
 from worldloop.common.transport.weights.keys import from_config, server_keys
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class _Served:
     manifest: Manifest
     buf: EncodingBuffer
     frames: list[zmq.Frame] = field(default_factory=list)  # one zero-copy frame per chunk
+    delta: DeltaOffer | None = None  # this version as a delta from the one served before it
 
 
 class WeightPublisher:
@@ -106,7 +108,8 @@ class WeightPublisher:
                  chunk_bytes: int = 4 << 20, curve_secret_key_file: str | os.PathLike | None = None,
                  curve_authorized_clients: str | os.PathLike | None = None,
                  announce_interval_s: float = 1.0, io_threads: int | None = None, hash_algorithm: str = DEFAULT_HASH,
-                 retire_timeout_s: float = 2.0):
+                 retire_timeout_s: float = 2.0, delta: bool = True, delta_level: int = 1,
+                 delta_max_ratio: float = 0.5):
         if not is_int(chunk_bytes) or chunk_bytes < 1024:
             raise ValueError(f"chunk_bytes must be an integer >= 1024, got {chunk_bytes!r}")
         if announce_interval_s <= 0:
@@ -119,6 +122,9 @@ class WeightPublisher:
         self.announce_interval_s = announce_interval_s
         self.hash_algorithm = hash_algorithm
         self.retire_timeout_s = retire_timeout_s
+        # delta versions (delta.py): each version also as its changed bytes against the one before, for
+        # subscribers that hold that one
+        self.delta, self.delta_level, self.delta_max_ratio = delta, delta_level, delta_max_ratio
         self.last_blocked_s = 0.0  # seconds the last publish call blocked its caller
         self._current: _Served | None = None  # read by the ROUTER thread under _serve_lock
         self._serve_lock = threading.Lock()  # held while a request reads the current version
@@ -144,8 +150,9 @@ class WeightPublisher:
         self._m_blocked = metric("worldloop_weights_publish_blocked_seconds")
         self._m_prepare = metric("worldloop_weights_prepare_seconds")
         self._m_superseded = metric("worldloop_weights_superseded_versions")
+        self._m_delta = metric("worldloop_weights_delta_bytes")
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="weights-hash")
-        self._waiting: list[tuple[list[bytes], Any]] = []  # INFO requests held back (ROUTER thread only)
+        self._waiting: list[tuple[list[bytes], Any, Any]] = []  # INFO requests held back (ROUTER thread only)
         self._thread = threading.Thread(target=self._serve, name="weights-router", daemon=True)
         self._thread.start()
         self._preparer = threading.Thread(target=self._prepare_loop, name="weights-prepare", daemon=True)
@@ -354,7 +361,7 @@ class WeightPublisher:
                 if old is not None:
                     spare = self._retire(old)
                 elif self._spare is None:  # the first version: make the second buffer now (or take reserve()'s)
-                    spare, self._reserved = self._reserved or self._fresh_spare(job.buf), None
+                    spare, self._reserved = self._reserved or job.buf.fresh_like(), None
             except Exception as e:  # report it to the next publish/flush; subscribers keep the served version
                 log.exception("weights: preparing v%d failed", job.version)
                 spare = job.buf
@@ -392,7 +399,21 @@ class WeightPublisher:
         crcs = tuple(chunk_crc(mv[b:e]) for b, e in spans)
         manifest = Manifest(job.version, size, cb, self.hash_algorithm, digest.result(), crcs)
         frames = [zmq.Frame(mv[b:e], copy=False, track=True) for b, e in spans]
-        return _Served(manifest, job.buf, frames)
+        return _Served(manifest, job.buf, frames, self._delta_from_served(job, manifest))
+
+    def _delta_from_served(self, job: _Job, manifest: Manifest) -> DeltaOffer | None:
+        """``job``'s version as a delta from the version served now (its buffer is still intact: it is
+        reused only after the new version is served), or None (off, nothing served, another layout)."""
+        prev = self._current
+        if not self.delta or prev is None or prev.manifest.size != manifest.size:
+            return None
+        offer = make_offer(prev.manifest.digest, prev.buf.arr, job.buf.arr, manifest, level=self.delta_level,
+                           max_ratio=self.delta_max_ratio)
+        if offer is not None:
+            self._m_delta.inc(offer.manifest.size)
+            log.info("weights: v%d as a delta from v%d: %.2f MB (%.2f %% of the snapshot)", manifest.version,
+                     prev.manifest.version, offer.manifest.size / 1e6, 100 * offer.manifest.size / manifest.size)
+        return offer
 
     def _retire(self, old: _Served) -> EncodingBuffer | None:
         """Drop ``old``'s frames; its buffer once ZeroMQ holds no frame of it any more (None: not in time)."""
@@ -406,12 +427,6 @@ class WeightPublisher:
                 return None
             time.sleep(0.002)
         return old.buf
-
-    @staticmethod
-    def _fresh_spare(like: EncodingBuffer) -> EncodingBuffer:
-        """After the first version: the second buffer, allocated and touched here rather than by the
-        next hand-over (page faults on a fresh buffer cost as much as the copy itself)."""
-        return EncodingBuffer.alloc(like.nbytes, like.pinned, like.capacity, touch=True)
 
     def _wakeup(self, what: bytes) -> None:
         with self._wake_lock:
@@ -475,14 +490,19 @@ class WeightPublisher:
             if self._newer_coming(cur):
                 return
             waiting, self._waiting = self._waiting, []
-            for envelope, rid in waiting:
-                self._send_manifest(envelope, rid, cur)
+            for envelope, rid, have in waiting:
+                self._send_manifest(envelope, rid, cur, have)
 
-    def _send_manifest(self, envelope: list[bytes], rid: Any, cur: _Served | None) -> None:
+    def _send_manifest(self, envelope: list[bytes], rid: Any, cur: _Served | None, have: Any = None) -> None:
+        """NONE, or the MANIFEST of ``cur``; with its delta offer too when the asker holds (``have``) its base."""
         if cur is None:
             self._router.send_multipart(envelope + [b"NONE", dumps({"rid": rid})])
+            return
+        m, d = cur.manifest, cur.delta
+        if d is not None and have == d.base:
+            head = dumps({"rid": rid, **m.meta(), "delta": d.meta()})
+            self._router.send_multipart(envelope + [b"MANIFEST", head, m.crc_frame(), d.manifest.crc_frame()])
         else:
-            m = cur.manifest
             self._router.send_multipart(envelope + [b"MANIFEST", dumps({"rid": rid, **m.meta()}), m.crc_frame()])
 
     def _handle(self, frames: list[bytes]) -> None:
@@ -496,7 +516,7 @@ class WeightPublisher:
         try:
             if len(body) != 2:
                 raise ValueError(f"expected [command, JSON], got {len(body)} frames")
-            req = _json_object(body[1])
+            req = json_object(body[1])
             rid = req.get("rid")
             cmd = body[0]
             if cmd not in (b"INFO", b"GET"):
@@ -506,22 +526,23 @@ class WeightPublisher:
             return
         cur = self._current
         if cmd == b"GET" and cur is not None and req.get("digest") == cur.manifest.digest:
-            m = cur.manifest
+            want_delta = req.get("delta") is True and cur.delta is not None
+            m, frames = (cur.delta.manifest, cur.delta.frames) if want_delta else (cur.manifest, cur.frames)
             idx = req.get("index")
             if not is_int(idx) or not 0 <= idx < m.n_chunks:
                 self._router.send_multipart(envelope + [b"ERROR", dumps({"rid": rid, "error": f"bad chunk index {idx!r}"})])
                 return
-            head = dumps({"rid": rid, "digest": m.digest, "index": idx})
+            head = dumps({"rid": rid, "digest": m.digest, "index": idx, **({"delta": True} if want_delta else {})})
             # the chunk's frame is shared, not copied: libzmq sends a reference to the same data
-            self._router.send_multipart(envelope + [b"CHUNK", head, cur.frames[idx]], copy=False)
+            self._router.send_multipart(envelope + [b"CHUNK", head, frames[idx]], copy=False)
             self._m_served.inc()
             return
         if self._newer_coming(cur):  # a newer version is being prepared: answer when it is served
             if len(self._waiting) < 100_000:
-                self._waiting.append((envelope, rid))
+                self._waiting.append((envelope, rid, req.get("have")))
             return
         # INFO, or a GET for a version no longer served: the current manifest (or NONE)
-        self._send_manifest(envelope, rid, cur)
+        self._send_manifest(envelope, rid, cur, req.get("have") if cmd == b"INFO" else None)
 
     # ---- lifecycle
 
@@ -554,19 +575,11 @@ class WeightPublisher:
         self.close()
 
 
-def _json_object(raw: bytes) -> dict:
-    """A request's JSON object (ValueError otherwise)."""
-    req = json.loads(raw)
-    if not isinstance(req, dict):
-        raise ValueError("request must be a JSON object")
-    return req
-
-
 def publisher_from_config(cfg: Any) -> WeightPublisher:
     """The learner's publisher from ``cfg.weights`` (bind, ports, chunk size, CURVE server + allowed clients)."""
     w = cfg.weights
     return from_config(WeightPublisher, bind=w.bind, pub_port=w.pub_port, fetch_port=w.fetch_port,
-                       chunk_bytes=w.chunk_bytes, curve_secret_key_file=w.curve_server_secret,
+                       chunk_bytes=w.chunk_bytes, delta=w.delta, curve_secret_key_file=w.curve_server_secret,
                        curve_authorized_clients=w.curve_client_public)
 
 

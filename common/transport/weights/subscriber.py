@@ -39,6 +39,15 @@ the wire protocol.
   ``_HEARTBEAT_TIMEOUT_MS`` ZeroMQ drops the connection and reconnects, so announcements come
   again. A connect that gets no answer is abandoned after ``_CONNECT_TIMEOUT_MS`` and tried
   afresh (rather than waiting out the kernel's SYN back-off).
+* **Delta versions.** A subscriber keeps the encoding of the last version it verified and names
+  its digest when it asks for the current version (``INFO {have}``). When the publisher holds the
+  new version as a delta from exactly that one (:mod:`.delta`), the manifest offers it: the
+  subscriber fetches the delta's chunks (each checked against its CRC-32C), rebuilds the encoding
+  from its base, and checks the whole-set hash of the result against the new version's digest, so
+  the weights it hands over equal the learner's bit for bit. A delta that is truncated, corrupt or
+  for another base is refused with a log line (``worldloop_weights_delta_refused``) and the full
+  snapshot is fetched instead; nothing is ever handed over from a delta that failed. A subscriber
+  that missed a version, or starts fresh, gets the full snapshot.
 * **Timeouts.** ``fetch`` raises :class:`WeightsTimeout` when the publisher gives no answer for
   ``fetch_timeout_s`` (a progress timeout); the message says whether the TCP connection was
   never made, the CURVE handshake failed or the publisher is connected but silent, from the
@@ -79,6 +88,7 @@ from worldloop.common.transport.weights.codec import (
     is_int,
     new_hasher,
 )
+from worldloop.common.transport.weights.delta import DeltaError, apply_delta, parse_offer
 from worldloop.common.transport.weights.keys import client_keys, from_config
 
 log = logging.getLogger(__name__)
@@ -101,11 +111,12 @@ class _Moved:
         self.manifest = manifest
 
 
-def _chunk_fault(m: Manifest, idx: int, hdr: dict, payload: list[zmq.Frame]) -> str | None:
-    """Why a CHUNK reply does not hold chunk ``idx`` of ``m`` intact (frame, size, CRC-32C); None when it does."""
+def _chunk_fault(m: Manifest, idx: int, hdr: dict, payload: list[zmq.Frame], delta: bool = False) -> str | None:
+    """Why a CHUNK reply does not hold chunk ``idx`` of ``m`` (of its delta with ``delta``) intact
+    (frame, size, CRC-32C); None when it does."""
     b, e = m.span(idx)
     data = payload[0].buffer if len(payload) == 1 else None
-    if data is None or hdr.get("index") != idx or hdr.get("digest") != m.digest:
+    if data is None or hdr.get("index") != idx or hdr.get("digest") != m.digest or bool(hdr.get("delta")) != delta:
         return f"bad CHUNK frame for chunk {idx} of v{m.version}"
     if len(data) != e - b:
         return f"chunk {idx} of v{m.version} has {len(data)} bytes, expected {e - b}"
@@ -121,7 +132,7 @@ class WeightSubscriber:
                  curve_server_public_key_file: str | os.PathLike | None = None,
                  curve_client_key_file: str | os.PathLike | None = None,
                  window_bytes: int = 16 << 20, max_chunk_retries: int = 5, max_restarts: int = 20,
-                 resend_s: float | None = None, max_bytes: int | None = None):
+                 resend_s: float | None = None, max_bytes: int | None = None, deltas: bool = True):
         if not fetch_timeout_s > 0:
             raise ValueError(f"fetch_timeout_s must be > 0, got {fetch_timeout_s!r}")
         if max_bytes is not None and max_bytes < 8:
@@ -135,7 +146,11 @@ class WeightSubscriber:
         self.max_chunk_retries = max_chunk_retries
         self.max_restarts = max_restarts
         self.endpoint = endpoint(host, fetch_port)
-        self.stats = {"fetches": 0, "restarts": 0, "rejected_chunks": 0, "resent_requests": 0, "reconnects": 0}
+        self.stats = {"fetches": 0, "restarts": 0, "rejected_chunks": 0, "resent_requests": 0, "reconnects": 0,
+                      "delta_fetches": 0, "delta_refused": 0}
+        self.deltas = deltas
+        self._base: tuple[str, np.ndarray] | None = None  # (digest, encoding) of the last verified version
+        self._offer: tuple[str, str, Manifest] | None = None  # (version digest, base digest, delta manifest)
         server_key, client = client_keys(curve_server_public_key_file, curve_client_key_file)
         self.curve = server_key is not None
         self._keys = (server_key, client)
@@ -162,6 +177,8 @@ class WeightSubscriber:
         self._m_version = metric("worldloop_weights_version")
         self._m_seconds = metric("worldloop_weights_fetch_seconds")
         self._m_rejected = metric("worldloop_weights_rejected_chunks")
+        self._m_fetched = metric("worldloop_weights_fetched_bytes")
+        self._m_refused = metric("worldloop_weights_delta_refused")
 
     def _socket(self, kind: int, server_key: bytes | None, client: tuple[bytes, bytes | None] | None) -> zmq.Socket:
         s = self._ctx.socket(kind)
@@ -265,11 +282,12 @@ class WeightSubscriber:
             log.info("weights: publisher moved from v%d to %s mid-fetch; starting over", manifest.version,
                      f"v{got.manifest.version}" if got.manifest else "nothing")
             manifest = got.manifest
-        version, tensors = got
+        version, tensors, received = got
         elapsed = time.perf_counter() - t0
         self._m_version.set(version)
         self._m_seconds.observe(elapsed)
-        log.info("fetched weights v%d: %.1f MB in %.2f s", version, manifest.size / 1e6, elapsed)
+        log.info("fetched weights v%d: %.1f MB%s in %.2f s", version, manifest.size / 1e6,
+                 f" as a {received / 1e6:.2f} MB delta" if received < manifest.size else "", elapsed)
         return version, tensors
 
     def _send(self, cmd: bytes, req: dict) -> int:
@@ -336,7 +354,8 @@ class WeightSubscriber:
     def _ask_manifest(self) -> Manifest | None:
         self._drain_monitor()
         self._peer_back = False  # a reconnect before this request lost nothing of it
-        rid = self._send(b"INFO", {})
+        info = {"have": self._base[0]} if self.deltas and self._base is not None else {}
+        rid = self._send(b"INFO", info)
         last_progress = last_send = time.monotonic()
         wait = self.resend_s
         while True:
@@ -348,7 +367,7 @@ class WeightSubscriber:
                 resend, wait = self._resend_due(now - last_send, wait)
                 if resend:
                     self._reconnect()
-                    rid, last_send = self._send(b"INFO", {}), now
+                    rid, last_send = self._send(b"INFO", info), now
                     self.stats["resent_requests"] += 1
                 continue
             got_rid, kind, hdr, payload = reply
@@ -361,10 +380,11 @@ class WeightSubscriber:
             return None
         if kind == b"ERROR":
             raise WeightsError(f"the publisher refused the request: {hdr.get('error')}")
-        if kind != b"MANIFEST" or len(payload) != 1:
+        if kind != b"MANIFEST" or len(payload) not in (1, 2) or (len(payload) == 2) != ("delta" in hdr):
             raise WeightsError(f"unexpected {kind[:32]!r} reply to a version request")
         try:
             m = Manifest.parse(hdr, payload[0].buffer)
+            self._offer = (m.digest, *parse_offer(hdr["delta"], payload[1].buffer, m)) if len(payload) == 2 else None
         except ValueError as e:
             raise WeightsError(str(e)) from None
         if self.max_bytes is not None and m.size > self.max_bytes:
@@ -372,8 +392,44 @@ class WeightSubscriber:
                                f"max_bytes {self.max_bytes:,} (weights.max_bytes); nothing was allocated")
         return m
 
-    def _download(self, m: Manifest) -> tuple[int, dict[str, torch.Tensor]] | _Moved:
-        """Fetch, verify and decode version ``m``; _Moved when the publisher serves another one now."""
+    def _download(self, m: Manifest) -> tuple[int, dict[str, torch.Tensor], int] | _Moved:
+        """Fetch, verify and decode version ``m`` (as a delta when one from the held version is
+        offered); (version, tensors, bytes received), or _Moved when the publisher serves another one now."""
+        offer, base = self._offer, self._base
+        if offer is not None and base is not None and offer[0] == m.digest and offer[1] == base[0]:
+            got = self._download_delta(m, base[1], offer[2])
+            if got is not None:
+                return got
+        arr = self._download_full(m)
+        return arr if isinstance(arr, _Moved) else (*self._decode(m, arr), m.size)
+
+    def _download_delta(self, m: Manifest, base: np.ndarray,
+                        dm: Manifest) -> tuple[int, dict[str, torch.Tensor], int] | _Moved | None:
+        """Version ``m`` rebuilt from ``base`` and its delta (``dm``); None when the delta is refused."""
+        data = np.empty(dm.size, dtype=np.uint8)
+        moved = self._receive_chunks(dm, data, None, delta=True)
+        if moved is not None:
+            return moved
+        self._m_fetched.labels(kind="delta").inc(dm.size)
+        try:
+            arr = apply_delta(base, data)
+        except DeltaError as e:
+            return self._refuse_delta(m, str(e))
+        whole = new_hasher(m.hash)
+        whole.update(memoryview(arr))
+        if whole.hexdigest() != m.digest:
+            return self._refuse_delta(m, f"the rebuilt encoding does not match the manifest's {m.hash} digest")
+        self.stats["delta_fetches"] += 1
+        return (*self._decode(m, arr), dm.size)
+
+    def _refuse_delta(self, m: Manifest, why: str) -> None:
+        self.stats["delta_refused"] += 1
+        self._m_refused.inc()
+        self._base = None
+        log.warning("weights: refused the delta for v%d (%s); fetching the full snapshot", m.version, why)
+        return None
+
+    def _download_full(self, m: Manifest) -> np.ndarray | _Moved:
         arr = np.empty(m.size, dtype=np.uint8)
         whole = new_hasher(m.hash)
         live = [True]  # False once this download ends: hashing still queued for it is skipped
@@ -388,21 +444,28 @@ class WeightSubscriber:
             live[0] = False
         if moved is not None:
             return moved
+        self._m_fetched.labels(kind="full").inc(m.size)
         if whole.hexdigest() != m.digest:
             self._reject(f"v{m.version}: every chunk passed its CRC-32C but the whole encoding fails its {m.hash}")
             raise WeightsError(f"v{m.version}: every chunk passed its CRC-32C but the whole encoding does not match the "
                                f"manifest {m.hash} digest (corrupted in a way the chunk CRCs miss); nothing was "
                                f"handed over, fetch again")
+        return arr
+
+    def _decode(self, m: Manifest, arr: np.ndarray) -> tuple[int, dict[str, torch.Tensor]]:
+        """The tensors of a verified encoding (views into ``arr``, kept as the base of the next delta)."""
         try:
             version, tensors = decode_tensors(arr)
         except ValueError as e:
             raise WeightsError(f"v{m.version} passed its checksums but does not decode: {e}") from None
         if version != m.version:
             raise WeightsError(f"the manifest says v{m.version} but the encoding says v{version}")
+        self._base = (m.digest, arr) if self.deltas else None
         return version, tensors
 
-    def _receive_chunks(self, m: Manifest, arr: np.ndarray, feed: Any) -> _Moved | None:
-        """Fill ``arr`` with verified chunks, ``feed`` them in order to the hasher thread; wait for it."""
+    def _receive_chunks(self, m: Manifest, arr: np.ndarray, feed: Any, delta: bool = False) -> _Moved | None:
+        """Fill ``arr`` with verified chunks (of the delta with ``delta``), ``feed`` them in order to the
+        hasher thread (no ``feed``: no hashing) and wait for it."""
         view = memoryview(arr)
         n = m.n_chunks
         done = bytearray(n)
@@ -418,7 +481,8 @@ class WeightSubscriber:
         while remaining:
             while todo and len(inflight) < window:
                 idx = todo.popleft()
-                inflight[self._send(b"GET", {"digest": m.digest, "index": idx})] = idx
+                get = {"digest": m.digest, "index": idx, **({"delta": True} if delta else {})}
+                inflight[self._send(b"GET", get)] = idx
                 last_send = time.monotonic()
             reply = self._reply(0.1)
             now = time.monotonic()
@@ -441,13 +505,13 @@ class WeightSubscriber:
             wait = self.resend_s
             if kind != b"CHUNK":
                 return _Moved(self._manifest_from(kind, hdr, payload))
-            reason = _chunk_fault(m, idx, hdr, payload)
+            reason = _chunk_fault(m, idx, hdr, payload, delta)
             if reason is None:
                 b, e = m.span(idx)
                 arr[b:e] = np.frombuffer(payload[0].buffer, dtype=np.uint8)
                 done[idx] = 1
                 remaining -= 1
-                while hashed < n and done[hashed]:
+                while feed is not None and hashed < n and done[hashed]:
                     hb, he = m.span(hashed)
                     last_hash = self._hasher.submit(feed, view[hb:he])
                     hashed += 1
@@ -497,7 +561,7 @@ def subscriber_from_config(cfg: Any) -> WeightSubscriber:
     max_bytes = w.max_bytes or default_max_bytes(cfg.model.path)
     return from_config(WeightSubscriber, host=w.host, pub_port=w.pub_port, fetch_port=w.fetch_port,
                        fetch_timeout_s=w.fetch_timeout_s, curve_server_public_key_file=w.curve_server_public,
-                       curve_client_key_file=w.curve_client_secret, max_bytes=max_bytes)
+                       curve_client_key_file=w.curve_client_secret, max_bytes=max_bytes, deltas=w.delta)
 
 
 __all__ = ["WeightSubscriber", "default_max_bytes", "subscriber_from_config"]
