@@ -9,7 +9,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from test_docs import _HEADING, _prose_lines
+from test_docs import _FENCE, _HEADING
 
 ROOT = Path(__file__).resolve().parent.parent
 HISTORY = {"docs/learning-history.md"}
@@ -30,7 +30,14 @@ def tracked(*patterns: str) -> list[str]:
 
 
 def headings(page: Path) -> set[str]:
-    return {m.group(2).strip().strip("*`") for _, line in _prose_lines(page.read_text()) if (m := _HEADING.match(line))}
+    """The headings of a page as written (code spans kept), outside fenced code blocks."""
+    out, fenced = set(), False
+    for line in page.read_text().splitlines():
+        if _FENCE.match(line):
+            fenced = not fenced
+        elif not fenced and (m := _HEADING.match(line)):
+            out.add(m.group(2).strip())
+    return out
 
 
 def is_heading(section: str, names: set[str]) -> bool:

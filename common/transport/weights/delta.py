@@ -4,7 +4,7 @@ A policy step at RL learning rates changes few bytes of a bf16 weight set: most 
 the same bf16 value, and the ones that move change their low mantissa bits (1-3 % of the bytes per
 step at lr 1e-6). So a version is sent as the positions and XOR values of its changed bytes against
 the version before it, zstd-compressed: a few percent of the snapshot (``bench/weights.py``,
-docs/benchmarks.md "Weight versions: full snapshots and deltas").
+docs/benchmarks.md "Weight versions: full snapshots and deltas (`bench/weights.py`)").
 
 The delta is one zstd frame holding, for each block of ``BLOCK`` bytes of the encoding in order:
 ``u32 count`` of changed bytes, ``count`` u32 gaps (the first from the block's start, then from the
