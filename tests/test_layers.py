@@ -52,3 +52,24 @@ def test_benches_never_import_the_tests() -> None:
         for node in ast.walk(ast.parse(f.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             assert not any(n == "tests" or n.startswith("tests.") or n.startswith("test_") for n in names), f"{f.name} imports {names}"
+
+
+def test_the_judge_imports_only_the_env_families_registry_and_family_truths_no_env_code() -> None:
+    graph = {
+        "worldloop.judge.rule.truths": {"worldloop.envs.family"},       # allowed: the registry
+        "worldloop.judge.prompts": {"worldloop.envs.grid.truth"},       # a family's module: not allowed
+        "worldloop.learner.trainer": {"worldloop.envs.family"},         # the learner imports no envs at all
+        "worldloop.envs.family": set(),
+        "worldloop.envs.grid.truth": {"worldloop.envs.family", "worldloop.envs.grid.sokoban"},  # env code: not allowed
+        "worldloop.envs.grid.sokoban": {"worldloop.envs.base"},
+        "worldloop.envs.base": set(),
+    }
+    found = check_layers.violations(graph)
+    assert found == [
+        "worldloop.envs.grid.truth -> worldloop.envs.grid.sokoban: a family's truth module imports only "
+        "worldloop.envs.family and contracts",
+        "worldloop.judge.prompts -> worldloop.envs.grid.truth: only actors and applications import envs "
+        "(the judge: only worldloop.envs.family)",
+        "worldloop.learner.trainer -> worldloop.envs.family: only actors and applications import envs "
+        "(the judge: only worldloop.envs.family)",
+    ], found
