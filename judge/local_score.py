@@ -18,11 +18,13 @@ the maximum matching is the multiset intersection. With m matched items, p predi
 
 A correct local observation scores exactly 1.0; ``all_true`` says that every predicted item
 matched (the repetition penalty spares such a text, :mod:`worldloop.judge.scoring`). Other envs
-and state formats (grids, JSON) are scored as ``f1``: :func:`local_score` returns None there.
+and state formats (grids, JSON) are scored as ``f1``: :func:`local_score` returns None there. Which
+envs offer the local prompt is their family's knowledge (``EnvFamily.local_envs``, asked through
+:mod:`worldloop.envs.family`; the grid family lists FrozenLake).
 
 Public API::
 
-    local_kind(env_name) -> "frozenlake" | None
+    local_kind(env_name) -> "frozenlake" | None      # an env whose family lists it in local_envs
     local_truth_items(truth) -> list[VItem]
     score_local_items(predicted, truth_items) -> RuleResult
     local_score(text, truth, env_name) -> RuleResult | None
@@ -30,20 +32,18 @@ Public API::
 """
 from __future__ import annotations
 
-import re
 from collections import Counter
 from typing import Iterable
 
+from worldloop.envs.family import env_name_of, family_of
 from worldloop.judge.rule import Item, RuleResult, Truth, f1_from_counts
 from worldloop.judge.vagen_score import VItem, items_from_facts, text_items
 
-LOCAL_ENVS = ("frozenlake",)  # the envs whose relation_prompt offers "local"
-
 
 def local_kind(env_name: str | None) -> str | None:
-    """``"frozenlake"`` for that env (name or gymnasium id), else None."""
-    name = re.sub(r"-v\d+$", "", (env_name or "").lower().rsplit("/", 1)[-1])
-    return name if name in LOCAL_ENVS else None
+    """The env's short name (``"frozenlake"``) when its family scores it locally (name or gymnasium id), else None."""
+    family, name = family_of(env_name), env_name_of(env_name)
+    return name if family is not None and name in family.local_envs else None
 
 
 def local_truth_items(truth: Truth) -> list[VItem]:

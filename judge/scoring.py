@@ -149,7 +149,7 @@ class TrajectoryScorer:
             rewarded = format_rewarded(turn)
             for part, (text_key, state_key) in PARTS.items():
                 applies = part in parts if parts is not None else getattr(turn, text_key) is not None
-                jobs.append(self._score_part(env, part, rewarded, getattr(turn, text_key), getattr(turn, state_key), names)
+                jobs.append(self.score_part(env, part, rewarded, getattr(turn, text_key), getattr(turn, state_key), names)
                             if applies else _none())
         results = await asyncio.gather(*jobs)
         for i, turn in enumerate(traj.turns):
@@ -159,7 +159,16 @@ class TrajectoryScorer:
 
     # ------------------------------------------------------------------ one part
 
-    async def _score_part(self, env: str, part: str, rewarded: bool, text: Any, state: Any, names: list[str]) -> PartResult:
+    async def score_part(self, env: str, part: str, rewarded: bool, text: Any, state: Any,
+                         names: list[str] | None = None) -> PartResult:
+        """One part of one turn: ``text`` (the turn's observation or prediction) against ``state``,
+        with the format gate ``rewarded``, by the scorers ``names`` (default: the env's configured
+        ones), gated and aggregated as in the module docstring.
+
+        Before the repetition penalty, and it touches neither the repetition history nor the
+        metrics (:meth:`score` does both), so tools outside a judge process (``worldloop eval``'s
+        reading accuracy) get the judge's own part score without changing the judge's state."""
+        names = scorers_for(self.cfg, env) if names is None else names
         missing = not isinstance(text, str) or not text.strip()
         truth = build_truth("" if missing else text, state, env)
         if truth is None:
@@ -204,7 +213,7 @@ class TrajectoryScorer:
                 return ScorerResult(answer.value, detail=_answer_detail(answer, verdict="YES" if answer.value else "NO"))
             return self._fallback(answer)
         if name == "hybrid":
-            if truth.method in ("symbolic", "svg"):  # nothing for an extractor to add to the rule here
+            if truth.kind in ("symbolic", "elements"):  # nothing for an extractor to add to the rule here
                 return ScorerResult(None, detail={"applicable": False})
             answer = await self.llm.ask(extract_messages(entity_names(truth), text), parse_extraction, "hybrid")
             if not answer.ok:

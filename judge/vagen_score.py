@@ -42,11 +42,17 @@ the whole text is among the top-5 strings, the current batch counted, and F1_tar
 notes J2/J3). The judge's own repetition penalty (:mod:`worldloop.judge.scoring`) applies in both
 modes. Nor is VAGEN's LLM: the extraction above is rule-based.
 
-Used by :mod:`worldloop.judge.scoring` for the ``rule`` scorer (and ``hybrid``'s extracted facts) of
-``sokoban``/``frozenlake`` when the text is natural language (``Truth.method == "relations"``);
-other envs and state formats keep the per-axis F1. Public API::
+What is env-specific comes from the env's family through :mod:`worldloop.envs.family`: which envs
+this mode scores and how (:class:`~worldloop.envs.family.VagenRule`: the object types, their weights,
+``greedy`` or ``bipartite`` matching; the grid family declares Sokoban's and FrozenLake's above) and
+the words objects go by (``EnvFamily.object_types``: "crate" is a box, "goal" a target). This module
+holds the extractor and the two matchings.
 
-    vagen_kind(env_name) -> "sokoban" | "frozenlake" | None
+Used by :mod:`worldloop.judge.scoring` for the ``rule`` scorer (and ``hybrid``'s extracted facts) of
+the envs a family gives a VAGEN rule when the text is natural language (``Truth.method ==
+"relations"``); other envs and state formats keep the per-axis F1. Public API::
+
+    vagen_kind(env_name) -> "sokoban" | "frozenlake" | None     # an env with a family VagenRule
     truth_items(truth) -> list[VItem]            # VItem = (type, vertical, horizontal)
     text_items(text, truth) -> list[VItem]
     items_from_facts(items, truth) -> list[VItem]
@@ -61,21 +67,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from worldloop.envs.family import VagenRule, env_name_of, family_of, object_types
 from worldloop.judge.rule import Item, Truth, relation_items
 
 VItem = tuple  # (type, vertical | None, horizontal | None)
 
-# VAGEN's object types per env and their weights (Sokoban: plain mean of two F1s)
-KINDS: dict[str, dict[str, float]] = {"sokoban": {"target": 0.5, "box": 0.5},
-                                      "frozenlake": {"target": 0.7, "hole": 0.3}}
-_TYPE_WORDS: dict[str, str] = {}
-for _type, _words in (("box", "box boxes crate crates"),
-                      ("target", "target targets goal goals destination destinations exit flag storage"),
-                      ("hole", "hole holes pit pits")):
-    _TYPE_WORDS.update({w: _type for w in _words.split()})
 _INVERSE = {"above": "below", "below": "above", "left": "right", "right": "left", "same": "same"}
 _SENTENCE = re.compile(r"(?<!\d)[.!?;\n]+(?!\d)")
-# a new clause starts where an object or the player is the subject of a verb
+# a new clause starts where an object or the player is the subject of a verb (the grid family's object
+# words as VAGEN's prompts use them)
 _CLAUSE = re.compile(
     r"(?:,\s*|\s+)(?:(?:and|but|while|whereas)\s+)?(?=(?:(?:the|a|an|another|one|each)\s+)?"
     r"(?:box(?:es)?|crates?|targets?|goals?|destinations?|holes?|pits?|player|agent|i|you)\s*[#_-]?\s*\d*\s+"
@@ -84,16 +84,20 @@ _CLAUSE = re.compile(
 MAX_ITEMS = 256  # predicted items per type considered (the text is capped at 20000 characters anyway)
 
 
+def vagen_rule(env_name: str | None) -> VagenRule | None:
+    """The VAGEN rule the env's family gives the env (name or gymnasium id), else None."""
+    family = family_of(env_name)
+    return None if family is None else family.vagen.get(env_name_of(env_name))
+
+
 def vagen_kind(env_name: str | None) -> str | None:
-    """``"sokoban"`` / ``"frozenlake"`` for those envs (name or gymnasium id), else None."""
-    name = (env_name or "").lower().rsplit("/", 1)[-1]
-    name = re.sub(r"-v\d+$", "", name)
-    return name if name in KINDS else None
+    """The env's short name (``"sokoban"``, ``"frozenlake"``) when its family gives it a VAGEN rule, else None."""
+    return env_name_of(env_name) if vagen_rule(env_name) is not None else None
 
 
-def _type_of(entity: str) -> str | None:
+def _type_of(entity: str, words: dict[str, str] | None = None) -> str | None:
     m = re.fullmatch(r"([a-z]+?)\d*", entity)
-    return _TYPE_WORDS.get(m.group(1)) if m else None
+    return (words if words is not None else object_types()).get(m.group(1)) if m else None
 
 
 def _player_facts(item: Item, player: frozenset) -> tuple | None:
@@ -101,6 +105,7 @@ def _player_facts(item: Item, player: frozenset) -> tuple | None:
 
     ``key`` = (type, the ids the mention may mean); value is the object's relation to the player."""
     ents, rel = set(), None
+    words = object_types()
     for a, b, axis, value in item:
         if axis not in ("v", "h"):
             continue
@@ -116,7 +121,7 @@ def _player_facts(item: Item, player: frozenset) -> tuple | None:
         rel = rel or (axis, val)
     if not ents or rel is None:
         return None
-    types = {_type_of(e) for e in ents}
+    types = {_type_of(e, words) for e in ents}
     if len(types) != 1 or None in types:
         return None
     return ((types.pop(), frozenset(ents)), rel[0], rel[1])
@@ -287,13 +292,16 @@ def _f1(matched: float, n_pred: int, n_truth: int, both_empty: float) -> float:
 
 
 def score_vitems(kind: str, predicted: list[VItem], truth: list[VItem]) -> VagenResult:
-    """VAGEN's score of ``predicted`` against ``truth`` for ``kind`` (see the module docstring)."""
-    weights = KINDS[kind]
+    """VAGEN's score of ``predicted`` against ``truth`` for env ``kind`` (see the module docstring)."""
+    rule = vagen_rule(kind)
+    if rule is None:
+        raise ValueError(f"kind: no env family gives {kind!r} a VAGEN rule")
+    weights = rule.weights
     pred = {t: [p for p in predicted if p[0] == t][:MAX_ITEMS] for t in weights}
     true = {t: [x for x in truth if x[0] == t] for t in weights}
     n_pred, n_true = sum(map(len, pred.values())), sum(map(len, true.values()))
     f1: dict[str, float] = {}
-    if kind == "sokoban":
+    if rule.matching == "greedy":
         for t in weights:
             f1[t] = _f1(greedy_matches(pred[t], true[t]), len(pred[t]), len(true[t]), 0.0)
         score = sum(weights[t] * f1[t] for t in weights)

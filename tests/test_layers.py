@@ -81,3 +81,24 @@ def test_the_old_config_path_still_imports_and_names_the_new_one() -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "worldloop.common.contracts.config"
     assert "worldloop.common.config moved to worldloop.common.contracts.config" in proc.stderr
+
+
+def test_the_judge_imports_only_the_env_families_registry_and_family_truths_no_env_code() -> None:
+    graph = {
+        "worldloop.judge.rule.truths": {"worldloop.envs.family"},       # allowed: the registry
+        "worldloop.judge.prompts": {"worldloop.envs.grid.truth"},       # a family's module: not allowed
+        "worldloop.learner.trainer": {"worldloop.envs.family"},         # the learner imports no envs at all
+        "worldloop.envs.family": set(),
+        "worldloop.envs.grid.truth": {"worldloop.envs.family", "worldloop.envs.grid.sokoban"},  # env code: not allowed
+        "worldloop.envs.grid.sokoban": {"worldloop.envs.base"},
+        "worldloop.envs.base": set(),
+    }
+    found = check_layers.violations(graph)
+    assert found == [
+        "worldloop.envs.grid.truth -> worldloop.envs.grid.sokoban: a family's truth module imports only "
+        "worldloop.envs.family and contracts",
+        "worldloop.judge.prompts -> worldloop.envs.grid.truth: only actors and applications import envs "
+        "(the judge: only worldloop.envs.family)",
+        "worldloop.learner.trainer -> worldloop.envs.family: only actors and applications import envs "
+        "(the judge: only worldloop.envs.family)",
+    ], found

@@ -14,12 +14,22 @@ Layers, lowest first, read from the folders (``worldloop/__init__.py`` says what
     apps         worldloop/           (cli, up, plot, status, bootstrap, eval, testing)
 
 Rules: a module imports only its own layer or lower ones; a role never imports another role;
-only actors and applications import envs; contracts import only contracts; envs import only
-contracts. Every import counts, also the lazy ones inside functions and those under
-``TYPE_CHECKING``. Cycles are found between modules (strongly connected components of the
-module graph), and a package counts as the module that its ``__init__`` is. A module's layer
-comes from its folder alone: a new file in ``common/transport/`` is transport without any list
-to edit.
+only actors and applications import envs, but the judge imports the env families' registry
+``worldloop.envs.family``; contracts import only contracts; envs import only contracts; a family's
+truth module (``worldloop.envs.<family>.truth``) imports only the registry and contracts. Every
+import counts, also the lazy ones inside functions and those under ``TYPE_CHECKING``. A module's
+layer comes from its folder alone: a new file in ``common/transport/`` is transport without any
+list to edit.
+
+Why the judge may import envs' registry: each env family owns its ground truth and scoring
+knowledge (``envs/<family>/truth.py``: what a state holds, its prompts, tolerances, VAGEN rules),
+and the judge must ask it. The alternatives were worse: an interface in the contracts cannot be
+filled by the envs without the contracts importing them (upward), and a judge that keeps the
+families' knowledge is what this layout replaced. The registry module imports nothing of
+worldloop, and the truth modules it loads (through the ``worldloop.envs`` package) import only it
+and the contracts, so the judge never loads an env, a simulator or a renderer; the learner still
+imports nothing of envs. Cycles are found between modules (strongly connected components of the
+module graph), and a package counts as the module that its ``__init__`` is.
 
 Reads the sources only (nothing is imported or run) and exits 1 when anything is found, so
 CI and ``tests/test_layers.py`` use it as is.
@@ -54,6 +64,7 @@ LAYER_FOLDERS = {
     "worldloop": "apps",
 }
 ROLES = ("worldloop.actor", "worldloop.judge", "worldloop.learner")
+FAMILY_REGISTRY = "worldloop.envs.family"  # what the judge may import from envs (see the docstring)
 RANK = {"contracts": 0, "utilities": 1, "transport": 2, "envs": 2, "roles": 3, "apps": 4}
 
 
@@ -70,6 +81,11 @@ def layer(mod: str) -> str:
     """The layer of a module, from the folder its file sits in (the longest matching folder wins)."""
     path = module_path(mod) + "/"
     return LAYER_FOLDERS[max((f for f in LAYER_FOLDERS if path.startswith(f + "/")), key=len)]
+
+
+def _is_family_truth(mod: str) -> bool:
+    parts = mod.split(".")
+    return len(parts) == 4 and parts[:2] == ["worldloop", "envs"] and parts[3] == "truth"
 
 
 def role_of(mod: str) -> str | None:
@@ -131,12 +147,15 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
                 why = f"upward: {lm} imports {ld}"
             elif lm == "roles" and ld == "roles" and role_of(mod) != role_of(dep):
                 why = "a role imports another role"
-            elif ld == "envs" and lm == "roles" and role_of(mod) != "worldloop.actor":
-                why = "only actors and applications import envs"
+            elif ld == "envs" and lm == "roles" and role_of(mod) != "worldloop.actor" and not (
+                    role_of(mod) == "worldloop.judge" and dep == FAMILY_REGISTRY):
+                why = f"only actors and applications import envs (the judge: only {FAMILY_REGISTRY})"
             elif lm == "contracts" and ld != "contracts":
                 why = f"a contract imports {ld}"
             elif lm == "envs" and ld not in ("envs", "contracts"):
                 why = f"envs import {ld}"
+            elif _is_family_truth(mod) and ld == "envs" and dep != FAMILY_REGISTRY:
+                why = f"a family's truth module imports only {FAMILY_REGISTRY} and contracts"
             if why:
                 found.append(f"{mod} -> {dep}: {why}")
     return found

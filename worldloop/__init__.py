@@ -8,7 +8,8 @@ applications    ``worldloop.cli``, ``worldloop.up``, ``worldloop.status``, ``wor
                 (the model a run starts from), ``worldloop.eval``: what a user runs
 roles           ``worldloop.actor``, ``worldloop.judge``, ``worldloop.learner``: the three
                 processes; they never import each other
-envs            ``worldloop.envs``: gymnasium environments, used by actors and applications only
+envs            ``worldloop.envs``: gymnasium environments and each family's truth, used by actors
+                and applications; the judge imports only the families' registry ``worldloop.envs.family``
 machinery       ``worldloop.common.{redis_link, streams, weights, process, control, metrics, redis_local,
                 openai_retry}``: Redis links, streams, the ZeroMQ weight channel, the process scaffold
 contracts       ``worldloop.common.{config, schemas, keys, modeling, logprobs}`` (``config`` with its

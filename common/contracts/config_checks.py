@@ -10,6 +10,15 @@ for what the judge scores. The seed-range helpers (:func:`training_seed_ranges`,
 :func:`check_held_out_seeds`) are also used by the evaluation benches.
 
 The functions take the loaded ``Config`` (typed loosely here: this module sits below the schema).
+
+Three constants below belong to layers above the contracts, yet stay here, because a rule here needs
+them and a contract imports nothing above it (``tools/check_layers.py``): ``SFT_PROBE_SEEDS`` and
+``GROUNDING_EVAL_BOARDS`` size seed ranges the checks keep apart, and the bootstrap
+(``worldloop/bootstrap/pipeline.py``) imports them from here, so each has one value;
+``RELATION_PROMPT_ENVS`` is a copy of the grid env family's declaration
+(``worldloop.envs.grid.truth``, ``GridFamily.relation_prompts``, which owns it), applied at load time,
+before any env is imported; ``tests/test_env_family_registry.py`` checks that the copy equals the
+family's declaration and what the env classes offer.
 """
 
 from __future__ import annotations
@@ -21,7 +30,8 @@ from worldloop.common.contracts.config_fields import ConfigError
 
 SFT_PROBE_SEEDS = 8  # format probes played after the demonstrations (worldloop/bootstrap/pipeline.py warm_start)
 GROUNDING_EVAL_BOARDS = 128  # held-out boards of grounding pre-training (worldloop/bootstrap/grounding.py)
-# the envs whose prompt follows judge.rule_mode (their kwarg relation_prompt, envs/grid/grid_env.py), per mode
+# the envs whose prompt follows judge.rule_mode (their kwarg relation_prompt, envs/grid/grid_env.py), per mode:
+# the grid family's GridFamily.relation_prompts (envs/grid/truth.py), copied (see the module docstring)
 RELATION_PROMPT_ENVS = {"vagen": ("worldloop/Sokoban-v0", "worldloop/FrozenLake-v0"),
                         "local": ("worldloop/FrozenLake-v0",)}
 

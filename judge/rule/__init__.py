@@ -16,8 +16,10 @@ Three layers, one per seam (each imports only the ones before it):
                                        :mod:`~worldloop.judge.rule.svg` (elements), and a hybrid
                                        extractor's JSON; ``parsing`` gathers their public names.
 :mod:`~worldloop.judge.rule.truths`    the ground truth of an env state and the scoring method
-                                       (symbolic | svg | structured | navigation | relations),
-                                       and the text's facts in that truth's terms.
+                                       (symbolic | structured | relations, and the env families'
+                                       own truths such as svg and navigation, asked through
+                                       :mod:`worldloop.envs.family`), and the text's facts in
+                                       that truth's terms.
 
 A scoring mode that compares the same facts differently (``worldloop.judge.vagen_score``) builds
 on :func:`build_truth` and the parsers, and scores with its own rule instead of :func:`score_items`.
@@ -41,11 +43,11 @@ from worldloop.judge.rule.f1 import (Fact, Item, RepetitionTracker, RuleResult, 
                                      normalise_sentence, score_items, sentences_of)
 from worldloop.judge.rule.parsing import (Lexicon, lexicon_from_sentences, make_fact, norm_key, relation_facts,
                                           relation_items)
-from worldloop.judge.rule.truths import (COORD_TOLERANCE, SIMILARITY_TOLERANCE, Truth, build_truth, entity_names,
-                                         extract_items, items_from_extraction, state_parts)
+from worldloop.judge.rule.truths import (Truth, build_truth, entity_names, extract_items, items_from_extraction,
+                                         state_parts)
 
 __all__ = [
-    "COORD_TOLERANCE", "SIMILARITY_TOLERANCE", "Fact", "Item", "Lexicon", "RepetitionTracker", "RuleResult", "Truth",
+    "Fact", "Item", "Lexicon", "RepetitionTracker", "RuleResult", "Truth",
     "build_truth", "entity_names", "extract_items", "f1", "f1_from_counts", "items_from_extraction",
     "lexicon_from_sentences", "make_fact", "max_matching", "norm_key", "normalise_sentence", "relation_facts",
     "relation_items", "rule_score", "score_items", "sentences_of", "state_parts",

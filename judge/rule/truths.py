@@ -1,22 +1,25 @@
 """The ground truth a text is compared with, built from an env state, and the scoring method.
 
 The state is a trajectory's :class:`worldloop.common.contracts.schemas.State` or the env's own
-``{"relations", "symbolic", "structured"}`` dict (``info["state"]``). The scoring method is chosen
-from what the text and the state offer (first match wins):
+``{"relations", "symbolic", "structured"}`` dict (``info["state"]``). The shared formats of the env
+contract are read here; a state only its env family understands (Navigation's target, SVG's image
+elements) is read by the family (:meth:`worldloop.envs.family.EnvFamily.truth`, asked through the
+registry, the env's own family first) and turned into facts here. The scoring method is chosen from
+what the text and the state offer (first match wins):
 
 ``symbolic``    the text contains a grid block as wide as ``state["symbolic"]``: facts are the
                 (row, column, symbol) cells of the informative symbols (not walls/floor).
-``svg``         ``state["structured"]`` lists image elements (SVG): facts are (shape, colour) of the
-                elements the agent sees (the target before its first answer, its own rendering
-                after) plus, once rendered, the similarity (within ``SIMILARITY_TOLERANCE``).
+(family, first) a family truth that wins over coordinates (``FamilyTruth.before_coordinates``), and
+                then is final, e.g. ``svg``: ``state["structured"]`` lists image elements: facts are
+                (shape, colour) of the elements the agent sees (the target before its first answer,
+                its own rendering after) plus, once rendered, the similarity (within the family's
+                ``tolerance``).
 ``structured``  the text contains number tuples and ``state["structured"]`` holds numeric values:
-                facts are (key, tuple) pairs, e.g. ("box", (3, 2)); tuples match within
-                ``COORD_TOLERANCE`` of the env (PrimitiveSkill: 10 units, App. D.1), else exactly.
-``navigation``  ``state["structured"]`` names a target object and its direction (Navigation):
-                facts are egocentric relations object-vs-agent ("the toaster is ahead"); P is
-                measured against every visible object (``known``) and R only against the target
-                (``essential``): the paper's judge asks for the target's direction, a wrong claim
-                about another object still costs precision.
+                facts are (key, tuple) pairs, e.g. ("box", (3, 2)); tuples match within the env
+                family's ``coord_tolerance`` (PrimitiveSkill: 10 units, App. D.1), else exactly.
+(family)        any other family truth, e.g. ``navigation``: egocentric relations object-vs-agent
+                ("the toaster is ahead"); P is measured against every relation the family lists
+                (``known``) and R only against the ``essential`` ones (the target's).
 ``relations``   ``state["relations"]`` has App. D.1 sentences ("box0 is above and on the left side of
                 the player"): facts are pairwise relations on two axes, parsed like agent text.
 ``structured``  (again) numeric values but no tuple in the text: the text can only miss them.
@@ -25,32 +28,27 @@ from what the text and the state offer (first match wins):
 Public API::
 
     Truth(method, essential, known, lexicon=None, implicit=None, tolerance=0.0, keys={},
-          background=frozenset(), info=None).compatible(a, b) -> bool
+          background=frozenset(), info=None, kind="relations").compatible(a, b) -> bool
     state_parts(state) -> (relations, symbolic, structured)
     build_truth(text, state, env_name="") -> Truth | None
     extract_items(text, truth) -> list[Item]              # the text's facts in the truth's terms
     items_from_extraction(data, truth) -> list[Item]      # the hybrid extractor's JSON in the truth's terms
     entity_names(truth) -> list[str]                      # what the hybrid extractor is told exists
-    COORD_TOLERANCE, SIMILARITY_TOLERANCE
 """
 from __future__ import annotations
 
 import functools
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from worldloop.common.contracts.schemas import State
+from worldloop.envs.family import FamilyTruth, families, family_of
 from worldloop.judge.rule.f1 import Fact, Item
 from worldloop.judge.rule.parsing import (BASIC_COLORS, Lexicon, coordinate_facts, directions_of, extracted_position_items,
                                           extracted_relation_items, grid_block, grid_items, grid_rows, has_number_tuple,
                                           is_number, lexicon_from_sentences, make_fact, norm_key, relation_facts,
                                           relation_items, svg_element_facts, svg_text_facts)
-
-COORD_TOLERANCE: dict[str, float] = {"primitiveskill": 10.0}  # App. D.1: within +-10 units
-SIMILARITY_TOLERANCE = 0.1  # SVG: a predicted similarity this close to the measured one is right
-
 
 @dataclass
 class Truth:
@@ -65,11 +63,14 @@ class Truth:
     keys: dict[str, int] = field(default_factory=dict)  # structured: normalised key -> tuple arity
     background: frozenset = frozenset()  # symbolic: symbols that are not facts (walls, floor)
     info: Any = None  # what an LLM judge is shown as ground truth
+    # how facts are read and compared: relations (a lexicon: relations, navigation, any family's
+    # directions) | symbolic | structured | elements (image elements: svg)
+    kind: str = "relations"
 
     def compatible(self, a: Fact, b: Fact) -> bool:
-        if self.method == "svg" and a[0] == b[0] == "similarity":
-            return abs(a[1] - b[1]) <= SIMILARITY_TOLERANCE + 1e-9
-        if self.method != "structured":
+        if self.kind == "elements" and a[0] == b[0] == "similarity":
+            return abs(a[1] - b[1]) <= self.tolerance + 1e-9
+        if self.kind != "structured":
             return a == b
         return a[0] == b[0] and len(a[1]) == len(b[1]) and all(
             abs(x - y) <= self.tolerance + 1e-9 for x, y in zip(a[1], b[1]))
@@ -91,31 +92,48 @@ def state_parts(state: State | Mapping | None) -> tuple[list[str], str | None, d
 def build_truth(text: str | None, state: State | Mapping | None, env_name: str = "") -> Truth | None:
     """Pick the comparison for ``text`` against ``state`` (see module docstring); None if none applies."""
     text = text if isinstance(text, str) else ""
-    env = (env_name or "").lower()
     relations, symbolic, structured = state_parts(state)
 
     if symbolic and symbolic.strip() and grid_block(text, symbolic):
         t = _symbolic_truth(symbolic)
         if t is not None:
             return t
-    if isinstance(structured.get("target_elements"), list):
-        t = _svg_truth(structured)
-        if t is not None and relations:
-            t.info = relations  # what an LLM judge reads: the env's sentences about the elements
-        return t
+    own = _family_truth(env_name, relations, symbolic, structured)
+    if own is not None and own.before_coordinates:
+        return _from_family(own)
     numeric = _structured_facts(structured)
     if numeric and has_number_tuple(text):
-        return _structured_truth(numeric, structured, env)
-    nav = _navigation_truth(structured)
-    if nav is not None:
-        return nav
+        return _structured_truth(numeric, structured, env_name)
+    if own is not None:
+        t = _from_family(own)
+        if t is not None:
+            return t
     if relations:
         lex, facts = _relations_truth(tuple(relations))
         if facts:
             return Truth("relations", list(facts), list(facts), lex, info=relations)
     if numeric:
-        return _structured_truth(numeric, structured, env)
+        return _structured_truth(numeric, structured, env_name)
     return None
+
+
+def _family_truth(env_name: str, relations: list[str], symbolic: str | None, structured: dict) -> FamilyTruth | None:
+    """The first family truth of the state, the env's own family asked first."""
+    own = family_of(env_name)
+    for family in ([own] if own is not None else []) + [f for f in families() if f is not own]:
+        t = family.truth(relations, symbolic, structured)
+        if t is not None:
+            return t
+    return None
+
+
+def _from_family(t: FamilyTruth) -> Truth | None:
+    """A family's plain-data truth as facts (None when it holds none)."""
+    if t.kind == "elements":
+        return _elements_truth(t)
+    if t.kind == "directions":
+        return _directions_truth(t)
+    raise ValueError(f"FamilyTruth.kind must be 'directions' or 'elements', got {t.kind!r}")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -129,11 +147,11 @@ def extract_items(text: str | None, truth: Truth) -> list[Item]:
     """The agent's facts in ``text`` in the form ``truth`` compares (never raises on any text)."""
     if not text or not isinstance(text, str):
         return []
-    if truth.method == "symbolic":
+    if truth.kind == "symbolic":
         return grid_items(text, truth.info, truth.background)
-    if truth.method == "structured":
+    if truth.kind == "structured":
         return [frozenset([f]) for f in coordinate_facts(text, truth.keys)]
-    if truth.method == "svg":
+    if truth.kind == "elements":
         return [frozenset([f]) for f in svg_text_facts(text, truth.keys)]
     return relation_items(text, truth.lexicon, truth.implicit)
 
@@ -144,7 +162,7 @@ def items_from_extraction(data: list[dict], truth: Truth) -> list[Item]:
     Entries that name no known relation, or positions of unknown arity, count for nothing; an
     entity the truth lacks resolves to a literal id and can only be a false positive.
     """
-    if truth.method == "structured":
+    if truth.kind == "structured":
         return extracted_position_items(data)
     if truth.lexicon is None:
         return []
@@ -153,7 +171,7 @@ def items_from_extraction(data: list[dict], truth: Truth) -> list[Item]:
 
 def entity_names(truth: Truth) -> list[str]:
     """What the hybrid extractor is told the scene contains (names only, never relations)."""
-    if truth.method == "structured":
+    if truth.kind == "structured":
         return sorted(truth.keys)
     return list(truth.lexicon.ids) if truth.lexicon else []
 
@@ -171,7 +189,8 @@ def _symbolic_truth(symbolic: str) -> Truth | None:
     facts = [(r, c, ch) for r, row in enumerate(rows) for c, ch in enumerate(row) if ch not in background]
     if not facts:
         return None
-    return Truth("symbolic", facts, facts, background=frozenset(background), info=symbolic)
+    return Truth("symbolic", facts, facts, background=frozenset(background), info=symbolic,
+                 kind="symbolic")
 
 
 # ----------------------------------------------------------------------------- structured dicts
@@ -193,66 +212,38 @@ def _structured_facts(structured: dict) -> list[Fact]:
     return list(dict.fromkeys(out))
 
 
-def _structured_truth(facts: list[Fact], structured: dict, env: str) -> Truth:
+def _structured_truth(facts: list[Fact], structured: dict, env_name: str) -> Truth:
     keys: dict[str, int] = {}
     for k, tup in facts:
         keys.setdefault(k, len(tup))
-    return Truth("structured", facts, facts, tolerance=COORD_TOLERANCE.get(env, 0.0), keys=keys, info=structured)
+    family = family_of(env_name)
+    tolerance = family.coord_tolerance if family is not None else 0.0
+    return Truth("structured", facts, facts, tolerance=tolerance, keys=keys, info=structured,
+                 kind="structured")
 
 
-# ----------------------------------------------------------------------------- navigation
-
-_NAV_TARGET_KEYS = ("target_obj_type", "target_object_type", "target_type", "target_object", "target_name")
-_NAV_DIR_KEYS = ("target_direction_to_player", "target_direction", "direction_to_target")
-_NAV_ALIASES = ("target", "goal", "object", "destination", "item")
+# ----------------------------------------------------------------------------- family truths
 
 
-def _object_id(name: str) -> tuple[str, list[tuple[str, ...]]]:
-    """``CounterTop`` -> id ``countertop`` with surfaces ("countertop",), ("counter", "top")."""
-    spaced = re.sub(r"(?<=[a-z])(?=[A-Z])", " ", str(name)).lower()
-    words = re.findall(r"[a-z]+", spaced)
-    oid = "".join(words) or "object"
-    surfaces = [tuple(words)] if len(words) > 1 else []
-    return oid, surfaces
+def _directions_truth(t: FamilyTruth) -> Truth | None:
+    """Relations of entities to a reference (Navigation: objects vs the agent), per axis."""
+    lex = Lexicon(tuple(t.entities), aliases=dict(t.aliases), multiword=dict(t.surfaces))
 
+    def facts_of(entity: str, direction: str, reference: str) -> list[Fact]:
+        return [f for axis, value in directions_of(direction) if (f := make_fact(entity, axis, value, reference))]
 
-def _navigation_truth(structured: dict) -> Truth | None:
-    tkey = next((k for k in _NAV_TARGET_KEYS if isinstance(structured.get(k), str)), None)
-    dkey = next((k for k in _NAV_DIR_KEYS if isinstance(structured.get(k), str)), None)
-    if tkey is None or dkey is None:
-        return None
-    target, surfaces = _object_id(structured[tkey])
-    ids = ["player", target]
-    multi: dict[tuple[str, ...], str] = {s: target for s in surfaces}
-    objects: list[tuple[str, str]] = [(target, structured[dkey])]
-    for o in structured.get("visible_objects") or []:
-        if not isinstance(o, dict) or not isinstance(o.get("type"), str):
-            continue
-        oid, osurf = _object_id(o["type"])
-        direction = o.get("direction_to_player") or o.get("direction")
-        if isinstance(direction, str):
-            objects.append((oid, direction))
-        if oid not in ids:
-            ids.append(oid)
-        multi.update({s: oid for s in osurf})
-    lex = Lexicon(tuple(ids), aliases={a: target for a in _NAV_ALIASES}, multiword=multi)
-
-    def facts_of(oid: str, direction: str) -> list[Fact]:
-        return [f for axis, value in directions_of(direction) if (f := make_fact(oid, axis, value, "player"))]
-
-    essential = list(dict.fromkeys(facts_of(target, structured[dkey])))
-    known = list(dict.fromkeys(f for oid, d in objects for f in facts_of(oid, d)))
+    essential = list(dict.fromkeys(f for d in t.essential for f in facts_of(*d)))
+    known = list(dict.fromkeys(f for d in t.known for f in facts_of(*d)))
     if not essential:
         return None
-    return Truth("navigation", essential, known, lex, implicit="player", info=structured)
+    return Truth(t.method, essential, known, lex, implicit=t.implicit, info=t.info)
 
 
-# ----------------------------------------------------------------------------- SVG elements
-
-
-def _svg_truth(structured: dict) -> Truth | None:
-    facts = svg_element_facts(structured)
+def _elements_truth(t: FamilyTruth) -> Truth | None:
+    """Image elements (SVG): (shape, colour) facts and, once rendered, the similarity."""
+    facts = svg_element_facts(t.elements)
     if not facts:
         return None
     colors = sorted({f[2] for f in facts if f[0] == "el" and f[2]} | set(BASIC_COLORS) | {"grey"}, key=len, reverse=True)
-    return Truth("svg", facts, facts, keys={c: 0 for c in colors}, info=structured)
+    return Truth(t.method, facts, facts, keys={c: 0 for c in colors}, tolerance=t.tolerance, info=t.info,
+                 kind="elements")

@@ -80,11 +80,17 @@ from worldloop.eval.model import ModelNotFound, ModelRef, resolve_model
 from worldloop.eval.plan import Episode, EnvPlan, make_checked
 from worldloop.eval.stats import Table, build_table, family_of
 from worldloop.common.contracts.config import Config, ConfigError, env_label
+from worldloop.envs.family import families
 
 log = logging.getLogger("worldloop.eval")
 
-# max_turns per env family (VAGEN Tables 7, 9, 11, 13, 15)
-PAPER_MAX_TURNS = {"Sokoban": 3, "FrozenLake": 3, "Navigation": 4, "PrimitiveSkill": 3, "SVG": 2}
+
+def paper_max_turns(task: str) -> int | None:
+    """max_turns of a task (``Sokoban``) in its paper (VAGEN Tables 7, 9, 11, 13, 15), as its env
+    family states it (``EnvFamily.paper_max_turns``); None where the family states none."""
+    return next((f.paper_max_turns[task] for f in families() if task in f.paper_max_turns), None)
+
+
 # --envs shorthands for the papers' suites (preset names of envs/presets.py)
 SUITES = {
     "vagen": ["frozenlake", "sokoban", "navigation", "navigation-common-sense", "primitive-place", "primitive-stack",
@@ -142,7 +148,7 @@ def plan_envs(cfg: Config, names: list[str] | None, *, single_turn: bool, max_tu
                                                      getattr(probe.unwrapped, "max_actions_per_step", 1))
                 turns = 1
             else:
-                turns = max_turns or PAPER_MAX_TURNS.get(family_of(env_id), cfg.actor.max_turns)
+                turns = max_turns or paper_max_turns(family_of(env_id)) or cfg.actor.max_turns
             pf = getattr(probe.unwrapped, "prompt_format", "") or ""
             sf = getattr(probe.unwrapped, "state_format", "") or ""
         finally:

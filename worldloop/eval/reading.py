@@ -38,8 +38,8 @@ def _scorer(judge: JudgeConfig):
 async def _part(scorer, observation: str | None, state: Any, env_name: str, format_rewarded: bool):
     # the judge's own scoring of one part (format gate, missing text, not applicable, rule or vagen
     # mode); TrajectoryScorer.score would also count these turns in the judge's metrics and
-    # repetition history, which the evaluator must not touch
-    return await scorer._score_part(env_name, "grounding", format_rewarded, observation, state, ["rule"])
+    # repetition history, which the evaluator must not touch: score_part touches neither
+    return await scorer.score_part(env_name, "grounding", format_rewarded, observation, state, ["rule"])
 
 
 def _right(part) -> bool | None:

@@ -17,7 +17,9 @@ a task has several, plus their ``Average``; an ``Overall`` column, the mean of t
 task's value is its Average when it has sub-tasks). Success-rate tasks show the fraction of episodes
 with ``success``. Similarity tasks (SVG) show the mean over episodes of each similarity metric the
 env reports at the end of the episode, under the metric's own name (``dino``, ``dreamsim`` or
-``pixel_similarity``, which is a pixel-level score and not DreamSim/DINO), and their Average.
+``pixel_similarity``, which is a pixel-level score and not DreamSim/DINO), and their Average. Which
+tasks are similarity tasks, and their metrics, is their env family's knowledge
+(``EnvFamily.similarity_metrics``, :func:`similarity_metrics`).
 
 Intervals (95%): Wilson score interval for a success rate; mean +- t(0.975, n-1) * s / sqrt(n) for a
 similarity (n >= 2). Averages and Overall combine their parts as independent estimates with a normal
@@ -37,6 +39,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from worldloop.envs.family import families
+
 Z95 = 1.959963984540054
 
 # two-sided 95% critical values of Student's t, df = 1..30 (beyond: Cornish-Fisher expansion)
@@ -47,9 +51,13 @@ _T975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622
 # Table 2's column order; families not listed follow in the order first seen
 FAMILY_ORDER = ("FrozenLake", "Sokoban", "Navigation", "PrimitiveSkill", "SVG")
 SUBTASK_ORDER = {"Navigation": ("base", "common_sense"), "PrimitiveSkill": ("place", "stack", "drawer", "align")}
-# families scored by similarity metrics instead of success, and the metric names shown for them
-SIMILARITY_FAMILIES = {"SVG": ("dino", "dreamsim", "pixel_similarity")}
 SIMILARITY_FALLBACK = "similarity"
+
+
+def similarity_metrics(task: str) -> tuple[str, ...] | None:
+    """The metric names a task scored by similarity instead of success shows (its env family's
+    ``similarity_metrics``: SVG's dino, dreamsim, pixel_similarity), None for a success-rate task."""
+    return next((f.similarity_metrics[task] for f in families() if task in f.similarity_metrics), None)
 
 
 def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
@@ -315,12 +323,10 @@ def build_table(records: list[dict]) -> Table:
     family_values: list[Cell] = []
     for fam in _ordered(fams, FAMILY_ORDER):
         recs = fams[fam]
-        if fam in SIMILARITY_FAMILIES:
-            parts = _similarity_parts(fam, recs)
-        else:
-            parts = _success_parts(fam, recs)
+        metrics = similarity_metrics(fam)
+        parts = _similarity_parts(fam, metrics, recs) if metrics else _success_parts(fam, recs)
         if not parts:  # every episode of this family failed
-            parts = [Cell(fam, "", "similarity" if fam in SIMILARITY_FAMILIES else "success", None, None, None, 0)]
+            parts = [Cell(fam, "", "similarity" if metrics else "success", None, None, None, 0)]
         cells += parts
         if len(parts) > 1:
             avg = _average_cell(fam, "Average", "average", parts, clip=True)
@@ -349,11 +355,11 @@ def _success_parts(fam: str, recs: list[dict]) -> list[Cell]:
     return [_success_cell(fam, t, by_task[t]) for t in labels]
 
 
-def _similarity_parts(fam: str, recs: list[dict]) -> list[Cell]:
+def _similarity_parts(fam: str, metrics: tuple[str, ...], recs: list[dict]) -> list[Cell]:
     reported: list[str] = []
     for r in recs:
         reported += list((r.get("metrics") or {}).keys())
-    names = [m for m in SIMILARITY_FAMILIES[fam] if m in reported]
+    names = [m for m in metrics if m in reported]
     if not names and SIMILARITY_FALLBACK in reported:
         names = [SIMILARITY_FALLBACK]
     return [_similarity_cell(fam, m, [float(r["metrics"][m]) for r in recs if m in (r.get("metrics") or {})])
