@@ -20,6 +20,8 @@ import ipaddress
 import logging
 from urllib.parse import urlsplit
 
+from worldloop.common.secrets import url_password
+
 log = logging.getLogger(__name__)
 
 _warned: set[str] = set()
@@ -46,15 +48,15 @@ def check_redis_bind(host: str, password: str | None) -> None:
 
 def warn_open_redis(url: str, env_password: bool) -> None:
     """Warn once per address when a client reaches a non-loopback Redis over TCP with no password
-    (neither in the URL nor, ``env_password``, in the environment) and without TLS."""
+    (neither in the URL, as user info or ``?password=``, nor, ``env_password``, in the environment)
+    and without TLS."""
     try:
         u = urlsplit(url)
-        has_password = env_password or bool(u.password)
-    except ValueError:
+        where = f"{u.hostname}:{u.port or 6379}"
+    except ValueError:  # redis-py refuses it itself
         return
-    if u.scheme != "redis" or has_password or is_loopback(u.hostname or "localhost"):
+    if u.scheme != "redis" or env_password or url_password(url) or is_loopback(u.hostname or "localhost"):
         return
-    where = f"{u.hostname}:{u.port or 6379}"
     if where not in _warned:
         _warned.add(where)
         log.warning("SECURITY: Redis at %s is reached over the network without a password and without TLS: anyone "

@@ -58,6 +58,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from worldloop.common.exposure import warn_open_redis
 from worldloop.common.metrics import metric
+from worldloop.common.secrets import REDIS_PASSWORD_ENV, strip_password
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +69,6 @@ _BACKOFF_START_S = 0.05
 T = TypeVar("T")
 
 
-# the Redis password for a URL without one: from the environment, so that it is on no process's
-# command line (``ps``, /proc/PID/cmdline) and in no config file a run writes
-REDIS_PASSWORD_ENV = "WORLDLOOP_REDIS_PASSWORD"
 
 
 def connect(url: str, socket_timeout_s: float = 10.0) -> redis.Redis:
@@ -81,7 +79,7 @@ def connect(url: str, socket_timeout_s: float = 10.0) -> redis.Redis:
     in the URL wins). Responses stay bytes (``decode_responses=False``).
     """
     if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(f"redis url must start with redis://, rediss:// or unix://, got {url.split('@')[-1]!r}")
+        raise ValueError(f"redis url must start with redis://, rediss:// or unix://, got {strip_password(url)!r}")
     warn_open_redis(url, env_password=bool(os.environ.get(REDIS_PASSWORD_ENV)))
     return redis.Redis.from_url(
         url,

@@ -57,6 +57,8 @@ def test_a_client_warns_once_about_a_network_redis_without_a_password(caplog, mo
         connect("redis://10.255.0.7:6379/0")  # no command is sent: connect() only builds the client
         connect("redis://10.255.0.7:6379/1")
         connect("redis://:pw@10.255.0.8:6379/0")
+        connect("redis://10.255.0.11:6379/0?password=pw")  # redis-py's other form: no warning either
+        connect("redis://bob@10.255.0.12:6379/0?username=bob&password=pw")
         connect("rediss://10.255.0.9:6379/0")
         connect("redis://127.0.0.1:6379/0")
         monkeypatch.setenv(REDIS_PASSWORD_ENV, "pw")
