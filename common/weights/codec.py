@@ -45,6 +45,23 @@ FORMAT = "worldloop.weights/2"  # /2: the manifest names its whole-set hash; chu
 TOPIC = b"worldloop.weights"
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors uses too
 
+# ZMQ_MAXMSGSIZE of the sockets that read from the network: a peer that sends a larger frame is
+# disconnected by libzmq from the frame's length prefix, before anything is allocated or read
+# (the limit is per frame; the connection is made again and the socket keeps serving others).
+# The learner's ROUTER and PUB read only requests ([command, JSON of rid, digest, chunk index]) and
+# subscriptions, the actors' SUB only announcements: all under 1 KiB, so 64 KiB.
+CONTROL_MAX_BYTES = 64 << 10
+# An actor's DEALER reads replies: chunks of at most the whole encoding, a manifest and its CRC
+# frame (4 bytes per chunk). Its limit is the subscriber's max_bytes (weights.max_bytes, by default
+# 4x the model's weight files + 64 MiB) plus this headroom for the JSON headers; see reply_max_bytes.
+REPLY_HEADROOM_BYTES = 1 << 20
+
+
+def reply_max_bytes(max_bytes: int | None) -> int:
+    """ZMQ_MAXMSGSIZE of a subscriber's DEALER: ``max_bytes`` + :data:`REPLY_HEADROOM_BYTES`, or -1
+    (no limit) for a subscriber without ``max_bytes``."""
+    return -1 if max_bytes is None else max_bytes + REPLY_HEADROOM_BYTES
+
 # safetensors dtype names (C128 and F8_E8M0 where torch has them; C128 is our extension)
 _DTYPE_NAMES = {
     "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "F16": "float16",

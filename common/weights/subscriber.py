@@ -19,7 +19,10 @@ the wire protocol.
 * **Memory.** Each verified chunk is copied into one preallocated buffer and the returned
   tensors are views into it (no second copy); a restart drops the partial download before
   allocating the next, so a subscriber holds at most the set its caller kept plus the one being
-  fetched. ``max_bytes`` refuses a manifest larger than that before anything is allocated.
+  fetched. ``max_bytes`` refuses a manifest larger than that before anything is allocated, and
+  no peer can make a socket read a larger frame: the DEALER's ZMQ_MAXMSGSIZE is ``max_bytes`` +
+  1 MiB, the SUB's 64 KiB (:data:`~worldloop.common.weights.codec.CONTROL_MAX_BYTES`); libzmq
+  drops a connection that announces a larger frame before reading it, and the socket reconnects.
 * **Flow control.** At most ``window_bytes`` (16 MiB: 4 chunks) of requests are in flight;
   whatever got no reply within ``resend_s`` is asked again (e.g. after a publisher restart).
   Each resend that brings no reply doubles the wait before the next one (up to half of
@@ -65,6 +68,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from worldloop.common.metrics import metric
 from worldloop.common.weights.codec import (
+    CONTROL_MAX_BYTES,
     FORMAT,
     TOPIC,
     Manifest,
@@ -78,6 +82,7 @@ from worldloop.common.weights.codec import (
     endpoint,
     is_int,
     new_hasher,
+    reply_max_bytes,
 )
 from worldloop.common.weights.keys import client_keys, from_config
 
@@ -140,18 +145,11 @@ class WeightSubscriber:
         self.curve = server_key is not None
         self._keys = (server_key, client)
         self._ctx = zmq.Context()
-        self._n_dealers = 0
+        self._n_dealers = self._n_subs = 0
         self._link = "no TCP connection was made (is the learner up, are host and fetch_port right?)"
+        self._sub_addr = endpoint(host, pub_port)
         try:
-            self._sub = self._socket(zmq.SUB, server_key, client)
-            self._sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
-            self._sub.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
-            self._sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
-            sub_addr = endpoint(host, pub_port)
-            try:
-                self._sub.connect(sub_addr)
-            except zmq.ZMQError as e:
-                raise ValueError(f"cannot connect to the weight publisher at {sub_addr}: {e}") from None
+            self._open_sub()
             self._open_dealer()
         except BaseException:
             self._ctx.destroy(linger=0)
@@ -172,10 +170,37 @@ class WeightSubscriber:
             s.curve_publickey, s.curve_secretkey = client
         return s
 
+    def _open_sub(self) -> None:
+        """The SUB for announcements, with a monitor of its disconnects: libzmq does not reconnect a
+        connection that it dropped for a protocol error (a frame over ZMQ_MAXMSGSIZE), so
+        :meth:`latest_announced` opens a fresh SUB after any disconnect."""
+        self._n_subs += 1
+        self._sub = self._socket(zmq.SUB, *self._keys)
+        self._sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        self._sub.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_BYTES)  # announcements are small
+        self._sub.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
+        self._sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+        try:
+            self._sub_monitor = self._sub.get_monitor_socket(
+                zmq.EVENT_DISCONNECTED, addr=f"inproc://worldloop-weights-sub-monitor-{id(self)}-{self._n_subs}")
+            try:
+                self._sub.connect(self._sub_addr)
+            except zmq.ZMQError as e:
+                raise ValueError(f"cannot connect to the weight publisher at {self._sub_addr}: {e}") from None
+        except BaseException:
+            self._sub.close(linger=0)
+            raise
+
+    def _close_sub(self) -> None:
+        self._sub.disable_monitor()
+        self._sub_monitor.close(linger=0)
+        self._sub.close(linger=0)
+
     def _open_dealer(self) -> None:
         """A fresh DEALER (a new TCP connection) with its monitor, polled by ``_reply``."""
         self._n_dealers += 1
         self._dealer = self._socket(zmq.DEALER, *self._keys)
+        self._dealer.setsockopt(zmq.MAXMSGSIZE, reply_max_bytes(self.max_bytes))
         try:
             self._monitor = self._dealer.get_monitor_socket(
                 _MONITOR_EVENTS, addr=f"inproc://worldloop-weights-monitor-{id(self)}-{self._n_dealers}")
@@ -231,6 +256,10 @@ class WeightSubscriber:
             try:
                 frames = self._sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
+                if self._sub_monitor.poll(0):  # dropped: a fresh SUB (see _open_sub)
+                    log.info("weights: the announcement connection to %s dropped; connecting again", self._sub_addr)
+                    self._close_sub()
+                    self._open_sub()
                 return self._announced
             try:
                 msg = json.loads(frames[1])
@@ -468,7 +497,7 @@ class WeightSubscriber:
             return
         self._hasher.shutdown(wait=True, cancel_futures=True)
         self._close_dealer()
-        self._sub.close(linger=0)
+        self._close_sub()
         self._ctx.term()
 
     def __enter__(self) -> WeightSubscriber:
