@@ -170,26 +170,40 @@ class WeightSubscriber:
             s.curve_publickey, s.curve_secretkey = client
         return s
 
+    def _connected(self, kind: int, events: int, name: str, addr: str) -> tuple[zmq.Socket, zmq.Socket]:
+        """A socket of ``kind`` (this subscriber's keys, :meth:`_sockopts` set before connecting)
+        connected to ``addr``, and its monitor of ``events``; on failure nothing stays open."""
+        sock = self._socket(kind, *self._keys)
+        try:
+            self._sockopts(kind, sock)
+            monitor = sock.get_monitor_socket(events, addr=f"inproc://worldloop-weights-{name}-{id(self)}")
+            try:
+                sock.connect(addr)
+            except zmq.ZMQError as e:
+                raise ValueError(f"cannot connect to the weight publisher at {addr}: {e}") from None
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        return sock, monitor
+
+    def _sockopts(self, kind: int, sock: zmq.Socket) -> None:
+        """Options set before connecting. SUB: announcements (small) and heartbeats; DEALER: replies of
+        at most max_bytes + headroom (ZMQ_MAXMSGSIZE, see codec.CONTROL_MAX_BYTES)."""
+        if kind == zmq.SUB:
+            sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
+            sock.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_BYTES)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+        else:
+            sock.setsockopt(zmq.MAXMSGSIZE, reply_max_bytes(self.max_bytes))
+
     def _open_sub(self) -> None:
         """The SUB for announcements, with a monitor of its disconnects: libzmq does not reconnect a
         connection that it dropped for a protocol error (a frame over ZMQ_MAXMSGSIZE), so
         :meth:`latest_announced` opens a fresh SUB after any disconnect."""
         self._n_subs += 1
-        self._sub = self._socket(zmq.SUB, *self._keys)
-        self._sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
-        self._sub.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_BYTES)  # announcements are small
-        self._sub.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
-        self._sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
-        try:
-            self._sub_monitor = self._sub.get_monitor_socket(
-                zmq.EVENT_DISCONNECTED, addr=f"inproc://worldloop-weights-sub-monitor-{id(self)}-{self._n_subs}")
-            try:
-                self._sub.connect(self._sub_addr)
-            except zmq.ZMQError as e:
-                raise ValueError(f"cannot connect to the weight publisher at {self._sub_addr}: {e}") from None
-        except BaseException:
-            self._sub.close(linger=0)
-            raise
+        self._sub, self._sub_monitor = self._connected(zmq.SUB, zmq.EVENT_DISCONNECTED, f"sub-{self._n_subs}",
+                                                       self._sub_addr)
 
     def _close_sub(self) -> None:
         self._sub.disable_monitor()
@@ -199,18 +213,8 @@ class WeightSubscriber:
     def _open_dealer(self) -> None:
         """A fresh DEALER (a new TCP connection) with its monitor, polled by ``_reply``."""
         self._n_dealers += 1
-        self._dealer = self._socket(zmq.DEALER, *self._keys)
-        self._dealer.setsockopt(zmq.MAXMSGSIZE, reply_max_bytes(self.max_bytes))
-        try:
-            self._monitor = self._dealer.get_monitor_socket(
-                _MONITOR_EVENTS, addr=f"inproc://worldloop-weights-monitor-{id(self)}-{self._n_dealers}")
-            try:
-                self._dealer.connect(self.endpoint)
-            except zmq.ZMQError as e:
-                raise ValueError(f"cannot connect to the weight publisher at {self.endpoint}: {e}") from None
-        except BaseException:
-            self._dealer.close(linger=0)
-            raise
+        self._dealer, self._monitor = self._connected(zmq.DEALER, _MONITOR_EVENTS, f"monitor-{self._n_dealers}",
+                                                      self.endpoint)
         self._handshakes = 0  # on this DEALER; a second one means the publisher came back
         self._peer_back = False
         self._poller = zmq.Poller()
