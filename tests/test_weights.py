@@ -422,9 +422,9 @@ def test_owned_hand_overs_never_wait_and_a_newer_one_replaces_one_not_started(
 
 def test_reserved_buffers_serve_every_version_without_a_new_allocation(publisher: WeightPublisher) -> None:
     """reserve() at start allocates both encoding buffers (pinned on a GPU); the first publish and
-    every later one, a longer header (version 10**12) and an owned hand-over included, are
+    every later one, a longer header (version 2**31 - 2, the largest but one) and an owned hand-over included, are
     encoded into those two allocations and fetched intact."""
-    versions = (1, 2, 3, 10**12, 10**12 + 1)
+    versions = (1, 2, 3, 2**31 - 2, 2**31 - 1)
     sets = {v: weight_set(i, scale=1 << 16) for i, v in enumerate(versions)}
     nbytes = publisher.reserve(sets[1])
     reserved = {publisher._spare.storage.data_ptr(), publisher._reserved.storage.data_ptr()}
@@ -438,7 +438,7 @@ def test_reserved_buffers_serve_every_version_without_a_new_allocation(publisher
             sizes[v] = served.nbytes
             assert served.nbytes == publisher.nbytes <= nbytes
             assert_fetched(sub.fetch(min_version=v - 1), v, tensors)
-    assert sizes[10**12] > sizes[1] and publisher._reserved is None  # the header grew; both buffers in use
+    assert sizes[2**31 - 2] > sizes[1] and publisher._reserved is None  # the header grew; both buffers in use
     with pytest.raises(WeightsError, match="before the first publish"):
         publisher.reserve(sets[1])
 

@@ -15,7 +15,15 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from worldloop.common.weights import WeightPublisher, WeightSubscriber
-from worldloop.common.weights.codec import CONTROL_MAX_BYTES, FORMAT, REPLY_HEADROOM_BYTES, TOPIC, reply_max_bytes
+from worldloop.common.weights.codec import (
+    CONTROL_MAX_BYTES,
+    FORMAT,
+    REPLY_HEADROOM_BYTES,
+    TOPIC,
+    Manifest,
+    reply_max_bytes,
+    valid_version,
+)
 
 from procs import wait_for
 
@@ -175,3 +183,42 @@ def test_a_real_fetch_fits_under_the_dealers_limit(max_bytes) -> None:
     finally:
         sub.close()
         pub.close()
+
+
+def test_a_version_out_of_the_message_bound_is_refused_everywhere() -> None:
+    """Policy versions are < 2^31 in every message (common/schemas.py): the publisher refuses to
+    publish 2^31, a manifest naming 2^62 is refused, and an announcement of 2^62 is ignored."""
+    assert valid_version(0) and valid_version(2**31 - 1)
+    assert not any(valid_version(v) for v in (-1, 2**31, 2**62, True, 1.0, "3"))
+    pub = WeightPublisher(HOST, chunk_bytes=64 * 1024, announce_interval_s=0.2)
+    try:
+        with pytest.raises(ValueError, match=r"version must be an integer in \[0, 2147483648\), got 2147483648"):
+            pub.publish({"w": torch.zeros(4)}, 2**31)
+    finally:
+        pub.close()
+    good = {"format": FORMAT, "version": 3, "size": 16, "chunk_bytes": 1024, "hash": "xxh3_128", "digest": "0" * 32}
+    assert Manifest.parse(good, memoryview(b"\0" * 4)).version == 3
+    with pytest.raises(ValueError, match="inconsistent manifest"):
+        Manifest.parse({**good, "version": 2**62}, memoryview(b"\0" * 4))
+    ctx = zmq.Context()
+    pub_sock, fetch = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    sub = None
+    try:
+        pub_port, fetch_port = pub_sock.bind_to_random_port(f"tcp://{HOST}"), fetch.bind_to_random_port(f"tcp://{HOST}")
+        sub = WeightSubscriber(HOST, pub_port, fetch_port, fetch_timeout_s=30)
+
+        def announced(version: int) -> bool:
+            pub_sock.send_multipart(_announcement(version))
+            return sub.latest_announced() == version
+
+        wait_for(lambda: announced(5), "an announcement", 30)
+        pub_sock.send_multipart(_announcement(2**62))
+        assert sub._sub.poll(30_000)  # it has arrived (and nothing else was sent): now it is read
+        assert sub.latest_announced() == 5
+        wait_for(lambda: announced(6), "the next announcement", 30)
+    finally:
+        if sub is not None:
+            sub.close()
+        pub_sock.close(0)
+        fetch.close(0)
+        ctx.term()

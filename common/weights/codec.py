@@ -41,6 +41,8 @@ import numpy as np
 import torch
 import xxhash
 
+from worldloop.common.schemas import MAX_INT
+
 FORMAT = "worldloop.weights/2"  # /2: the manifest names its whole-set hash; chunks carry CRC-32C
 TOPIC = b"worldloop.weights"
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors uses too
@@ -108,9 +110,14 @@ class KeyFileError(WeightsArgumentError):
 # --------------------------------------------------------------------------- encoding
 
 
+def valid_version(version: Any) -> bool:
+    """A policy version: an int in [0, 2^31), the bound of every message (common/schemas.py says why)."""
+    return is_int(version) and 0 <= version < MAX_INT
+
+
 def check_version(version: Any) -> int:
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise ValueError(f"version must be an integer >= 0, got {version!r}")
+    if not valid_version(version):
+        raise ValueError(f"version must be an integer in [0, {MAX_INT}), got {version!r}")
     return version
 
 
@@ -347,7 +354,7 @@ class Manifest:
                     str(hdr["digest"]), crcs)
         except (KeyError, TypeError, ValueError, struct.error) as e:
             raise ValueError(f"bad manifest {hdr!r}: {e}") from None
-        if (m.size < 8 or m.chunk_bytes < 1 or len(crc_frame) != 4 * m.n_chunks
+        if (not valid_version(m.version) or m.size < 8 or m.chunk_bytes < 1 or len(crc_frame) != 4 * m.n_chunks
                 or len(m.digest) != HASHES[m.hash][1]):
             raise ValueError(f"inconsistent manifest {hdr!r} with {len(crc_frame)} bytes of chunk CRCs")
         return m

@@ -83,6 +83,7 @@ from worldloop.common.weights.codec import (
     is_int,
     new_hasher,
     reply_max_bytes,
+    valid_version,
 )
 from worldloop.common.weights.keys import client_keys, from_config
 
@@ -267,7 +268,7 @@ class WeightSubscriber:
                 return self._announced
             try:
                 msg = json.loads(frames[1])
-                if msg.get("format") == FORMAT and is_int(msg.get("version")):
+                if msg.get("format") == FORMAT and valid_version(msg.get("version")):
                     self._announced = msg["version"]
             except (IndexError, ValueError, AttributeError):
                 log.debug("weights: ignored a malformed announcement")
