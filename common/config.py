@@ -250,6 +250,14 @@ class ServeConfig(Section):
                       description="the server's port; `worldloop up` picks a free one for the server it starts")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs one server spans (vLLM tensor parallel)")
     extra_args: list[str] = Field(default_factory=list, description="appended to vllm serve's arguments as they are")
+    # common/secrets.py server_api_key: the key itself is never in the config, a log or a command line
+    api_key_env: str = Field("WORLDLOOP_SERVE_API_KEY", description="the environment variable that holds the servers' API "
+                                                                  "key (never logged): a server requires it as "
+                                                                  "`Authorization: Bearer <key>` (vLLM's --api-key, given "
+                                                                  "as VLLM_API_KEY, off the command line) and the actors "
+                                                                  "send it; unset or empty = no key")
+    api_key_file: str | None = Field(None, description="a file whose first line is the servers' API key, read instead of "
+                                                       "api_key_env's variable; null = the variable")
 
 
 class JudgeConfig(Section):

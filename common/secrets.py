@@ -27,9 +27,15 @@ the client's key file). The password is taken out of the URL before anything is 
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 import re
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, unquote_plus, urlsplit
+
+from worldloop.common.config_fields import ConfigError
 
 # the Redis password for a URL without one: from the environment, so that it is on no process's
 # command line (``ps``, /proc/PID/cmdline) and in no config file a run writes
@@ -112,6 +118,31 @@ def redacted_override(text: str) -> str:
     if not sep:
         return text
     return f"{key}={REDACTED}" if _secret_key(key.rsplit('.', 1)[-1]) and value else f"{key}={redacted(value)}"
+
+
+def server_api_key(cfg: Any) -> str | None:
+    """The inference servers' API key: the first line of ``serve.api_key_file`` when that is set,
+    else the variable ``serve.api_key_env`` names; None for none. The server (vLLM's
+    ``VLLM_API_KEY``) and the actors' client (``Authorization: Bearer``) both take it from here."""
+    s = cfg.serve
+    if s.api_key_file:
+        try:
+            lines = Path(s.api_key_file).read_text().strip().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError("serve.api_key_file", f"cannot read the API key file {s.api_key_file!r}: "
+                                                    f"{getattr(e, 'strerror', None) or e}") from None
+        if not lines or not lines[0].strip():
+            raise ConfigError("serve.api_key_file", f"the API key file {s.api_key_file!r} is empty")
+        return lines[0].strip()
+    return os.environ.get(s.api_key_env, "").strip() or None
+
+
+def bearer_ok(authorization: str, key: str) -> bool:
+    """Whether an ``Authorization`` header's value is ``Bearer <key>`` (compared in constant time,
+    as vLLM compares it)."""
+    scheme, _, token = authorization.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(hashlib.sha256(token.encode()).digest(),
+                                                              hashlib.sha256(key.encode()).digest())
 
 
 def password_to_env(cfg: Any, env: dict[str, str]) -> bool:
