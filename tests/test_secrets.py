@@ -4,6 +4,7 @@ directory, logs, trackers and process command lines are searched for it."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -150,6 +151,19 @@ def test_config_show_prints_no_password_in_either_form(url: str) -> None:
     assert "overrides: redis.url=redis://host:6399/0" in out.stdout
     assert yaml.safe_load(out.stdout)["redis"]["url"] == "redis://host:6399/0"
     assert f"${REDIS_PASSWORD_ENV}" in out.stdout  # says where the password goes instead
+
+
+@pytest.mark.parametrize("url", [f"redis://:{PW}@10.0.0.5:6399/0", f"redis://10.0.0.5:6399/0?password={PW}"])
+def test_an_inference_servers_config_holds_no_password(url: str) -> None:
+    """`worldloop serve` hands its processes the config as JSON in their environment: the password
+    travels in $WORLDLOOP_REDIS_PASSWORD instead, as with `worldloop up`'s children."""
+    from worldloop.actor.server.launch import CONFIG_ENV, server_env
+
+    cfg = load_config(None, [f"redis.url={url}"])
+    env = server_env(cfg, base={}, on_gpu=False)
+    assert PW not in env[CONFIG_ENV] and env[REDIS_PASSWORD_ENV] == PW
+    assert json.loads(env[CONFIG_ENV])["redis"]["url"] == "redis://10.0.0.5:6399/0"
+    assert cfg.redis.url == url  # the caller's config is left as it was
 
 
 def test_status_and_a_bad_url_print_no_query_string_password() -> None:

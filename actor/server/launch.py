@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 
 from worldloop.common.config import to_dict
 from worldloop.common.modeling import MERGE, PATCH
-from worldloop.common.secrets import server_api_key
+from worldloop.common.secrets import password_to_env, server_api_key
 
 if TYPE_CHECKING:
     from worldloop.common.config import Config
@@ -96,9 +96,12 @@ def serve_args(cfg: "Config", *, host: str, port: int, on_gpu: bool | None = Non
 
 
 def server_env(cfg: "Config", base: dict | None = None, on_gpu: bool | None = None) -> dict:
-    """The server's environment: ``base`` (default ``os.environ``) plus the config as JSON."""
+    """The server's environment: ``base`` (default ``os.environ``) plus the config as JSON (a Redis
+    password of ``redis.url`` moved to ``$WORLDLOOP_REDIS_PASSWORD``) and the API key."""
     env = dict(os.environ if base is None else base)
-    env[CONFIG_ENV] = json.dumps(to_dict(cfg))
+    shown = cfg.model_copy(deep=True)
+    password_to_env(shown, env)  # a redis.url password goes to $WORLDLOOP_REDIS_PASSWORD, not into the JSON
+    env[CONFIG_ENV] = json.dumps(to_dict(shown))
     key = server_api_key(cfg)
     if key:  # vLLM's --api-key, through its environment: no key on the command line (ps, /proc/PID/cmdline)
         env[API_KEY_ENV] = key
