@@ -39,7 +39,7 @@ case "$WORLDLOOP_HEAD_NODE" in
 esac
 unset _v
 case "$WORLDLOOP_REDIS_URL" in
-  *://*:*@*) echo "worldloop deploy: WORLDLOOP_REDIS_URL holds a password: it would be on every command line (ps); put it in WORLDLOOP_REDIS_PASSWORD" >&2; exit 2 ;;
+  *://*:*@*|*[?\&]password=*|*[?\&]ssl_password=*) echo "worldloop deploy: WORLDLOOP_REDIS_URL holds a password: it would be on every command line (ps); put it in WORLDLOOP_REDIS_PASSWORD" >&2; exit 2 ;;
 esac
 
 # private_dir DIR [create]: DIR (the supervisor's socket and pid file) is a folder only we may

@@ -380,6 +380,18 @@ def test_env_file_errors_name_the_variable(tmp_path):
     assert res.returncode == 2 and "WORLDLOOP_LEARNER_STOPWAITSECS must be whole seconds" in res.stderr, res.stderr
 
 
+@pytest.mark.parametrize("url", ["redis://:pw@10.0.0.1:6390/0", "redis://10.0.0.1:6390/0?password=pw",
+                                 "rediss://10.0.0.1:6390/0?db=1&ssl_password=pw"])
+def test_env_file_refuses_a_redis_url_with_a_password_in_any_form(tmp_path, url):
+    """Issue 38, finding 7: redis-py also reads ``?password=``; run.sh puts WORLDLOOP_REDIS_URL on
+    every command line, so a password in it is refused in either place."""
+    values = (DEPLOY / "worldloop.env").read_text() + f"WORLDLOOP_REDIS_URL='{url}'\n"
+    (tmp_path / "a.env").write_text(values)
+    env = {**os.environ, "WORLDLOOP_ENV_FILE": str(tmp_path / "a.env")}
+    res = subprocess.run([str(DEPLOY / "ctl.sh"), "status"], env=env, capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2 and "WORLDLOOP_REDIS_URL holds a password" in res.stderr, res.stderr
+
+
 def test_run_sh_maps_gpus_and_keeps_the_password_off_the_command_line(tmp_path):
     """deploy/run.sh with a stand-in for python that prints what it was given."""
     fake = tmp_path / "python"

@@ -6,9 +6,12 @@ supervisor's folder is private."""
 
 from __future__ import annotations
 
+import html
+import json
 import logging
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,6 +60,8 @@ def test_a_client_warns_once_about_a_network_redis_without_a_password(caplog, mo
         connect("redis://10.255.0.7:6379/0")  # no command is sent: connect() only builds the client
         connect("redis://10.255.0.7:6379/1")
         connect("redis://:pw@10.255.0.8:6379/0")
+        connect("redis://10.255.0.11:6379/0?password=pw")  # redis-py's other form: no warning either
+        connect("redis://bob@10.255.0.12:6379/0?username=bob&password=pw")
         connect("rediss://10.255.0.9:6379/0")
         connect("redis://127.0.0.1:6379/0")
         monkeypatch.setenv(REDIS_PASSWORD_ENV, "pw")
@@ -140,3 +145,46 @@ def test_the_supervisor_folder_must_be_private(tmp_path) -> None:
     link = tmp_path / "link"
     link.symlink_to(fresh)
     assert check(link).returncode == 2
+
+
+def _show(folder: Path) -> subprocess.CompletedProcess:
+    """``python -m worldloop show episodes.jsonl`` run in ``folder``: its modules are importable there
+    (``-m`` puts the working directory first on sys.path)."""
+    return subprocess.run([sys.executable, "-m", "worldloop", "show", "episodes.jsonl"], cwd=folder, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_show_never_imports_a_module_that_a_record_names(tmp_path) -> None:
+    """Issue 38, finding 8: gymnasium.make("evilenv:Env-v0") imports ``evilenv``; the viewer re-plays
+    only ids that worldloop registers, so a module beside the JSONL never runs, and the record is
+    still shown, its env id marked unknown."""
+    marker = tmp_path / "IMPORTED"
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "evilenv.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+                                    "import gymnasium\nclass Env(gymnasium.Env):\n    pass\n")
+    rec = {"env": "evil", "env_id": "evilenv:Env-v0", "seed": 3, "success": False,
+           "turns": [{"response": "<answer>Left</answer>", "reward": 0.0}]}
+    (run / "episodes.jsonl").write_text(json.dumps(rec) + "\n")
+    res = _show(run)
+    assert res.returncode == 0, res.stderr
+    assert not marker.exists()
+    page = html.unescape((run / "episodes.html").read_text())
+    assert "unknown env id 'evilenv:Env-v0': not one that worldloop registers" in page
+    assert "<answer>Left</answer>" in page  # the record itself is shown
+
+
+def test_show_replays_an_svg_record_without_loading_the_weights_it_names(tmp_path) -> None:
+    """A record's env_kwargs naming model weights (``metric="dino"`` with a ``dino_model`` folder
+    beside the file) are not loaded: the viewer re-plays with the pixel metric."""
+    run = tmp_path / "run"
+    (run / "dino").mkdir(parents=True)
+    rec = {"env": "svg", "env_id": "worldloop/SVG-v0", "seed": 1, "success": False,
+           "env_kwargs": {"metric": "dino", "dino_model": str(run / "dino")},
+           "turns": [{"response": "<answer><svg xmlns='http://www.w3.org/2000/svg'></svg></answer>", "reward": 0.0}]}
+    (run / "episodes.jsonl").write_text(json.dumps(rec) + "\n")
+    res = _show(run)
+    assert res.returncode == 0, res.stderr
+    page = html.unescape((run / "episodes.html").read_text())
+    assert "could not re-play" not in page and "DINO" not in page
+    assert "data:image/png;base64," in page  # the re-play's image of the turn

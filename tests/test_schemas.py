@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import msgpack
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from worldloop.testing.trajectories import make_trajectory, make_turn
 from worldloop.common.contracts.schemas import (
@@ -180,3 +183,56 @@ def test_total_turn_reward_sums_components() -> None:
     assert total_turn_reward(turn) == pytest.approx(0.4)
     turn.reasoning_reward = 0.25
     assert total_turn_reward(turn) == pytest.approx(0.65)
+
+
+# issue 38, finding 13: versions, counts and token ids are >= 0 and < 2^31 (common/contracts/schemas.py says
+# why), a seed >= 0 and < 2^63, max_turns >= 1
+BOUND_CASES = [
+    ("policy version 2^62", lambda t: t["turns"][1].update(policy_version=2**62),
+     "$.turns[1].policy_version: expected `int` <= 2147483647"),
+    ("policy version 2^31", lambda t: t["turns"][0].update(policy_version=2**31),
+     "$.turns[0].policy_version: expected `int` <= 2147483647"),
+    ("negative policy version", lambda t: t["turns"][0].update(policy_version=-1),
+     "$.turns[0].policy_version: expected `int` >= 0"),
+    ("negative max_turns", lambda t: t.update(max_turns=-3), "$.max_turns: expected `int` >= 1"),
+    ("zero max_turns", lambda t: t.update(max_turns=0), "$.max_turns: expected `int` >= 1"),
+    ("negative actions_total", lambda t: t["turns"][0].update(actions_total=-1),
+     "$.turns[0].actions_total: expected `int` >= 0"),
+    ("negative actions_effective", lambda t: t["turns"][1].update(actions_effective=-2),
+     "$.turns[1].actions_effective: expected `int` >= 0"),
+    ("huge actions_total", lambda t: t["turns"][0].update(actions_total=2**40),
+     "$.turns[0].actions_total: expected `int` <= 2147483647"),
+    ("negative token id", lambda t: t["turns"][1]["response_ids"].__setitem__(0, -5),
+     "$.turns[1].response_ids[0]: expected `int` >= 0"),
+    ("token id 2^33", lambda t: t["turns"][0]["obs_ids"].__setitem__(0, 2**33),
+     "$.turns[0].obs_ids[0]: expected `int` <= 2147483647"),
+    ("negative turn index", lambda t: t["turns"][0].update(index=-1), "$.turns[0].index: expected `int` >= 0"),
+    ("negative seed", lambda t: t.update(seed=-7), "$.seed: expected `int` >= 0"),
+    ("seed 2^63", lambda t: t.update(seed=2**63), "$.seed: expected `int` <= 9223372036854775807"),
+]
+
+
+@pytest.mark.parametrize("label,mutate,message", BOUND_CASES, ids=[c[0] for c in BOUND_CASES])
+def test_out_of_bound_integers_are_refused_naming_their_path(label: str, mutate, message: str) -> None:
+    wire = _wire()
+    mutate(wire)
+    with pytest.raises(SchemaError, match=re.escape(message)):
+        decode_trajectory(msgpack.packb(wire, use_bin_type=True))
+
+
+@settings(max_examples=200, deadline=None)
+@given(version=st.integers(min_value=-(2**63), max_value=2**64 - 1), actions=st.integers(-(2**40), 2**40))
+def test_integer_bounds_property(version: int, actions: int) -> None:
+    """Every policy version and action count in [0, 2^31) round-trips; every other one is refused
+    with the field's path, as SchemaError (never a crash or a silent wrap)."""
+    wire = _wire()
+    wire["turns"][1]["policy_version"] = version
+    wire["turns"][0]["actions_total"] = actions
+    data = msgpack.packb(wire, use_bin_type=True)
+    if 0 <= version < 2**31 and 0 <= actions < 2**31:
+        back = decode_trajectory(data)
+        assert (back.turns[1].policy_version, back.turns[0].actions_total) == (version, actions)
+    else:
+        bad = "$.turns[0].actions_total" if not 0 <= actions < 2**31 else "$.turns[1].policy_version"
+        with pytest.raises(SchemaError, match=re.escape(bad) + ": expected `int`"):
+            decode_trajectory(data)

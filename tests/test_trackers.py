@@ -347,6 +347,25 @@ def test_wandb_offline_run_holds_metrics_config_and_samples_table(tmp_path, offl
     assert tb_scalar(tb_accumulator(run_dir / "tensorboard"), "kl") == pytest.approx({1: 0.001, 2: 0.002, 3: 0.003})
 
 
+def test_no_tracker_holds_a_query_string_password(tmp_path, offline_wandb):
+    """Issue 38, finding 7: ``redis.url=...?password=PW`` (a form redis-py reads) and a judge URL
+    with ``?api_key=`` reach neither TensorBoard's config text nor wandb's run config, nor any
+    byte of any file either writes; the rest of the URL is there."""
+    pw = "qs-PW-5d2e8a"
+    run_dir = tmp_path / "run"
+    cfg = config_from_dict({"run": {"name": "tracked", "run_dir": str(run_dir), "loggers": ["tensorboard", "wandb"]},
+                            "redis": {"url": f"redis://10.0.0.5:6379/0?password={pw}&db=2"},
+                            "judge": {"base_url": f"https://llm.example/v1?api_key={pw}"}})
+    open_trackers(run_dir, cfg).close()
+    config_text = tb_text(tb_accumulator(run_dir / "tensorboard"), "config")[0]
+    assert '"url": "redis://10.0.0.5:6379/0?db=2"' in config_text and pw not in config_text
+    run = WandbRun(offline_wandb)
+    assert run.config["redis"]["url"] == "redis://10.0.0.5:6379/0?db=2"
+    assert run.config["judge"]["base_url"] == "https://llm.example/v1"
+    leaks = [str(p) for p in tmp_path.rglob("*") if p.is_file() and pw.encode() in p.read_bytes()]
+    assert leaks == []
+
+
 def test_samples_jsonl_renders_in_worldloop_show(tmp_path):
     _, batch = _drive(tmp_path, ["jsonl"])
     lines = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]

@@ -306,8 +306,7 @@ def test_publishing_does_not_block_the_next_update() -> None:
     want: dict[int, dict[str, torch.Tensor]] = {}
     got: list[list[tuple[int, float, dict[str, torch.Tensor]]]] = [[] for _ in subs]
 
-    def follow(i: int, until: int) -> None:
-        have = 0
+    def follow(i: int, until: int, have: int = 0) -> None:
         while have < until:
             res = subs[i].fetch(min_version=have)
             if res is None:
@@ -344,7 +343,9 @@ def test_publishing_does_not_block_the_next_update() -> None:
         # phase 2: v3 is handed over and, while subscribers are fetching it, v4
         want[3] = _clone(live)
         with ThreadPoolExecutor(len(subs)) as pool:
-            futures = [pool.submit(follow, i, 4) for i in range(len(subs))]
+            # each subscriber holds v2 from phase 1: it asks for anything newer (a fetch that began before
+            # publish(v3) would otherwise get v2 again)
+            futures = [pool.submit(follow, i, 4, 2) for i in range(len(subs))]
             blocked3 = pub.publish(live, 3)
             _next_update(live)
             want[4] = _clone(live)
@@ -422,9 +423,9 @@ def test_owned_hand_overs_never_wait_and_a_newer_one_replaces_one_not_started(
 
 def test_reserved_buffers_serve_every_version_without_a_new_allocation(publisher: WeightPublisher) -> None:
     """reserve() at start allocates both encoding buffers (pinned on a GPU); the first publish and
-    every later one, a longer header (version 10**12) and an owned hand-over included, are
+    every later one, a longer header (version 2**31 - 2, the largest but one) and an owned hand-over included, are
     encoded into those two allocations and fetched intact."""
-    versions = (1, 2, 3, 10**12, 10**12 + 1)
+    versions = (1, 2, 3, 2**31 - 2, 2**31 - 1)
     sets = {v: weight_set(i, scale=1 << 16) for i, v in enumerate(versions)}
     nbytes = publisher.reserve(sets[1])
     reserved = {publisher._spare.storage.data_ptr(), publisher._reserved.storage.data_ptr()}
@@ -438,7 +439,7 @@ def test_reserved_buffers_serve_every_version_without_a_new_allocation(publisher
             sizes[v] = served.nbytes
             assert served.nbytes == publisher.nbytes <= nbytes
             assert_fetched(sub.fetch(min_version=v - 1), v, tensors)
-    assert sizes[10**12] > sizes[1] and publisher._reserved is None  # the header grew; both buffers in use
+    assert sizes[2**31 - 2] > sizes[1] and publisher._reserved is None  # the header grew; both buffers in use
     with pytest.raises(WeightsError, match="before the first publish"):
         publisher.reserve(sets[1])
 

@@ -6,7 +6,9 @@ Runs ``vllm serve`` for ``model.path`` with worldloop's worker extension and mid
 (:mod:`worldloop.actor.server.launch`, which maps ``model.*``, ``actor.vllm_*`` and ``serve.*`` onto
 vLLM's flags). The server loads every weight version from the learner's ZeroMQ channel
 (``weights.*``, CURVE keys included) between requests, tags each response with the version that
-produced it, answers ``GET /worldloop/info`` (readiness, version, model fingerprint) and, with
+produced it, answers ``GET /worldloop/info`` (readiness, version, model fingerprint), requires the
+API key of ``serve.api_key_env``/``serve.api_key_file`` when one is set (and warns when it listens
+on a non-loopback address without one) and, with
 ``redis.url``, heartbeats as role ``server`` so that ``worldloop sd`` hands its ``/metrics`` (vLLM's
 and ``worldloop_server_*``) to Prometheus. The command becomes the server (exec): a supervisor's
 signals reach vLLM directly, and stopping its process group stops vLLM's engine and workers too.
@@ -32,11 +34,14 @@ log = logging.getLogger("worldloop.serve")
 def run(cfg: Config, args: argparse.Namespace | None = None) -> int:
     """Exec into the inference server for ``cfg`` (returns only when the exec fails)."""
     from worldloop.actor.server.launch import server_command
+    from worldloop.common.exposure import warn_open_server
+    from worldloop.common.secrets import server_api_key
 
-    if not (Path(cfg.model.path) / "config.json").exists():
-        raise ConfigError("model.path", f"no model directory at {cfg.model.path!r} (no config.json)")
     host = getattr(args, "host", None) or cfg.serve.host
     port = int(getattr(args, "port", None) or cfg.serve.port)
+    warn_open_server(host, server_api_key(cfg) is not None)
+    if not (Path(cfg.model.path) / "config.json").exists():
+        raise ConfigError("model.path", f"no model directory at {cfg.model.path!r} (no config.json)")
     argv, env = server_command(cfg, host=host, port=port)
     log.info("starting the inference server for %s on http://%s:%d: vllm serve %s", cfg.model.path, host, port,
              " ".join(argv[3:]))

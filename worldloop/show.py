@@ -33,7 +33,11 @@ Eval records hold no images and no true states: when a record has ``env_id`` and
 turn lacks them, the episode is re-played (``gymnasium.make(env_id, **env_kwargs)``, ``reset(seed)``,
 then ``step(response)`` per turn; the envs are deterministic given the seed) to recover the image
 before each turn and the true states; a re-play whose rewards or actions differ from the record is
-flagged on the page instead of being shown as if it matched.
+flagged on the page instead of being shown as if it matched. The file is data, never code: only an
+env id that worldloop registers (``worldloop.envs.ENV_IDS``) is re-played; any other id (gymnasium
+would import the module that ``module:Env-v0`` names) is shown as unknown, with no re-play, and
+nothing is imported. Env kwargs that name model weights to load (the SVG env's ``metric``,
+``dino_model``, ``dreamsim_cache_dir``) are replaced by the pixel metric for the re-play.
 
 Output: ``--out`` or ``episodes.html`` in the folder (``<name>.html`` beside a file). The page has
 no external resource (images are ``data:`` URLs, the CSS is inline, no script; a
@@ -228,19 +232,30 @@ def describe(state: Any, state_format: str, env: Any = None) -> str | None:
     return VisualEnv.describe_state(SimpleNamespace(state_format=state_format), state)  # type: ignore[arg-type]
 
 
+# env kwargs that make an env load model weights from a path or id (SVG's dino/dreamsim metrics):
+# a re-play in the viewer loads none of what a file names, so it scores with the pixel metric
+_WEIGHT_KWARGS = ("dino_model", "dreamsim_cache_dir")
+
+
 def _replay(rec: dict, responses: list[str]) -> tuple[list[dict], Any, str | None]:
     """Re-play a recorded episode: per turn {"image", "state_before", "state_after", "reward",
     "actions"}, the env (closed), and why it could not be re-played (None when it could)."""
     env_id, seed = rec.get("env_id"), rec.get("seed")
     if not isinstance(env_id, str) or isinstance(seed, bool) or not isinstance(seed, int):
         return [], None, "the record names no env_id and seed to re-play"
+    from worldloop.envs import ENV_IDS  # registers the ids
+
+    if env_id not in ENV_IDS:  # never gymnasium.make it: "module:Env-v0" would import module
+        return [], None, (f"unknown env id {env_id!r}: not one that worldloop registers, so the episode is not "
+                          "re-played (a viewer imports nothing a file names)")
     kwargs = rec.get("env_kwargs") if isinstance(rec.get("env_kwargs"), dict) else {}
+    kwargs = {k: v for k, v in kwargs.items() if k not in _WEIGHT_KWARGS}
+    if "metric" in kwargs:
+        kwargs["metric"] = "pixel"
     try:
         import warnings
 
         import gymnasium
-
-        from worldloop import envs  # noqa: F401  (registers the ids)
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -21,6 +21,7 @@ import redis
 from worldloop.common.contracts.config import Config
 from worldloop.common.transport.control import list_processes, read_control, read_stats
 from worldloop.common.contracts.keys import Keys
+from worldloop.common.secrets import strip_password
 from worldloop.common.transport.streams import connect, stream_info
 
 SEEN_WINDOW_S = 60.0
@@ -82,7 +83,7 @@ def run(cfg: Config, args: argparse.Namespace | None = None) -> int:
         print("worldloop status: redis.url is null; pass the run's Redis, e.g. redis.url=redis://host:6379/0",
               file=sys.stderr)
         return 1
-    shown = url.split("@")[-1]  # never print a password
+    shown = strip_password(url)  # never print a password (user info or ?password=)
     try:
         r = connect(url, socket_timeout_s=min(cfg.redis.socket_timeout_s, 5.0))
         r.ping()

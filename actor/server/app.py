@@ -29,6 +29,9 @@ What it adds to vLLM's own server (``/inference/v1/generate``, ``/metrics``, ``/
   heartbeats in ``<ns>:procs`` as role ``server`` with that ``/metrics`` URL
   (:class:`~worldloop.common.transport.process.ProcessScaffold`, heartbeat only), so ``worldloop sd`` hands it
   to Prometheus like every other process of the run.
+* **API key.** With ``$VLLM_API_KEY`` set (``worldloop serve`` sets it from ``serve.api_key_*``),
+  vLLM refuses ``/v1``, ``/inference`` requests without ``Authorization: Bearer <key>``, and this
+  middleware refuses ``/worldloop/info`` the same way (401); ``/metrics`` and ``/health`` stay open.
 * **Faults.** A failed set-up (a bad config, missing CURVE keys, an unreadable model) is logged and
   reported by ``/worldloop/info`` (``error``); generation requests then get 503 with the reason.
 """
@@ -38,13 +41,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import socket
 import time
 from typing import Any
 
 from worldloop.actor.server.extension import server_config
+from worldloop.actor.server.launch import API_KEY_ENV
 from worldloop.actor.server.fingerprint import model_fingerprint
 from worldloop.common.metrics import metric
+from worldloop.common.secrets import bearer_ok
 
 log = logging.getLogger("worldloop.server")
 
@@ -189,6 +195,13 @@ async def _send_json(send: Any, status: int, body: dict) -> None:
     await send({"type": "http.response.body", "body": data})
 
 
+def _authorized(scope: dict) -> bool:
+    """Whether a request may read ``/worldloop/info``: always without an API key; with one
+    (``$VLLM_API_KEY``, which vLLM checks on its own paths) only with ``Authorization: Bearer <key>``."""
+    key = os.environ.get(API_KEY_ENV)
+    return not key or bearer_ok(dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1"), key)
+
+
 class WorldloopMiddleware:
     """The ASGI middleware (see the module docstring); vLLM constructs it with the inner app."""
 
@@ -217,6 +230,9 @@ class WorldloopMiddleware:
             self._ensure_started(scope)  # a server run without lifespan events
             path = scope.get("path", "")
             if path == INFO_PATH:
+                if not _authorized(scope):
+                    await _send_json(send, 401, {"error": "Unauthorized"})
+                    return
                 await _send_json(send, 200, self.driver.info() if self.driver else {"ready": False, "error": None})
                 return
             if path.startswith(GATED_PREFIXES) and (self.driver is None or not self.driver.ready.is_set()):

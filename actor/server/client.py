@@ -3,7 +3,7 @@
 Public API::
 
     ServerBackend(urls, model_dir, *, max_image_side=224, max_model_len=4096, timeout_s=600.0,
-                  retry_s=300.0, startup_timeout_s=900.0, max_lag=None, codec=None)
+                  retry_s=300.0, startup_timeout_s=900.0, max_lag=None, codec=None, api_key=None)
     ServerBackend.from_config(cfg, model_dir=None) -> ServerBackend
         .version: int            # the lowest weight version among the servers it routes to
         .generate(requests, *, temperature, top_p, max_new_tokens, seed=None) -> list[GenResult]
@@ -26,6 +26,8 @@ backend (``loads_own_weights``). How each convention of :mod:`worldloop.actor.ge
   backend's (:func:`~worldloop.actor.vllm_backend.sampling_kwargs`, ``request_seeds``): keyed
   sampling gives each request its key as vLLM seed. The servers' worker extension wraps vLLM's
   sampler as the in-process backend does, so the log-probs follow the same convention.
+* **API key.** With one (``serve.api_key_env``/``serve.api_key_file``, the servers' key) every
+  request, the ``/worldloop/info`` polls included, carries ``Authorization: Bearer <key>``.
 * **Many episodes in flight.** All requests of a call are sent at once (``httpx`` on an asyncio
   loop of the backend's own thread); the servers batch them continuously.
 * **Affinity.** Requests carrying the same ``session`` (the rollout engine passes the
@@ -77,6 +79,7 @@ from worldloop.actor.vllm_backend import collapse_image_pads, request_seeds, sam
 from worldloop.common.contracts.config import ConfigError
 from worldloop.common.metrics import metric
 from worldloop.common.contracts.modeling import ChatCodec
+from worldloop.common.secrets import server_api_key
 
 if TYPE_CHECKING:
     from worldloop.common.contracts.config import Config
@@ -121,7 +124,7 @@ class ServerBackend:
 
     def __init__(self, urls: list[str], model_dir: str | Path, *, max_image_side: int = 224, max_model_len: int = 4096,
                  timeout_s: float = 600.0, retry_s: float = 300.0, startup_timeout_s: float = 900.0,
-                 max_lag: int | None = None, codec: ChatCodec | None = None):
+                 max_lag: int | None = None, codec: ChatCodec | None = None, api_key: str | None = None):
         if not urls:
             raise ConfigError("actor.servers", "actor.backend=server needs the URL of at least one inference server")
         import httpx
@@ -131,6 +134,7 @@ class ServerBackend:
         self.max_model_len = int(max_model_len)
         self.timeout_s, self.retry_s = float(timeout_s), float(retry_s)
         self.max_lag = max_lag
+        self._api_key = api_key  # sent as "Authorization: Bearer <key>" on every request, never logged
         self._fingerprint = model_fingerprint(model_dir)
         self._sessions: OrderedDict[str, ServerState] = OrderedDict()
         self._version = 0
@@ -151,12 +155,14 @@ class ServerBackend:
         a = cfg.actor
         return cls(a.servers, model_dir or cfg.model.path, max_image_side=cfg.model.max_image_side,
                    max_model_len=cfg.model.max_model_len, timeout_s=a.server_timeout_s, retry_s=a.server_retry_s,
-                   startup_timeout_s=a.server_startup_timeout_s, max_lag=cfg.trainer.max_staleness)
+                   startup_timeout_s=a.server_startup_timeout_s, max_lag=cfg.trainer.max_staleness,
+                   api_key=server_api_key(cfg))
 
     # ------------------------------------------------------------------ plumbing
 
     async def _make_client(self, httpx: Any) -> Any:
-        return httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=5.0),
+        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else None
+        return httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=5.0), headers=headers,
                                  limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
 
     def _call(self, coro: Any) -> Any:

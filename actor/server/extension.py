@@ -44,6 +44,7 @@ from worldloop.actor.generation import WeightUpdateError
 from worldloop.actor.server.launch import CONFIG_ENV
 from worldloop.actor.vllm_backend import install_no_torchvision_compat, load_weights_in_place, reference_params, wrap_sampler
 from worldloop.common.contracts.config import Config, config_from_dict
+from worldloop.common.exposure import warn_plain_weights
 
 log = logging.getLogger("worldloop.server")
 
@@ -86,6 +87,7 @@ class WeightSync:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if self.channel:
+            warn_plain_weights("inference server", cfg.weights.host, cfg.weights.curve_server_public)
             self._thread = threading.Thread(target=self._run, name="worldloop-weights", daemon=True)
             self._thread.start()
         else:

@@ -22,7 +22,10 @@ bounds of a vision model, ``serve.tensor_parallel_size``, then ``serve.extra_arg
 request sends all its sampling fields anyway). The worker extension
 (:mod:`worldloop.actor.server.extension`) and the middleware (:mod:`worldloop.actor.server.app`)
 are always added. The resolved config travels to the server's processes as JSON in
-``$WORLDLOOP_SERVE_CONFIG`` (weights channel, CURVE key files, Redis for the heartbeat).
+``$WORLDLOOP_SERVE_CONFIG`` (weights channel, CURVE key files, Redis for the heartbeat), and the
+servers' API key (``serve.api_key_env``/``serve.api_key_file``) in vLLM's ``$VLLM_API_KEY``, which
+vLLM takes as it takes ``--api-key`` (every ``/v1``, ``/inference`` path then needs
+``Authorization: Bearer <key>``), without the key on the command line.
 Importing this module imports no vLLM (``worldloop serve`` builds the command line with it, then
 execs); vLLM's spawned engine-core process, which imports it as ``__mp_main__``, applies the
 compatibility shim at once.
@@ -41,11 +44,13 @@ from typing import TYPE_CHECKING
 
 from worldloop.common.contracts.config import to_dict
 from worldloop.common.contracts.modeling import MERGE, PATCH
+from worldloop.common.secrets import password_to_env, server_api_key
 
 if TYPE_CHECKING:
     from worldloop.common.contracts.config import Config
 
 CONFIG_ENV = "WORLDLOOP_SERVE_CONFIG"  # the resolved config as JSON, for the server's processes
+API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own variable for --api-key (the serve.api_key_* key)
 EXTENSION = "worldloop.actor.server.extension.WorldloopWorkerExtension"
 MIDDLEWARE = "worldloop.actor.server.app.WorldloopMiddleware"
 CPU_KV_CACHE_GIB = 1.0
@@ -91,9 +96,15 @@ def serve_args(cfg: "Config", *, host: str, port: int, on_gpu: bool | None = Non
 
 
 def server_env(cfg: "Config", base: dict | None = None, on_gpu: bool | None = None) -> dict:
-    """The server's environment: ``base`` (default ``os.environ``) plus the config as JSON."""
+    """The server's environment: ``base`` (default ``os.environ``) plus the config as JSON (a Redis
+    password of ``redis.url`` moved to ``$WORLDLOOP_REDIS_PASSWORD``) and the API key."""
     env = dict(os.environ if base is None else base)
-    env[CONFIG_ENV] = json.dumps(to_dict(cfg))
+    shown = cfg.model_copy(deep=True)
+    password_to_env(shown, env)  # a redis.url password goes to $WORLDLOOP_REDIS_PASSWORD, not into the JSON
+    env[CONFIG_ENV] = json.dumps(to_dict(shown))
+    key = server_api_key(cfg)
+    if key:  # vLLM's --api-key, through its environment: no key on the command line (ps, /proc/PID/cmdline)
+        env[API_KEY_ENV] = key
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the in-process backend's setting
     on_gpu = _on_gpu() if on_gpu is None else on_gpu
     if not on_gpu:

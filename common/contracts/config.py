@@ -34,6 +34,10 @@ from worldloop.common.contracts.config_load import (  # noqa: F401  (re-exported
 )
 
 SCORERS = ("rule", "llm", "hybrid")
+# the longest wait any duration key takes (*_s, *_ms), and the longest run: longer values are typos,
+# and some would overflow where they are used (socket timeouts, Redis expiries and ZeroMQ polls in ms)
+MAX_WAIT_S = 30 * 86_400
+MAX_RUN_S = 366 * 86_400
 LOGGERS = ("jsonl", "tensorboard", "wandb")
 
 
@@ -47,7 +51,8 @@ class RunConfig(Section):
                                                "runs/<name> when run.run_dir is null and it runs without `worldloop up`")
     run_dir: str | None = Field(None, description="where metrics.jsonl, plots, checkpoints and logs go; "
                                                   "null = runs/<config>-<time> (`worldloop up`)")
-    seed: int = Field(0, description="the run's seed: each actor's training seeds are drawn from sha256(run.seed, actor_id); "
+    seed: int = Field(0, ge=0, lt=2**32, json_schema_extra={"note": "numpy's and vLLM's seed range"},
+                      description="the run's seed: each actor's training seeds are drawn from sha256(run.seed, actor_id); "
                                      "vLLM and keyed evaluation sampling start from it")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="the processes' log level")
     loggers: Annotated[list[str], Rule(f"must list distinct names out of {', '.join(LOGGERS)}",
@@ -68,29 +73,30 @@ class RedisConfig(Section):
                                                     "share one Redis")
     max_backlog: int = Field(512, ge=1, description="backpressure: a producer waits while a stream holds this many "
                                                     "undelivered + pending entries")
-    block_ms: int = Field(1000, ge=1, json_schema_extra={"unit": "ms", "note": "0 would block forever"},
+    block_ms: int = Field(1000, ge=1, le=MAX_WAIT_S * 1000, json_schema_extra={"unit": "ms", "note": "0 would block forever"},
                           description="how long one XREADGROUP blocks waiting for entries (the roles cap it at 1000 ms)")
     # A live judge refreshes the idle time of the entries it holds every claim_idle_ms / 3 (judge/process.py).
     # Below ~1 s one slow loop step (a Redis round trip, a stats flush, a burst of scoring on the event loop, a
     # refresh that failed once) is no longer small against that period, and judges reclaim each other's live
     # work (issue 31: 10 ms did). Tests that need a fast reclaim pass claim_idle_ms to StreamConsumer directly.
-    claim_idle_ms: int = Field(60_000, ge=1000, json_schema_extra={
+    claim_idle_ms: int = Field(60_000, ge=1000, le=MAX_WAIT_S * 1000, json_schema_extra={
         "unit": "ms", "note": "a live judge refreshes its entries every third of it; below 1 s judges steal live work"},
         description="an entry pending this long in a consumer's list is reclaimed by another consumer (its own is "
                     "taken for dead); live judges refresh the entries they work on every claim_idle_ms / 3")
-    reconnect_max_s: Float = Field(30.0, gt=0, json_schema_extra={"unit": "seconds", "note": "0 would retry in a busy loop"},
+    reconnect_max_s: Float = Field(30.0, gt=0, le=MAX_WAIT_S, json_schema_extra={"unit": "seconds", "note": "0 would retry in a busy loop"},
                                    description="backoff cap while Redis is unreachable")
-    socket_timeout_s: Float = Field(10.0, gt=0, json_schema_extra={
+    socket_timeout_s: Float = Field(10.0, gt=0, le=MAX_WAIT_S, json_schema_extra={
         "unit": "seconds", "note": "0 would make the socket non-blocking: every command fails at once as if Redis were down"},
         description="timeout of one Redis command (and of connecting, at most 5 s)")
-    startup_timeout_s: Float = Field(30.0, gt=0, description="a process that has never reached Redis gives up after this "
+    startup_timeout_s: Float = Field(30.0, gt=0, le=MAX_WAIT_S, description="a process that has never reached Redis gives up after this "
                                      "long with \"cannot reach Redis at ..., check redis.url\" (a wrong URL); once "
                                      "connected it reconnects for as long as it takes")
     max_deliveries: int = Field(5, ge=2, json_schema_extra={"note": "1 would dead-letter every reclaimed entry"},
                                 description="an entry delivered this many times and never acked (a poison entry that kills "
                                             "or wedges each consumer that takes it) goes to the dead-letter stream with the "
                                             "reason, its admission budget given back")
-    max_message_mb: int = Field(64, ge=1, description="a payload larger than this is dead-lettered when it is read (its "
+    max_message_mb: int = Field(64, ge=1, le=512, json_schema_extra={"note": "Redis's own limit of one value"},
+                                description="a payload larger than this is dead-lettered when it is read (its "
                                                       "first 64 KiB are kept)")
     deadletter_maxlen: int = Field(10_000, ge=100, description="the dead-letter stream keeps about this many newest "
                                                                "records (XADD MAXLEN ~)")
@@ -122,7 +128,7 @@ class WeightsConfig(Section):
                                                               "it admits; null = any client")
     curve_client_secret: str | None = Field(None, description="CURVE (actors): the client's .key_secret file; "
                                                               "null = an ephemeral client key")
-    fetch_timeout_s: Float = Field(30.0, gt=0, description="an actor gives up when the learner has not answered for this long")
+    fetch_timeout_s: Float = Field(30.0, gt=0, le=MAX_WAIT_S, description="an actor gives up when the learner has not answered for this long")
     # a manifest from a buggy or hostile publisher must not make an actor reserve terabytes
     max_bytes: int = Field(0, ge=0, json_schema_extra={"note": "0 = derived from the model directory"},
                            description="the largest weight set an actor accepts before allocating for it; 0 = 4x the model "
@@ -172,9 +178,10 @@ class ModelConfig(Section):
                                                    "grounding pre-training, SFT and the learner")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="the dtype the actors load the model in; auto = float32 on CPU, bfloat16 on CUDA")
-    max_model_len: int = Field(4096, description="context length in tokens; an episode that would exceed it ends "
+    max_model_len: int = Field(4096, ge=64, le=1 << 24, description="context length in tokens; an episode that would exceed it ends "
                                                  "(end_reason \"context\")")
-    max_image_side: int = Field(224, description="images are resized so that neither side exceeds this (pixels) before "
+    max_image_side: int = Field(224, ge=28, le=8192, json_schema_extra={"note": "28: one patch of the vision tower"},
+                                description="images are resized so that neither side exceeds this (pixels) before "
                                                  "the vision tower")
 
 
@@ -211,25 +218,26 @@ class ActorConfig(Section):
                                        lambda v: all(u.startswith(("http://", "https://")) for u in v))] = Field(
         default_factory=list, description="actor.backend=server: base URLs (http://host:port) of running inference "
                                           "servers; empty = `worldloop up` starts one on this machine")
-    server_timeout_s: Float = Field(600.0, gt=0, description="one generation request to a server (a weight load's "
+    server_timeout_s: Float = Field(600.0, gt=0, le=MAX_WAIT_S, description="one generation request to a server (a weight load's "
                                                              "drain and pause included)")
-    server_retry_s: Float = Field(300.0, gt=0, description="a request whose server failed is sent again to any usable "
+    server_retry_s: Float = Field(300.0, gt=0, le=MAX_WAIT_S, description="a request whose server failed is sent again to any usable "
                                                            "server for this long; then its episode is dropped and its "
                                                            "admission refunded")
-    server_startup_timeout_s: Float = Field(900.0, gt=0, description="an actor waits this long at start for a ready "
+    server_startup_timeout_s: Float = Field(900.0, gt=0, le=MAX_WAIT_S, description="an actor waits this long at start for a ready "
                                                                      "server")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the actor's model runs; auto = cuda when visible")
     temperature: Float = Field(0.7, ge=0, description="sampling temperature")
     top_p: Float = Field(0.95, gt=0, le=1, description="nucleus sampling mass")
-    max_new_tokens: int = Field(200, ge=1, description="tokens generated per turn at most")
-    seed_start: int = Field(0, description="training seeds are drawn from [seed_start, seed_end); eval uses seeds >= "
+    max_new_tokens: int = Field(200, ge=1, description="tokens generated per turn at most (less than model.max_model_len)")
+    seed_start: int = Field(0, ge=0, lt=2**63, description="training seeds are drawn from [seed_start, seed_end); eval uses seeds >= "
                                            "eval.seed_start")
-    seed_end: int = Field(1_000_000, description="the end (exclusive) of the training seed range")
+    seed_end: int = Field(1_000_000, ge=1, le=2**63, json_schema_extra={"note": "a message's seed is below 2^63"},
+                          description="the end (exclusive) of the training seed range")
     # common/transport/admission.py: the budget (v + trainer.max_staleness + 1) * trainer.train_batch_size keeps anything from going stale
     admission: bool = Field(True, description="rollout admission: an episode starts only while the run-wide budget "
                                               "(v + trainer.max_staleness + 1) * trainer.train_batch_size allows it; "
                                               "false = actors generate freely and the learner drops what is too old")
-    admission_lease_s: Float = Field(120.0, gt=0, description="an admitted episode whose actor stops renewing its lease "
+    admission_lease_s: Float = Field(120.0, gt=0, le=MAX_WAIT_S, description="an admitted episode whose actor stops renewing its lease "
                                                               "(killed, partitioned) gives its budget back after this long")
     vllm_gpu_memory_utilization: Float = Field(0.5, gt=0, le=1, description="vLLM: the share of GPU memory it may take")
     vllm_enforce_eager: bool = Field(True, description="vLLM: run eagerly (no CUDA graphs)")
@@ -247,6 +255,14 @@ class ServeConfig(Section):
                       description="the server's port; `worldloop up` picks a free one for the server it starts")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs one server spans (vLLM tensor parallel)")
     extra_args: list[str] = Field(default_factory=list, description="appended to vllm serve's arguments as they are")
+    # common/secrets.py server_api_key: the key itself is never in the config, a log or a command line
+    api_key_env: str = Field("WORLDLOOP_SERVE_API_KEY", description="the environment variable that holds the servers' API "
+                                                                  "key (never logged): a server requires it as "
+                                                                  "`Authorization: Bearer <key>` (vLLM's --api-key, given "
+                                                                  "as VLLM_API_KEY, off the command line) and the actors "
+                                                                  "send it; unset or empty = no key")
+    api_key_file: str | None = Field(None, description="a file whose first line is the servers' API key, read instead of "
+                                                       "api_key_env's variable; null = the variable")
 
 
 class JudgeConfig(Section):
@@ -267,9 +283,9 @@ class JudgeConfig(Section):
     beta_grounding: Float = Field(0.5, description="weight of the grounding score in a turn's reasoning reward")
     beta_worldmodeling: Float = Field(0.5, description="weight of the world-modeling score in a turn's reasoning reward")
     concurrency: int = Field(16, ge=1, description="LLM requests in flight per judge process at most")
-    timeout_s: Float = Field(30.0, gt=0, description="per LLM request")
+    timeout_s: Float = Field(30.0, gt=0, le=MAX_WAIT_S, description="per LLM request")
     max_retries: int = Field(3, ge=0, description="retries of a failed LLM request (exponential backoff)")
-    backoff_s: Float = Field(0.5, ge=0, description="first backoff of an LLM retry (doubled each attempt, jittered)")
+    backoff_s: Float = Field(0.5, ge=0, le=MAX_WAIT_S, description="first backoff of an LLM retry (doubled each attempt, jittered)")
     base_url: str | None = Field(None, description="any OpenAI-compatible endpoint; null = the OpenAI API")
     model: str = Field("gpt-4o-mini", description="the judge LLM's model name")
     api_key_env: str = Field("OPENAI_API_KEY", description="the environment variable the API key is read from (never logged)")
@@ -291,8 +307,8 @@ class JudgeConfig(Section):
                                                      lambda v: all(k in SCORERS and w > 0 for k, w in v.items()))] = Field(
         default_factory=lambda: {"rule": 1.0, "llm": 1.0, "hybrid": 1.0},
         description="the weights of the gate's weighted mean, per scorer")
-    max_tokens: int = Field(512, ge=1, description="judge reply length (llm: think + verdict; hybrid: the JSON list)")
-    dedup_window_s: Float = Field(86400.0, gt=0, description="trajectory ids already forwarded to `scored` are remembered "
+    max_tokens: int = Field(512, ge=1, le=1 << 20, description="judge reply length (llm: think + verdict; hybrid: the JSON list)")
+    dedup_window_s: Float = Field(86400.0, gt=0, le=MAX_WAIT_S, description="trajectory ids already forwarded to `scored` are remembered "
                                                              "this long")
 
 
@@ -392,7 +408,7 @@ class TrainerConfig(Section):
     checkpoint_every: int = Field(10, ge=1, description="updates between checkpoints")
     keep_checkpoints: int = Field(3, ge=1, description="the newest checkpoints kept on disk")
     resume: bool = Field(False, description="continue from the newest complete checkpoint in the run directory")
-    lease_ttl_s: Float = Field(30.0, ge=3, json_schema_extra={"unit": "seconds", "note": "renewed every third of it"},
+    lease_ttl_s: Float = Field(30.0, ge=3, le=MAX_WAIT_S, json_schema_extra={"unit": "seconds", "note": "renewed every third of it"},
                                description="one learner per namespace: its lease in Redis expires this long after its last "
                                            "renewal; a learner restarted on the same host takes over a dead one's lease at once")
     use_critic: bool = Field(True, description="train a critic (false for grpo, gigpo: values are then 0)")
@@ -422,12 +438,12 @@ class TrainerConfig(Section):
     eval_nice: int = Field(10, ge=0, le=19, json_schema_extra={"note": "0 = the same priority as the rest of the run"},
                            description="the evaluator lowers its CPU scheduling priority by this much (os.nice), so that "
                                        "the actors and the learner come first")
-    final_eval_wait_s: Float = Field(300.0, ge=0, json_schema_extra={"unit": "seconds", "note": "0 = do not wait"},
+    final_eval_wait_s: Float = Field(300.0, ge=0, le=MAX_WAIT_S, json_schema_extra={"unit": "seconds", "note": "0 = do not wait"},
                                      description="after the last step the learner waits up to this long for a live "
                                                  "evaluator's evaluation of the final version, so that TensorBoard/wandb get "
                                                  "it too (no live evaluator: no wait)")
     # PyTorch Lightning's max_time; a restarted learner counts from its restart
-    time_limit_s: Float | None = Field(None, gt=0, json_schema_extra={"unit": "seconds", "note": "no limit"},
+    time_limit_s: Float | None = Field(None, gt=0, le=MAX_RUN_S, json_schema_extra={"unit": "seconds", "note": "no limit"},
                                        description="wall-clock budget of the updates from the first step: no update starts "
                                                    "that would end past it (judged by the slowest recent update), then the "
                                                    "learner finishes as after total_steps; `worldloop up` sets it from "
@@ -447,7 +463,7 @@ class SFTConfig(Section):
     epochs: int = Field(20, ge=0, description="passes over the demonstrations")
     lr: Float = Field(5e-3, gt=0, description="learning rate")
     batch_size: int = Field(8, ge=1, description="demonstrations per step")
-    seed_start: int = Field(5_000_000, ge=0, description="demonstrations (and the format probes after them) are played on "
+    seed_start: int = Field(5_000_000, ge=0, lt=2**63, description="demonstrations (and the format probes after them) are played on "
                                                          "seeds seed_start, seed_start+1, ... (disjoint from the RL and "
                                                          "held-out eval seeds)")
     answer_style: Literal["expert", "concise"] = Field(
@@ -472,23 +488,23 @@ class UpConfig(Section):
 
     num_actors: int = Field(2, ge=0, description="actor processes")
     num_judges: int = Field(1, ge=0, description="judge processes")
-    time_limit_s: Float | None = Field(None, gt=0, json_schema_extra={"unit": "seconds", "note": "no limit"},
+    time_limit_s: Float | None = Field(None, gt=0, le=MAX_RUN_S, json_schema_extra={"unit": "seconds", "note": "no limit"},
                                        description="the whole run (model, grounding, SFT, RL, final evaluation) should end "
                                                    "within this: once the model is ready the learner gets trainer.time_limit_s "
                                                    "= what is left minus up.final_reserve_s, or less if the config asks for "
                                                    "less; null = trainer.total_steps alone decides")
-    final_reserve_s: Float = Field(60.0, ge=0, json_schema_extra={"unit": "seconds"},
+    final_reserve_s: Float = Field(60.0, ge=0, le=MAX_WAIT_S, json_schema_extra={"unit": "seconds"},
                                    description="time kept back from the learner for the final held-out evaluation and shutdown")
-    progress_interval_s: Float = Field(2.0, description="seconds between progress lines on the terminal")
+    progress_interval_s: Float = Field(2.0, gt=0, le=3600, description="seconds between progress lines on the terminal")
 
 
 class EvalConfig(Section):
     """`worldloop eval` and the held-out seeds of every evaluation."""
 
     episodes: int = Field(32, ge=1, description="episodes per env")
-    seed_start: int = Field(10_000_000, description="the first held-out seed (disjoint from actor.seed_start..seed_end)")
+    seed_start: int = Field(10_000_000, ge=0, lt=2**63, description="the first held-out seed (disjoint from actor.seed_start..seed_end)")
     concurrency: int = Field(8, ge=1, description="episodes played (requests in flight) at once")
-    max_tokens: int = Field(400, ge=1, description="tokens per reply (Table 21: 150/400)")
+    max_tokens: int = Field(400, ge=1, le=1 << 20, description="tokens per reply (Table 21: 150/400)")
     temperature: Float = Field(0.7, ge=0, description="sampling temperature")
     single_turn: bool = Field(False, description="WMAct protocol: one turn that may hold the whole plan")
     output: str | None = Field(None, description="the results folder; null = runs/eval-<model>-<time>")
@@ -504,9 +520,9 @@ class EvalConfig(Section):
     prompt_format: str | None = Field(None, description="reasoning strategy; null = the env's default")
     state_format: str | None = Field(None, description="state representation; null = the env's default")
     render_mode: Literal["vision", "text"] = Field("vision", description="observations as images or as text")
-    timeout_s: Float = Field(120.0, gt=0, description="per request to an OpenAI-compatible endpoint")
+    timeout_s: Float = Field(120.0, gt=0, le=MAX_WAIT_S, description="per request to an OpenAI-compatible endpoint")
     max_retries: int = Field(4, ge=0, description="retries on 429 / 5xx / timeouts / connection errors, exponential backoff")
-    backoff_s: Float = Field(1.0, ge=0, description="first backoff of a retry")
+    backoff_s: Float = Field(1.0, ge=0, le=MAX_WAIT_S, description="first backoff of a retry")
     api_key_env: str = Field("OPENAI_API_KEY", description="the environment variable the API key is read from (never logged)")
 
 

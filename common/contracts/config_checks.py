@@ -221,6 +221,17 @@ def check_held_out_seeds(cfg: Any, lo: int, n: int, key: str = "eval.seed_start"
     _check_disjoint(key, "held-out seeds", lo, lo + n, training_seed_ranges(cfg))
 
 
+# --------------------------------------------------------------------------- lengths
+
+
+def check_lengths(cfg: Any) -> None:
+    """`actor.max_new_tokens` is less than `model.max_model_len`: a turn's reply has to fit the
+    context with its prompt."""
+    if cfg.actor.max_new_tokens >= cfg.model.max_model_len:
+        raise ConfigError("actor.max_new_tokens", f"must be less than model.max_model_len ({cfg.model.max_model_len}), "
+                                                  f"got {cfg.actor.max_new_tokens}")
+
+
 # --------------------------------------------------------------------------- the weight channel
 
 
@@ -239,7 +250,7 @@ def check_curve_keys(cfg: Any) -> None:
 
 CROSS_CHECKS: tuple[Callable[[Any], None], ...] = (
     check_mini_batch, check_groups, check_kl_loss, check_observation_advantage, check_env_weights, check_rl_seeds,
-    check_demonstration_seeds, check_grounding_seeds, check_evaluator_seeds, check_curve_keys,
+    check_demonstration_seeds, check_grounding_seeds, check_evaluator_seeds, check_lengths, check_curve_keys,
 )
 
 

@@ -46,7 +46,8 @@ class Section(BaseModel):
     """A config section: unknown keys are errors, values are checked strictly, defaults too.
     Assignment in code is not checked (as on any Python object)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
+    # allow_inf_nan=False: no number key takes .inf or .nan (a "no limit" is null where a key has one)
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True, allow_inf_nan=False)
 
 
 _FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
@@ -169,7 +170,8 @@ def dotted(loc: tuple) -> str:
 
 
 _EXPECTED = {"int_type": "expected an integer", "float_type": "expected a number", "string_type": "expected a string",
-             "list_type": "expected a list", "dict_type": "expected a mapping"}
+             "list_type": "expected a list", "dict_type": "expected a mapping",
+             "finite_number": "must be a finite number (not .inf or .nan)"}
 _BOUNDS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
 
 

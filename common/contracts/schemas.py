@@ -38,6 +38,16 @@ DEADLETTER_SCHEMA = "worldloop.deadletter/1"
 
 # a finite float: NaN fails both bounds, +-inf fails one (msgspec accepts ints here too)
 Finite = Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
+# Policy versions, counts (turns, actions, indices) and token ids are >= 0 and < 2^31. A version is
+# compared with others inside Redis Lua scripts (common/transport/admission.py), whose numbers are doubles
+# (exact only below 2^53), goes out as a float64 Prometheus gauge and into torch and vLLM int32
+# tensors (token ids too: vocabularies are far below 2^31). One version per update: 2^31 updates
+# at one a second would take 68 years, so nothing legitimate comes near the bound, and a 2^62
+# from a broken or hostile producer is refused at decoding instead of wrapping somewhere later.
+MAX_INT = 2**31
+Count = Annotated[int, msgspec.Meta(ge=0, lt=MAX_INT)]
+# a level's seed: gymnasium takes any int >= 0 (numpy's SeedSequence); below 2^63 fits an int64
+Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 
 
 class SchemaError(ValueError):
@@ -53,10 +63,10 @@ class State(msgspec.Struct, kw_only=True):
 
 
 class Turn(msgspec.Struct, kw_only=True, omit_defaults=True):
-    index: int
-    policy_version: int  # version of the weights that generated this turn
-    obs_ids: list[int]
-    response_ids: list[int]
+    index: Count
+    policy_version: Count  # version of the weights that generated this turn
+    obs_ids: list[Count]  # token ids
+    response_ids: list[Count]
     logprobs: list[Finite]  # behaviour log-probs, len == len(response_ids)
     images: list[bytes]
     response_text: str
@@ -70,8 +80,8 @@ class Turn(msgspec.Struct, kw_only=True, omit_defaults=True):
     success: bool
     state_before: State
     state_after: State
-    actions_total: int  # actions executed in the turn (WMAct N)
-    actions_effective: int  # of those, the ones that changed the state (WMAct N_eff)
+    actions_total: Count  # actions executed in the turn (WMAct N)
+    actions_effective: Count  # of those, the ones that changed the state (WMAct N_eff)
     reasoning: str | None = None
     truncated_response: bool = False  # generation hit max_new_tokens
     # written by the judge (absent or None before scoring)
@@ -88,11 +98,11 @@ class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True):
     env_id: str
     env_name: str
     env_kwargs: dict[str, Any]
-    seed: int
+    seed: Seed
     actor_id: str
     created_at: Finite
     prompt_format: str
-    max_turns: int
+    max_turns: Annotated[int, msgspec.Meta(ge=1, lt=MAX_INT)]
     turns: list[Turn]
     success: bool
     scored: bool

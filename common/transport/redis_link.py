@@ -59,7 +59,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from worldloop.common.exposure import warn_open_redis
 from worldloop.common.metrics import metric
-from worldloop.common.secrets import REDIS_PASSWORD_ENV  # re-exported: the variable's home is secrets
+from worldloop.common.secrets import REDIS_PASSWORD_ENV, strip_password
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def connect(url: str, socket_timeout_s: float = 10.0) -> redis.Redis:
     in the URL wins). Responses stay bytes (``decode_responses=False``).
     """
     if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(f"redis url must start with redis://, rediss:// or unix://, got {url.split('@')[-1]!r}")
+        raise ValueError(f"redis url must start with redis://, rediss:// or unix://, got {strip_password(url)!r}")
     warn_open_redis(url, env_password=bool(os.environ.get(REDIS_PASSWORD_ENV)))
     return redis.Redis.from_url(
         url,

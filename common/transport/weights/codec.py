@@ -41,9 +41,28 @@ import numpy as np
 import torch
 import xxhash
 
+from worldloop.common.contracts.schemas import MAX_INT
+
 FORMAT = "worldloop.weights/2"  # /2: the manifest names its whole-set hash; chunks carry CRC-32C
 TOPIC = b"worldloop.weights"
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors uses too
+
+# ZMQ_MAXMSGSIZE of the sockets that read from the network: a peer that sends a larger frame is
+# disconnected by libzmq from the frame's length prefix, before anything is allocated or read
+# (the limit is per frame; the connection is made again and the socket keeps serving others).
+# The learner's ROUTER and PUB read only requests ([command, JSON of rid, digest, chunk index]) and
+# subscriptions, the actors' SUB only announcements: all under 1 KiB, so 64 KiB.
+CONTROL_MAX_BYTES = 64 << 10
+# An actor's DEALER reads replies: chunks of at most the whole encoding, a manifest and its CRC
+# frame (4 bytes per chunk). Its limit is the subscriber's max_bytes (weights.max_bytes, by default
+# 4x the model's weight files + 64 MiB) plus this headroom for the JSON headers; see reply_max_bytes.
+REPLY_HEADROOM_BYTES = 1 << 20
+
+
+def reply_max_bytes(max_bytes: int | None) -> int:
+    """ZMQ_MAXMSGSIZE of a subscriber's DEALER: ``max_bytes`` + :data:`REPLY_HEADROOM_BYTES`, or -1
+    (no limit) for a subscriber without ``max_bytes``."""
+    return -1 if max_bytes is None else max_bytes + REPLY_HEADROOM_BYTES
 
 # safetensors dtype names (C128 and F8_E8M0 where torch has them; C128 is our extension)
 _DTYPE_NAMES = {
@@ -91,9 +110,14 @@ class KeyFileError(WeightsArgumentError):
 # --------------------------------------------------------------------------- encoding
 
 
+def valid_version(version: Any) -> bool:
+    """A policy version: an int in [0, 2^31), the bound of every message (common/contracts/schemas.py says why)."""
+    return is_int(version) and 0 <= version < MAX_INT
+
+
 def check_version(version: Any) -> int:
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise ValueError(f"version must be an integer >= 0, got {version!r}")
+    if not valid_version(version):
+        raise ValueError(f"version must be an integer in [0, {MAX_INT}), got {version!r}")
     return version
 
 
@@ -338,10 +362,24 @@ class Manifest:
                     str(hdr["digest"]), crcs)
         except (KeyError, TypeError, ValueError, struct.error) as e:
             raise ValueError(f"bad manifest {hdr!r}: {e}") from None
-        if (m.size < 8 or m.chunk_bytes < 1 or len(crc_frame) != 4 * m.n_chunks
+        if (not valid_version(m.version) or m.size < 8 or m.chunk_bytes < 1 or len(crc_frame) != 4 * m.n_chunks
                 or len(m.digest) != HASHES[m.hash][1]):
             raise ValueError(f"inconsistent manifest {hdr!r} with {len(crc_frame)} bytes of chunk CRCs")
         return m
+
+
+def chunk_fault(m: Manifest, idx: int, hdr: dict, payload: list[Any], delta: bool = False) -> str | None:
+    """Why a CHUNK reply does not hold chunk ``idx`` of ``m`` (of its delta with ``delta``) intact
+    (frame, size, CRC-32C); None when it does."""
+    b, e = m.span(idx)
+    data = payload[0].buffer if len(payload) == 1 else None
+    if data is None or hdr.get("index") != idx or hdr.get("digest") != m.digest or bool(hdr.get("delta")) != delta:
+        return f"bad CHUNK frame for chunk {idx} of v{m.version}"
+    if len(data) != e - b:
+        return f"chunk {idx} of v{m.version} has {len(data)} bytes, expected {e - b}"
+    if chunk_crc(data) != m.crcs[idx]:
+        return f"chunk {idx} of v{m.version} failed its CRC-32C check"
+    return None
 
 
 def checksums(data: Any, chunk_bytes: int, algorithm: str = DEFAULT_HASH) -> tuple[str, tuple[int, ...]]:

@@ -52,6 +52,7 @@ import zmq
 
 from worldloop.common.metrics import metric
 from worldloop.common.transport.weights.codec import (
+    CONTROL_MAX_BYTES,
     DEFAULT_HASH,
     FORMAT,
     HASHES,
@@ -168,6 +169,8 @@ class WeightPublisher:
             keys, self._auth = server_keys(self._ctx, curve_secret_key_file, curve_authorized_clients)
             self._pub = self._socket(zmq.PUB, keys)
             self._router = self._socket(zmq.ROUTER, keys)
+            for s in (self._pub, self._router):  # both read from the network: subscriptions, requests
+                s.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_BYTES)
             self.pub_port = self._bind(self._pub, bind, pub_port, "pub_port")
             self.fetch_port = self._bind(self._router, bind, fetch_port, "fetch_port")
             wake_addr = f"inproc://worldloop-weights-{id(self)}"

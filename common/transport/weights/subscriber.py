@@ -19,7 +19,10 @@ the wire protocol.
 * **Memory.** Each verified chunk is copied into one preallocated buffer and the returned
   tensors are views into it (no second copy); a restart drops the partial download before
   allocating the next, so a subscriber holds at most the set its caller kept plus the one being
-  fetched. ``max_bytes`` refuses a manifest larger than that before anything is allocated.
+  fetched. ``max_bytes`` refuses a manifest larger than that before anything is allocated, and
+  no peer can make a socket read a larger frame: the DEALER's ZMQ_MAXMSGSIZE is ``max_bytes`` +
+  1 MiB, the SUB's 64 KiB (:data:`~worldloop.common.transport.weights.codec.CONTROL_MAX_BYTES`); libzmq
+  drops a connection that announces a larger frame before reading it, and the socket reconnects.
 * **Flow control.** At most ``window_bytes`` (16 MiB: 4 chunks) of requests are in flight;
   whatever got no reply within ``resend_s`` is asked again (e.g. after a publisher restart).
   Each resend that brings no reply doubles the wait before the next one (up to half of
@@ -74,6 +77,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from worldloop.common.metrics import metric
 from worldloop.common.transport.weights.codec import (
+    CONTROL_MAX_BYTES,
     FORMAT,
     TOPIC,
     Manifest,
@@ -81,12 +85,14 @@ from worldloop.common.transport.weights.codec import (
     WeightsError,
     WeightsTimeout,
     check_port,
-    chunk_crc,
+    chunk_fault,
     decode_tensors,
     dumps,
     endpoint,
     is_int,
     new_hasher,
+    reply_max_bytes,
+    valid_version,
 )
 from worldloop.common.transport.weights.delta import DeltaError, apply_delta, parse_offer
 from worldloop.common.transport.weights.keys import client_keys, from_config
@@ -109,20 +115,6 @@ class _Moved:
 
     def __init__(self, manifest: Manifest | None):
         self.manifest = manifest
-
-
-def _chunk_fault(m: Manifest, idx: int, hdr: dict, payload: list[zmq.Frame], delta: bool = False) -> str | None:
-    """Why a CHUNK reply does not hold chunk ``idx`` of ``m`` (of its delta with ``delta``) intact
-    (frame, size, CRC-32C); None when it does."""
-    b, e = m.span(idx)
-    data = payload[0].buffer if len(payload) == 1 else None
-    if data is None or hdr.get("index") != idx or hdr.get("digest") != m.digest or bool(hdr.get("delta")) != delta:
-        return f"bad CHUNK frame for chunk {idx} of v{m.version}"
-    if len(data) != e - b:
-        return f"chunk {idx} of v{m.version} has {len(data)} bytes, expected {e - b}"
-    if chunk_crc(data) != m.crcs[idx]:
-        return f"chunk {idx} of v{m.version} failed its CRC-32C check"
-    return None
 
 
 class WeightSubscriber:
@@ -155,18 +147,11 @@ class WeightSubscriber:
         self.curve = server_key is not None
         self._keys = (server_key, client)
         self._ctx = zmq.Context()
-        self._n_dealers = 0
+        self._n_dealers = self._n_subs = 0
         self._link = "no TCP connection was made (is the learner up, are host and fetch_port right?)"
+        self._sub_addr = endpoint(host, pub_port)
         try:
-            self._sub = self._socket(zmq.SUB, server_key, client)
-            self._sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
-            self._sub.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
-            self._sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
-            sub_addr = endpoint(host, pub_port)
-            try:
-                self._sub.connect(sub_addr)
-            except zmq.ZMQError as e:
-                raise ValueError(f"cannot connect to the weight publisher at {sub_addr}: {e}") from None
+            self._open_sub()
             self._open_dealer()
         except BaseException:
             self._ctx.destroy(linger=0)
@@ -189,20 +174,51 @@ class WeightSubscriber:
             s.curve_publickey, s.curve_secretkey = client
         return s
 
+    def _connected(self, kind: int, events: int, name: str, addr: str) -> tuple[zmq.Socket, zmq.Socket]:
+        """A socket of ``kind`` (this subscriber's keys, :meth:`_sockopts` set before connecting)
+        connected to ``addr``, and its monitor of ``events``; on failure nothing stays open."""
+        sock = self._socket(kind, *self._keys)
+        try:
+            self._sockopts(kind, sock)
+            monitor = sock.get_monitor_socket(events, addr=f"inproc://worldloop-weights-{name}-{id(self)}")
+            try:
+                sock.connect(addr)
+            except zmq.ZMQError as e:
+                raise ValueError(f"cannot connect to the weight publisher at {addr}: {e}") from None
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        return sock, monitor
+
+    def _sockopts(self, kind: int, sock: zmq.Socket) -> None:
+        """Options set before connecting. SUB: announcements (small) and heartbeats; DEALER: replies of
+        at most max_bytes + headroom (ZMQ_MAXMSGSIZE, see codec.CONTROL_MAX_BYTES)."""
+        if kind == zmq.SUB:
+            sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
+            sock.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_BYTES)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+        else:
+            sock.setsockopt(zmq.MAXMSGSIZE, reply_max_bytes(self.max_bytes))
+
+    def _open_sub(self) -> None:
+        """The SUB for announcements, with a monitor of its disconnects: libzmq does not reconnect a
+        connection that it dropped for a protocol error (a frame over ZMQ_MAXMSGSIZE), so
+        :meth:`latest_announced` opens a fresh SUB after any disconnect."""
+        self._n_subs += 1
+        self._sub, self._sub_monitor = self._connected(zmq.SUB, zmq.EVENT_DISCONNECTED, f"sub-{self._n_subs}",
+                                                       self._sub_addr)
+
+    def _close_sub(self) -> None:
+        self._sub.disable_monitor()
+        self._sub_monitor.close(linger=0)
+        self._sub.close(linger=0)
+
     def _open_dealer(self) -> None:
         """A fresh DEALER (a new TCP connection) with its monitor, polled by ``_reply``."""
         self._n_dealers += 1
-        self._dealer = self._socket(zmq.DEALER, *self._keys)
-        try:
-            self._monitor = self._dealer.get_monitor_socket(
-                _MONITOR_EVENTS, addr=f"inproc://worldloop-weights-monitor-{id(self)}-{self._n_dealers}")
-            try:
-                self._dealer.connect(self.endpoint)
-            except zmq.ZMQError as e:
-                raise ValueError(f"cannot connect to the weight publisher at {self.endpoint}: {e}") from None
-        except BaseException:
-            self._dealer.close(linger=0)
-            raise
+        self._dealer, self._monitor = self._connected(zmq.DEALER, _MONITOR_EVENTS, f"monitor-{self._n_dealers}",
+                                                      self.endpoint)
         self._handshakes = 0  # on this DEALER; a second one means the publisher came back
         self._peer_back = False
         self._poller = zmq.Poller()
@@ -248,10 +264,14 @@ class WeightSubscriber:
             try:
                 frames = self._sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
+                if self._sub_monitor.poll(0):  # dropped: a fresh SUB (see _open_sub)
+                    log.info("weights: the announcement connection to %s dropped; connecting again", self._sub_addr)
+                    self._close_sub()
+                    self._open_sub()
                 return self._announced
             try:
                 msg = json.loads(frames[1])
-                if msg.get("format") == FORMAT and is_int(msg.get("version")):
+                if msg.get("format") == FORMAT and valid_version(msg.get("version")):
                     self._announced = msg["version"]
             except (IndexError, ValueError, AttributeError):
                 log.debug("weights: ignored a malformed announcement")
@@ -505,7 +525,7 @@ class WeightSubscriber:
             wait = self.resend_s
             if kind != b"CHUNK":
                 return _Moved(self._manifest_from(kind, hdr, payload))
-            reason = _chunk_fault(m, idx, hdr, payload, delta)
+            reason = chunk_fault(m, idx, hdr, payload, delta)
             if reason is None:
                 b, e = m.span(idx)
                 arr[b:e] = np.frombuffer(payload[0].buffer, dtype=np.uint8)
@@ -532,7 +552,7 @@ class WeightSubscriber:
             return
         self._hasher.shutdown(wait=True, cancel_futures=True)
         self._close_dealer()
-        self._sub.close(linger=0)
+        self._close_sub()
         self._ctx.term()
 
     def __enter__(self) -> WeightSubscriber:
