@@ -59,12 +59,16 @@ class RunConfig(Section):
 class RedisConfig(Section):
     """The Redis server that carries the streams, the control record and the counters."""
 
-    url: Annotated[str | None, Rule("must start with redis://, rediss:// or unix://",
-                                    lambda v: v is None or v.startswith(("redis://", "rediss://", "unix://")))] = Field(
-        None, description="redis://[user:password@]host:port/db, rediss://... or unix://...; "
+    url: Annotated[str | None, Rule("must start with redis://, rediss://, unix://, redis+cluster:// or rediss+cluster://",
+                                    lambda v: v is None or v.startswith(("redis://", "rediss://", "unix://",
+                                                                         "redis+cluster://", "rediss+cluster://")))] = Field(
+        None, description="redis://[user:password@]host:port/db, rediss://... or unix://...; a Redis Cluster: "
+                          "redis+cluster://[user:password@]host:port (any one node; rediss+cluster:// with TLS); "
                           "null = `worldloop up` starts a local server")
-    namespace: str = Field("worldloop", description="prefix of every key and stream of the run, so several runs can "
-                                                    "share one Redis")
+    namespace: Annotated[str, Rule("must be non-empty and hold no { or } (every key is {namespace}:..., a cluster "
+                                   "hash tag)", lambda v: bool(v) and "{" not in v and "}" not in v)] = Field(
+        "worldloop", description="prefix of every key and stream of the run ({namespace}:rollouts, ...), so several "
+                                 "runs can share one Redis or cluster")
     max_backlog: int = Field(512, ge=1, description="backpressure: a producer waits while a stream holds this many "
                                                     "undelivered + pending entries")
     block_ms: int = Field(1000, ge=1, json_schema_extra={"unit": "ms", "note": "0 would block forever"},
