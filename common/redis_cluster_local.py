@@ -169,6 +169,14 @@ class LocalRedisCluster:
         proc.kill()
         proc.wait()
 
+    def restart(self, port: int, timeout: float = 30.0) -> None:
+        """Start a killed node again on its port: it rejoins with its nodes-PORT.conf (its slots, or
+        as the replica of whoever took them over); waits until the cluster is ok again."""
+        if self.procs[port].poll() is None:
+            raise RuntimeError(f"node {port} is still running")
+        self._start_node(port)
+        self._wait(f"node {port} did not rejoin", self._ready, timeout)
+
     def kill_primary_of(self, key: str) -> int:
         """kill -9 the primary serving ``key``; returns its port."""
         port = self.primary_of(key)

@@ -202,6 +202,38 @@ def test_a_cluster_url_that_no_node_answers_fails_at_start_up_not_at_constructio
     link.close()
 
 
+def test_a_link_waits_out_clusterdown_until_the_cluster_is_whole_again() -> None:
+    """A primary without a replica dies: the whole cluster answers CLUSTERDOWN (full coverage) for
+    every key, also the run's on a live node. The link retries that like an outage (before issue 38
+    redis-py's ClusterDownError, a ResponseError, was raised at once and a role exited), and its call
+    completes once the node is back."""
+    with LocalRedisCluster(primaries=3, replicas=0, node_timeout_ms=500) as c:
+        keys = Keys("cd")
+        victim = next(p for p in c.primary_ports() if p != c.primary_of(keys.control))
+        link = RedisLink(c.url, keys.control, reconnect_max_s=0.2, socket_timeout_s=2.0)
+        assert link.call(lambda r: r.hset(keys.control, "policy_version", 1)) == 1
+        c.kill(victim)
+        wait_for(lambda: _cluster_down(link), "the cluster to say it is down", 30)
+        seen: list[str] = []
+        restarter = threading.Timer(5.0, c.restart, args=(victim,))  # longer than redis-py retries by itself (~3 s)
+        restarter.start()
+        try:
+            assert link.call(lambda r: seen.append("try") or r.hset(keys.control, "policy_version", 2)) == 0
+        finally:
+            restarter.join()
+            link.close()
+        assert len(seen) >= 2  # at least one try refused, then the one that went through
+        assert connect(c.url).hget(keys.control, "policy_version") == b"2"
+
+
+def _cluster_down(link: RedisLink) -> bool:
+    try:
+        link.r.hget(Keys("cd").control, "policy_version")
+    except redis.exceptions.ClusterDownError:
+        return True
+    return False
+
+
 # ----------------------------------------------------------------------------- 4. a run through a failover
 
 
