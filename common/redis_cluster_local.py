@@ -11,6 +11,7 @@ replicas took over and the cluster says ``cluster_state:ok`` again.
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import tempfile
@@ -45,16 +46,19 @@ def _node_ports(n: int) -> list[int]:
 class LocalRedisCluster:
     """A Redis Cluster of ``primaries`` x (1 + ``replicas``) local redis-server processes.
 
-    ``persist``: AOF with ``appendfsync`` on every node. ``node_timeout_ms``: how long a node may
+    ``persist``: AOF with ``appendfsync`` on every node. ``password``: every node requires it (and its
+    replicas use it); :attr:`url` leaves it out: pass it as ``$WORLDLOOP_REDIS_PASSWORD`` or in the URL. ``node_timeout_ms``: how long a node may
     be unreachable before the others take it for failed (and a replica of a failed primary starts
     its election about a second later)."""
 
     def __init__(self, primaries: int = 3, replicas: int = 1, *, persist: bool = False,
-                 appendfsync: str = "everysec", node_timeout_ms: int = 1000, data_dir: str | None = None):
+                 appendfsync: str = "everysec", node_timeout_ms: int = 1000, data_dir: str | None = None,
+                 password: str | None = None):
         if primaries < 3:
             raise ValueError(f"redis-cli --cluster create needs at least 3 primaries, got {primaries}")
         self.primaries, self.replicas = primaries, replicas
         self.persist, self.appendfsync, self.node_timeout_ms = persist, appendfsync, node_timeout_ms
+        self.password = password  # every node's requirepass and masterauth (the URL does not carry it)
         self._tmp = None
         if data_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="worldloop-cluster-")
@@ -77,12 +81,15 @@ class LocalRedisCluster:
                 "--cluster-node-timeout", str(self.node_timeout_ms),
                 "--appendonly", "yes" if self.persist else "no", "--appendfsync", self.appendfsync,
                 "--repl-diskless-sync-delay", "0", "--save", "", "--daemonize", "no", "--logfile", str(d / "redis.log")]
+        if self.password:
+            args += ["--requirepass", self.password, "--masterauth", self.password]
         self.procs[port] = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     def _client(self, port: int):
         import redis
 
-        return redis.Redis(host="127.0.0.1", port=port, socket_timeout=2, socket_connect_timeout=2)
+        return redis.Redis(host="127.0.0.1", port=port, password=self.password, socket_timeout=2,
+                           socket_connect_timeout=2)
 
     def _wait(self, what: str, ok, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -104,7 +111,8 @@ class LocalRedisCluster:
             create = subprocess.run(
                 ["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in self.ports],
                  "--cluster-replicas", str(self.replicas), "--cluster-yes"],
-                capture_output=True, text=True, timeout=timeout)
+                capture_output=True, text=True, timeout=timeout,
+                env={**os.environ, "REDISCLI_AUTH": self.password} if self.password else None)
             if create.returncode != 0:
                 raise RuntimeError(f"redis-cli --cluster create failed: {create.stdout[-2000:]} {create.stderr[-2000:]}")
             self._wait("the cluster did not become ready", self._ready, timeout)

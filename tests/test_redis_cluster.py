@@ -31,7 +31,7 @@ from worldloop.common.keys import KEY_NAMES, ROLLOUTS_GROUP, SCORED_GROUP, Keys
 from worldloop.common.lease import LearnerLease
 from worldloop.common.metrics import free_port
 from worldloop.common.redis_cluster_local import LocalRedisCluster
-from worldloop.common.redis_link import RedisLink, RedisUnreachable, connect
+from worldloop.common.redis_link import REDIS_PASSWORD_ENV, RedisLink, RedisUnreachable, connect
 from worldloop.common.redis_local import LocalRedis
 from worldloop.common.schemas import decode_trajectory, encode_trajectory
 from worldloop.common.streams import FORWARDED, Forwarder, StreamConsumer, StreamProducer
@@ -139,9 +139,15 @@ def test_a_role_start_renames_the_old_keys_before_it_uses_them(redis_url: str, t
 # ----------------------------------------------------------------------------- 3. the scripts on a cluster
 
 
+_PASSWORD = "cluster-pw-not-in-any-url"
+
+
 @pytest.fixture
-def cluster():
-    c = LocalRedisCluster(primaries=3, replicas=1, node_timeout_ms=1000).start()
+def cluster(monkeypatch: pytest.MonkeyPatch):
+    """3 primaries, a replica each, every node behind a password that the clients (and the judge
+    processes, which inherit the environment) take from $WORLDLOOP_REDIS_PASSWORD."""
+    c = LocalRedisCluster(primaries=3, replicas=1, node_timeout_ms=1000, password=_PASSWORD).start()
+    monkeypatch.setenv(REDIS_PASSWORD_ENV, _PASSWORD)
     try:
         yield c
     finally:
@@ -156,6 +162,8 @@ def test_cluster_url_runs_every_multi_key_script_and_old_names_would_not(cluster
     assert len({cluster.primary_of(k) for k in keys.names().values()}) == 1  # the whole run on one primary
     with pytest.raises(ValueError, match="only database 0"):
         connect(url + "/2")
+    with pytest.raises(redis.ConnectionError, match="cannot reach the Redis Cluster at cluster 127.0.0.1.*invalid username-password"):
+        connect(url.replace("://", "://:wrong@"))  # a password in the URL wins over the environment's
 
     adm = Admission(url, keys, max_staleness=0, batch_size=4)
     assert adm.admit(["t0", "t1"], actor_version=0).admitted
