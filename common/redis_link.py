@@ -55,6 +55,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 import time
 from typing import Callable, TypeVar
 
@@ -207,13 +208,16 @@ class RedisLink:
         self.closed = False
         # a cluster client needs a reachable node to be built: built at the first call, retried there
         self._client = None if is_cluster_url(url) else connect(url, socket_timeout_s)
+        self._client_lock = threading.Lock()  # threads sharing the link build one client
         self._reconnects = metric("worldloop_stream_reconnects").labels(stream=stream)
 
     @property
     def r(self) -> "redis.Redis | redis.RedisCluster":
         """The link's client (a cluster one is built on first use: ConnectionError while no node answers)."""
         if self._client is None:
-            self._client = connect(self.url, self.socket_timeout_s)
+            with self._client_lock:
+                if self._client is None:
+                    self._client = connect(self.url, self.socket_timeout_s)
         return self._client
 
     def register_script(self, text: str) -> Script:

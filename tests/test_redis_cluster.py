@@ -317,6 +317,7 @@ def test_a_run_through_a_cluster_primary_killed_and_failed_over(cluster: LocalRe
         killed = cluster.kill_primary_of(keys.rollouts)  # every key of the run is served there
         killed_at = time.monotonic()
         promoted = cluster.wait_failover(killed, keys.rollouts, timeout=30)
+        failed_over_at = time.monotonic()
         threads[0].join(60)
         assert not threads[0].is_alive() and not run.errors, run.errors
 
@@ -338,13 +339,25 @@ def test_a_run_through_a_cluster_primary_killed_and_failed_over(cluster: LocalRe
     assert len(produced) == n  # every XADD returned, before, during and after the failover
     assert len(run.trained) == len(set(run.trained))  # nothing trained twice
     lost = produced - set(run.trained)
-    # the promise on a cluster: only writes acknowledged just before the kill, that the replica had
-    # not received yet (asynchronous replication), can be lost; a second is far past loopback lag
-    assert all(killed_at - 1.0 <= run.acked_at[t] <= killed_at for t in lost), (lost, killed_at)
+    # the promise on a cluster: a replica holds a prefix of its primary's writes (asynchronous
+    # replication, in order), so only the last writes the old primary acknowledged before it died can
+    # be lost: the lost trajectories are consecutive ones (the producer is sequential), all acknowledged
+    # before the failover ended; nothing written to the promoted replica is lost
+    lost_idx = sorted(int(t.split("-")[1]) for t in lost)
+    assert lost_idx == list(range(lost_idx[0], lost_idx[0] + len(lost))) if lost else True, lost_idx
+    assert all(run.acked_at[t] < failed_over_at for t in lost), (lost, killed_at, failed_over_at)
     redelivered = sum(c - 1 for c in run.deliveries.values())  # second copies the trained set dropped
     adm = {k.decode(): int(v) for k, v in r.hgetall(keys.admission).items()}
+    ids = {x.decode() for x in r.smembers(keys.admission_ids)}
     print(f"cluster failover {killed} -> {promoted}: produced {n}, trained {len(run.trained)}, lost {len(lost)}, "
-          f"second copies dropped {redelivered}, admission {adm}")
-    # admission: each trajectory admitted once; retired ones leave the id set, a lost one stays in it
-    assert adm["admitted"] == n and r.scard(keys.admission_ids) == len(lost)
+          f"second copies dropped {redelivered}, admission {adm}, ids still admitted {len(ids)}")
+    # admission: each trajectory admitted once (an admission in that lost suffix is lost with it:
+    # at most one per lost trajectory, plus the one whose XADD was in flight and went to the new
+    # primary); a retired one leaves the id set, a lost one stays (unless its admission was lost too)
+    assert n - len(lost) - 1 <= adm["admitted"] <= n and adm.get("refunded", 0) == 0
+    assert ids <= produced and len(ids - lost) <= 16  # + a learner's release of one read in that suffix
+    # the ack script counts an entry only when its XACK acks it: once per trained trajectory, also
+    # when an ack was lost with the old primary (the entry came back, its second copy was acked and
+    # counted in its place, the XACK and the count having been lost together)
+    assert int(r.hget(keys.stats, "test_trained")) == len(run.trained)
     assert not run.lease.lost.is_set()  # the learner kept its lease (and its fence) through the failover
