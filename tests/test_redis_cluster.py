@@ -99,6 +99,8 @@ def test_old_key_names_are_renamed_with_their_groups_pending_entries_and_ttl(red
     r.pexpire(old_lease, 60_000)
     r.hset(legacy[keys.control], mapping={"policy_version": "12"})
     assert legacy_keys_left(r, keys) == [old_rollouts, legacy[keys.control], old_lease]
+    assert f"keys under their old names (before {{old}}:...; the next role or `worldloop up` to start renames " \
+           f"them): {old_rollouts}, old:control, {old_lease}" in status.render(status.collect(r, keys))
 
     moved = migrate_legacy_keys(r, keys)
     assert moved == [old_rollouts, legacy[keys.control], old_lease]
