@@ -34,7 +34,7 @@ from worldloop.common.redis_cluster_local import LocalRedisCluster
 from worldloop.common.redis_link import REDIS_PASSWORD_ENV, RedisLink, RedisUnreachable, connect
 from worldloop.common.redis_local import LocalRedis
 from worldloop.common.schemas import decode_trajectory, encode_trajectory
-from worldloop.common.streams import FORWARDED, Forwarder, StreamConsumer, StreamProducer
+from worldloop.common.streams import FORWARDED, LOST_RACE, Forwarder, StreamConsumer, StreamProducer
 from worldloop import status
 from tests.procs import Child, wait_for
 from tests.test_judge_rule import judge_trajectory, sokoban_state
@@ -178,7 +178,15 @@ def test_cluster_url_runs_every_multi_key_script_and_old_names_would_not(cluster
     fw = Forwarder(url, keys.rollouts, ROLLOUTS_GROUP, keys.scored, keys.judge_forwarded, max_backlog=10,
                    dedup_window_s=60)
     (m,) = judge.read(1, block_ms=100)
-    assert fw.forward(m.id, m.payload, m.value.trajectory_id) == FORWARDED
+    # a second judge reclaims it (XAUTOCLAIM, then a pipeline of XRANGE + XPENDING), counts an attempt
+    # (XCLAIM RETRYCOUNT); the first no longer holds it (touch: XPENDING), leaves the group (XINFO, DELCONSUMER)
+    thief = StreamConsumer(url, keys.rollouts, ROLLOUTS_GROUP, "j2", decode=decode_trajectory, claim_idle_ms=0,
+                           max_deliveries=5)
+    (m2,) = thief.read(1, block_ms=100)
+    assert m2.id == m.id and m2.reclaimed and thief.attempt(m2) and m2.deliveries == 2
+    assert judge.touch([m.id]) == 0 and judge.leave()
+    assert fw.forward(m2.id, m2.payload, m2.value.trajectory_id) == FORWARDED
+    assert fw.forward(m.id, m.payload, m.value.trajectory_id) == LOST_RACE  # the slow judge adds nothing
     learner = StreamConsumer(url, keys.scored, SCORED_GROUP, "learner-0", decode=decode_trajectory,
                              deadletter_stream=keys.deadletter, stats_key=keys.stats, fence=lease.fence)
     (s,) = learner.read(1, block_ms=100)
@@ -200,7 +208,7 @@ def test_cluster_url_runs_every_multi_key_script_and_old_names_would_not(cluster
                                                                     (keys.deadletter, 0)]
     assert [g["name"] for g in info["streams"][0]["groups"]] == [ROLLOUTS_GROUP] and info["legacy"] == []
     assert info["control"]["policy_version"] == 1 and info["stats"] == {"trained": 1}
-    for c in (adm, lease, prod, judge, fw, learner, fw_old):
+    for c in (adm, lease, prod, judge, thief, fw, learner, fw_old):
         c.close()
 
 
