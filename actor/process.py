@@ -27,8 +27,8 @@ The loop, one iteration per batched generation:
    ``[seed_start, seed_end)`` drawn per actor from ``sha256(run.seed, actor_id)``,
    ``n_samples_per_seed`` episodes of one seed sharing a ``group_id``) until ``num_envs`` are live;
 4. one ``RolloutEngine.step()`` (one batched generation for all live episodes, then the env steps);
-5. push every finished trajectory with turns to ``<ns>:rollouts`` (judge enabled) or straight to
-   ``<ns>:scored`` (``judge.enabled=false``). ``StreamProducer.add`` blocks while the stream's
+5. push every finished trajectory with turns to ``{ns}:rollouts`` (judge enabled) or straight to
+   ``{ns}:scored`` (``judge.enabled=false``). ``StreamProducer.add`` blocks while the stream's
    backlog is at ``redis.max_backlog`` (the stream metrics record the blocked time); the actor
    waits in 1 s slices so that SIGTERM or a "stopped" control record still ends it. Episodes that
    ended without a complete turn are counted and dropped, and their admission is refunded (also
@@ -36,7 +36,7 @@ The loop, one iteration per batched generation:
 
 SIGTERM/SIGINT (when run in the main thread) end the loop after the current generation; live
 episodes are abandoned (nothing was pushed for them, so nothing is lost downstream). The process
-registers itself in ``<ns>:procs`` every 2 s with its metrics URL.
+registers itself in ``{ns}:procs`` every 2 s with its metrics URL.
 
 With ``$WORLDLOOP_PRODUCED_LOG`` set, each trajectory id is appended (fsynced) to that file once
 its XADD returned (:class:`ProducedLog`): the soak's exact record of what entered the stream.

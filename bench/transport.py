@@ -1,13 +1,15 @@
 """Transport throughput: our Redis-stream layer against plain redis-py, plus the weights table.
 
-    python bench/transport.py [--size 65536] [--count 2000] [--batch 64]
+    python bench/transport.py [--size 65536] [--count 2000] [--batch 64] [--cluster]
 
 Redis part: ``--count`` messages of ``--size`` bytes through
 StreamProducer.add -> StreamConsumer.read -> ack (XADD, XREADGROUP, XACK+XDEL,
 with the XLEN backpressure check on every add), and in the same run the raw
 baseline: plain redis-py XADD then XREAD (no group, no ack, no backlog check)
 on the same private LocalRedis. Both run produce-all then consume-all in one
-thread. Prints messages/s and MB/s and the ratio ours/raw.
+thread. Prints messages/s and MB/s and the ratio ours/raw. ``--cluster`` adds our path on a
+private Redis Cluster (``LocalRedisCluster``: 3 primaries, a replica each, through a
+``redis+cluster://`` URL, so RedisCluster and replication to the replica are in the cost).
 
 Weights part: ``bench/_weights.py``'s ``weights_rows()`` for the ZeroMQ weight channel
 (owned by its engineer; rows as dicts, or a header row then value rows) when that file exists.
@@ -28,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import redis  # noqa: E402
 
+from worldloop.common.transport.redis_cluster_local import LocalRedisCluster  # noqa: E402
 from worldloop.common.transport.redis_local import LocalRedis  # noqa: E402
 from worldloop.common.transport.streams import StreamConsumer, StreamProducer  # noqa: E402
 
@@ -81,13 +84,18 @@ def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
         print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)))
 
 
-def redis_table(size: int, count: int, batch: int, repeats: int) -> None:
+def redis_table(size: int, count: int, batch: int, repeats: int, cluster: bool = False) -> None:
     payload = os.urandom(size)
     with LocalRedis() as srv:
         raw = measure("raw redis-py XADD -> XREAD", run_raw, srv.url, payload, count, batch, repeats)
         ours = measure("ours add -> read -> ack(+XDEL)", run_ours, srv.url, payload, count, batch, repeats)
+    paths = [raw, ours]
+    if cluster:
+        with LocalRedisCluster(primaries=3, replicas=1) as c:
+            paths.append(measure("ours on a 3-primary cluster (+replicas)", run_ours, c.url, payload, count, batch,
+                                 repeats))
     rows = [[m["name"], f"{m['seconds']:.3f}", f"{m['msg_s']:.0f}", f"{m['mb_s']:.1f}", f"{m['msg_s'] / raw['msg_s']:.2f}"]
-            for m in (raw, ours)]
+            for m in paths]
     print_table(f"Redis streams: {count} messages x {size} B, read batch {batch}, best of {repeats}",
                 ["path", "seconds", "msg/s", "MB/s", "ratio vs raw"], rows)
 
@@ -120,10 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=64, help="entries per XREAD / XREADGROUP")
     ap.add_argument("--repeats", type=int, default=3, help="measurements per path (best is shown)")
     ap.add_argument("--no-weights", action="store_true", help="skip the weights table")
+    ap.add_argument("--cluster", action="store_true", help="also our path on a local 3-primary Redis Cluster")
     a = ap.parse_args(argv)
     if min(a.size, a.count, a.batch, a.repeats) < 1:
         ap.error("--size, --count, --batch and --repeats must be >= 1")
-    redis_table(a.size, a.count, a.batch, a.repeats)
+    redis_table(a.size, a.count, a.batch, a.repeats, a.cluster)
     if not a.no_weights:
         weights_table()
     return 0

@@ -1,9 +1,9 @@
 """``worldloop judge``: one judge worker of the pool.
 
-Loop: read up to ``judge.batch_size`` trajectories from ``<ns>:rollouts`` (consumer group
+Loop: read up to ``judge.batch_size`` trajectories from ``{ns}:rollouts`` (consumer group
 ``judges``; entries idle longer than ``redis.claim_idle_ms`` in a dead judge's pending list are
 reclaimed first), score them concurrently on one asyncio loop (:class:`worldloop.judge.scoring.TrajectoryScorer`,
-LLM requests limited by ``judge.concurrency``), and hand each scored trajectory to ``<ns>:scored``
+LLM requests limited by ``judge.concurrency``), and hand each scored trajectory to ``{ns}:scored``
 as soon as it is done. At most ``batch_size`` trajectories are held at once. Undecodable or
 oversized entries go to the dead-letter stream (done by the consumer); a trajectory whose scoring
 raises is forwarded with flagged fallback scores, so nothing stalls. Any other error on one entry
@@ -15,14 +15,14 @@ and not yet started counts none. Whatever a judge dead-letters gives its admissi
 
 Exactly once into ``scored``: each scored trajectory is handed over with
 :class:`worldloop.common.transport.streams.Forwarder` (XACK + XDEL of the rollouts entry, a trajectory-id
-dedup set ``<ns>:judge:forwarded`` and the XADD to ``scored``, in one Lua script; see there). A
+dedup set ``{ns}:judge:forwarded`` and the XADD to ``scored``, in one Lua script; see there). A
 live judge refreshes the idle time of the entries it works on every ``claim_idle_ms / 3``
 (:meth:`StreamConsumer.touch`), so a slow endpoint does not make other judges reclaim live work;
 a dead judge refreshes nothing and its entries are reclaimed.
 
 Process conventions (:class:`worldloop.common.transport.process.ProcessScaffold`): Prometheus ``/metrics``
-(``metrics.*``), a heartbeat in ``<ns>:procs`` every 2 s with the current phase, run-wide counters ``judge_failures`` (failed LLM attempts) and ``judge_fallbacks`` in
-``<ns>:stats``, new work paused while the control record says ``paused``, a clean stop (exit 0) on
+(``metrics.*``), a heartbeat in ``{ns}:procs`` every 2 s with the current phase, run-wide counters ``judge_failures`` (failed LLM attempts) and ``judge_fallbacks`` in
+``{ns}:stats``, new work paused while the control record says ``paused``, a clean stop (exit 0) on
 SIGTERM/SIGINT or ``stopped``: no new reads, the trajectories in flight get
 ``STOP_GRACE_S`` to finish; any left unfinished stay pending and are reclaimed by another judge.
 """

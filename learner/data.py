@@ -457,7 +457,7 @@ class ScoredSource:
     def fates(self) -> dict[str, dict[str, int]]:
         """Run-wide, exact and cumulative (across learner restarts) counts of what never trained:
         ``dropped`` (stale, duplicate; counted once acked) and ``dead_lettered`` (by kind, for the
-        scored stream), read back from ``<ns>:stats``."""
+        scored stream), read back from ``{ns}:stats``."""
         stats = self.stats_link.call(lambda r: read_stats(r, self.keys))
         dead_prefix = self.consumer.deadletter_counter("")
         return {

@@ -1,6 +1,6 @@
 """The rollout actor against a real Redis, real envs, a real tiny model and a real ZeroMQ channel.
 
-1. ``worldloop actor`` as a subprocess (judge off -> ``<ns>:scored``): trajectories decode, their
+1. ``worldloop actor`` as a subprocess (judge off -> ``{ns}:scored``): trajectories decode, their
    token ids are the chat-template rendering of the conversation (replayed from the env), the
    behaviour log-probs are the recomputed ones, groups share seeds, metrics are served over HTTP;
 2. a WeightPublisher publishes a set that does not fit (refused, counted) and then v2 mid-run:
@@ -74,7 +74,7 @@ def _wait(pred, what: str, timeout: float = 90.0):
 
 
 class _Reader:
-    """Reads decoded trajectories from <ns>:scored as the learner's group would."""
+    """Reads decoded trajectories from {ns}:scored as the learner's group would."""
 
     def __init__(self, url: str, ns: str):
         self.url, self.ns = url, ns

@@ -108,8 +108,8 @@ def test_status_of_a_populated_run(redis_url: str, capsys: pytest.CaptureFixture
     cfg = load_config(None, [f"redis.url={redis_url}", "redis.namespace=demo"])
     assert status.run(cfg, None) == 0
     out = capsys.readouterr().out
-    for text in ("demo:rollouts", "length 4", "group judges: pending 4, lag 0", "consumer judge-7: pending 4",
-                 "demo:deadletter", "policy_version 12, max_turns 3, run_state paused",
+    for text in (keys.rollouts, "length 4", "group judges: pending 4, lag 0", "consumer judge-7: pending 4",
+                 keys.deadletter, "policy_version 12, max_turns 3, run_state paused",
                  "http://127.0.0.1:9100/metrics", "judge_failures: 2", "judge_fallbacks: 1"):
         assert text in out, text
     assert "gone" not in out

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from worldloop.common.contracts.keys import Keys
 from worldloop.common.metrics import CATALOG, exported_names, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -348,7 +349,7 @@ for g in o.process_group_configs:
         with pytest.raises(redis.AuthenticationError):
             redis.Redis.from_url(url, socket_timeout=5).ping()
         r = redis.Redis.from_url(url, password=password, socket_timeout=5)
-        roles = sorted(json.loads(v)["role"] for v in r.hvals("deploy-test:procs"))
+        roles = sorted(json.loads(v)["role"] for v in r.hvals(Keys("deploy-test").procs))
         assert roles == ["actor", "actor", "judge", "learner"]
         # on no command line: redis-server gets it through stdin, the worldloop processes from the environment
         for name, p in procs.items():

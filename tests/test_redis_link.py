@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from collections import Counter
 
 import pytest
@@ -78,11 +79,13 @@ def _refuse(srv: LocalRedis, r: redis.Redis, kind: str, tmp_path) -> tuple:
     if kind == "OOM":
         r.config_set("maxmemory", 1)
         return srv.url, lambda: r.config_set("maxmemory", 0)
-    if kind == "MISCONF":  # a background save that fails: its folder vanished
-        gone = tmp_path / "rdb"
-        gone.mkdir()
-        r.config_set("dir", str(gone))
-        gone.rmdir()
+    if kind == "MISCONF":  # a background save that fails: the server's folder vanished under it
+        # (CONFIG SET dir is a protected config from Redis 7 on, so the folder it runs in is removed:
+        # its log stays open, and a background save can no longer create its file there)
+        folder = Path(srv.data_dir)
+        for f in folder.iterdir():
+            f.unlink()
+        folder.rmdir()
         r.config_set("stop-writes-on-bgsave-error", "yes")
         r.config_set("save", "3600 1")  # MISCONF needs save points
         r.bgsave()
@@ -91,10 +94,9 @@ def _refuse(srv: LocalRedis, r: redis.Redis, kind: str, tmp_path) -> tuple:
                 break
             time.sleep(0.05)
 
-        def undo() -> None:
-            gone.mkdir()
-            r.config_set("dir", str(gone))  # redis-server chdirs into it: the new folder, not the removed one
-            r.bgsave()
+        def undo() -> None:  # what an operator does once the disk is back: let writes through again
+            folder.mkdir()  # (for the LocalRedis clean-up)
+            r.config_set("stop-writes-on-bgsave-error", "no")
         return srv.url, undo
     if kind == "READONLY":  # a replica of a primary that is not there
         r.replicaof("127.0.0.1", 1)

@@ -282,7 +282,7 @@ def test_backlog_at_its_limit_blocks_visibly_and_recovers_when_drained(redis_url
         text = urllib.request.urlopen(info()["metrics_url"], timeout=5).read().decode()
         out = {}
         for line in text.splitlines():
-            m = re.match(r'(worldloop_stream_backpressure_\w+)\{stream="bp:rollouts"\} (\S+)', line)
+            m = re.match(r'(worldloop_stream_backpressure_\w+)\{stream="\{bp\}:rollouts"\} (\S+)', line)
             if m:
                 out[m.group(1)] = float(m.group(2))
         return out
@@ -291,7 +291,7 @@ def test_backlog_at_its_limit_blocks_visibly_and_recovers_when_drained(redis_url
         wait_for(lambda: "waiting on backpressure" in info().get("phase", ""), "the actor to block on the full stream",
                  240, [actor])
         assert r.xlen(keys.rollouts) == limit
-        assert "bp:rollouts is at its backlog limit (2 undelivered entries): waiting on backpressure" in actor.output(None)
+        assert f"{keys.rollouts} is at its backlog limit (2 undelivered entries): waiting on backpressure" in actor.output(None)
         # visible and growing, slice by slice: the phase's seconds, the metrics
         total = "worldloop_stream_backpressure_seconds_total"
         w1, m1 = info()["backpressure_wait_s"], scrape()
@@ -310,8 +310,8 @@ def test_backlog_at_its_limit_blocks_visibly_and_recovers_when_drained(redis_url
         drain = StreamConsumer(redis_url, keys.rollouts, ROLLOUTS_GROUP, "drainer", decode=decode_trajectory)
         got = drain.read(10)
         drain.ack([m.id for m in got])
-        wait_for(lambda: "room in bp:rollouts again after" in actor.output(None), "the actor to resume", 60, [actor])
-        resumed = re.findall(r"room in bp:rollouts again after ([\d.]+) s of backpressure", actor.output(None))
+        wait_for(lambda: f"room in {keys.rollouts} again after" in actor.output(None), "the actor to resume", 60, [actor])
+        resumed = re.findall(r"room in \{bp\}:rollouts again after ([\d.]+) s of backpressure", actor.output(None))
         # the log's account of the block covers what the phase showed of it before the drain (the
         # same wait, measured by the actor from the same start; both rounded to 0.1 s)
         assert float(resumed[0]) >= w2 - 0.1, (resumed, w2)

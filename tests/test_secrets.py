@@ -18,6 +18,7 @@ from redis.connection import parse_url
 from procs import Child, wait_for
 from test_cli import cli
 from worldloop.common.contracts.config import load_config, to_dict
+from worldloop.common.contracts.keys import Keys
 from worldloop.common.transport.redis_link import REDIS_PASSWORD_ENV, connect
 from worldloop.common.secrets import REDACTED, password_to_env, redacted, redacted_override, strip_password, url_password
 
@@ -216,7 +217,7 @@ def test_a_run_on_a_redis_with_a_password_writes_it_nowhere(tmp_path: Path, form
                     continue
                 if b"worldloop" in cmd and str(run_dir).encode() in cmd:  # up's children: --config <run_dir>/...
                     cmdlines.append(cmd)
-            return r.hlen("secret:procs") >= 3
+            return r.hlen(Keys("secret").procs) >= 3
 
         try:
             wait_for(children_seen, "the learner, actor and judge heartbeats", 600, [up])

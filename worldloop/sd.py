@@ -1,6 +1,6 @@
 """``worldloop sd``: Prometheus ``file_sd`` targets from the processes' heartbeats.
 
-Every learner, actor and judge records a heartbeat in Redis (``<namespace>:procs``, see
+Every learner, actor and judge records a heartbeat in Redis (``{<namespace>}:procs``, see
 :func:`worldloop.common.transport.control.register_process`) with the URL of its ``/metrics``. This command
 turns the live ones into a Prometheus file-based service discovery file, so a Prometheus with
 

@@ -4,7 +4,7 @@ Shows, for the rollouts / scored / dead-letter streams, the length, every
 consumer group's pending count and lag and every consumer's idle time; the
 control record (policy version, max_turns, run_state, age); the processes
 that sent a heartbeat in the last :data:`SEEN_WINDOW_S` seconds; and the
-run-wide counters of ``<ns>:stats`` (judge failures, fallbacks, learner drops).
+run-wide counters of ``{ns}:stats`` (judge failures, fallbacks, learner drops).
 
 Lag is XINFO's ``lag`` on Redis >= 7; on 6.2 it is ``length - pending``, which
 is exact under the transport's ack-and-delete design (one group per stream).
@@ -19,8 +19,9 @@ import time
 import redis
 
 from worldloop.common.contracts.config import Config
-from worldloop.common.transport.control import list_processes, read_control, read_stats
 from worldloop.common.contracts.keys import Keys
+from worldloop.common.transport.control import list_processes, read_control, read_stats
+from worldloop.common.transport.key_migration import legacy_keys_left
 from worldloop.common.secrets import strip_password
 from worldloop.common.transport.streams import connect, stream_info
 
@@ -37,6 +38,7 @@ def collect(r: redis.Redis, keys: Keys, now: float | None = None) -> dict:
         "control": read_control(r, keys),
         "processes": procs,
         "stats": read_stats(r, keys),
+        "legacy": legacy_keys_left(r, keys),
         "now": now,
     }
 
@@ -73,6 +75,9 @@ def render(info: dict) -> str:
             lines.append(f"           {p['phase']} (for {_age(now, p.get('phase_since')).removesuffix(' ago')})")
     lines += ["", "counters:"]
     lines += [f"  {k}: {v}" for k, v in info["stats"].items()] or ["  (none)"]
+    if info.get("legacy"):
+        lines += ["", f"keys under their old names (before {{{info['namespace']}}}:...; the next role or `worldloop up` "
+                      f"to start renames them): {', '.join(info['legacy'])}"]
     return "\n".join(lines)
 
 

@@ -50,6 +50,7 @@ import yaml
 from worldloop.bootstrap.store import prepare_model
 from worldloop.common.contracts.config import Config, to_dict
 from worldloop.common.transport.control import list_processes, read_control, write_control
+from worldloop.common.transport.key_migration import migrate_legacy_keys
 from worldloop.common.contracts.keys import Keys
 from worldloop.common.secrets import password_to_env, redacted
 from worldloop.common.versions import write_versions
@@ -287,6 +288,7 @@ def run(cfg: Config, args) -> int:
         config_path = run_dir / "config.yaml"
         servers = plan_local_servers(cfg, config_path)  # actor.backend=server: sets actor.servers
         config_path.write_text(yaml.safe_dump(redacted(to_dict(cfg)), sort_keys=False))
+        migrate_legacy_keys(r, keys)  # a run of an older worldloop: its keys get their {namespace} names first
         write_control(r, keys, run_state="running")
         children = _children(cfg, config_path, run_dir)
         children += [Child(name, "server", argv, run_dir / "logs" / f"{name}.log") for name, argv in servers]

@@ -26,7 +26,7 @@ What it adds to vLLM's own server (``/inference/v1/generate``, ``/metrics``, ``/
   generation pauses only for the load itself (plus the drain).
 * **Metrics and discovery.** ``worldloop_server_*`` metrics (version, updates, pause seconds,
   failures) join vLLM's on the server's ``/metrics``. With ``redis.url`` in the config the server
-  heartbeats in ``<ns>:procs`` as role ``server`` with that ``/metrics`` URL
+  heartbeats in ``{ns}:procs`` as role ``server`` with that ``/metrics`` URL
   (:class:`~worldloop.common.transport.process.ProcessScaffold`, heartbeat only), so ``worldloop sd`` hands it
   to Prometheus like every other process of the run.
 * **API key.** With ``$VLLM_API_KEY`` set (``worldloop serve`` sets it from ``serve.api_key_*``),
@@ -167,7 +167,7 @@ class ServerDriver:
         log.info("applied weights v%d (generation paused %.2f s, %.2f s of it loading)", version, now - t0, now - paused)
 
     def _start_heartbeat(self) -> None:
-        """Role ``server`` in ``<ns>:procs`` with this server's ``/metrics`` (when the config names a Redis)."""
+        """Role ``server`` in ``{ns}:procs`` with this server's ``/metrics`` (when the config names a Redis)."""
         if self.cfg is None or not self.cfg.redis.url:
             return
         from worldloop.common.transport.process import ProcessScaffold
@@ -177,7 +177,7 @@ class ServerDriver:
         metrics = self.cfg.metrics.model_copy(update={"enabled": False, "host": host})
         cfg = self.cfg.model_copy(update={"metrics": metrics})
         scaffold = ProcessScaffold(cfg, "server", f"{socket.gethostname()}-{port}", poll_control=False,
-                                   install_signals=False)
+                                   install_signals=False, migrate_keys=False)  # heartbeat only, never waits on Redis
         scaffold.metrics_port = port
         scaffold.set_phase("serving", weights_version=self.version)
         scaffold.start()

@@ -30,7 +30,7 @@ from worldloop.common.contracts.config_checks import (  # noqa: F401  (re-export
 )
 from worldloop.common.contracts.config_fields import ConfigError, Float, Rule, Section, config_error
 from worldloop.common.contracts.config_load import (  # noqa: F401  (re-exported)
-    parse_override, preset_names, read_config_file, resolve_config_path, run_dir_of, with_overrides,
+    get_key, parse_override, preset_names, read_config_file, resolve_config_path, run_dir_of, to_dict, with_overrides,
 )
 
 SCORERS = ("rule", "llm", "hybrid")
@@ -65,12 +65,16 @@ class RunConfig(Section):
 class RedisConfig(Section):
     """The Redis server that carries the streams, the control record and the counters."""
 
-    url: Annotated[str | None, Rule("must start with redis://, rediss:// or unix://",
-                                    lambda v: v is None or v.startswith(("redis://", "rediss://", "unix://")))] = Field(
-        None, description="redis://[user:password@]host:port/db, rediss://... or unix://...; "
+    url: Annotated[str | None, Rule("must start with redis://, rediss://, unix://, redis+cluster:// or rediss+cluster://",
+                                    lambda v: v is None or v.startswith(("redis://", "rediss://", "unix://",
+                                                                         "redis+cluster://", "rediss+cluster://")))] = Field(
+        None, description="redis://[user:password@]host:port/db, rediss://... or unix://...; a Redis Cluster: "
+                          "redis+cluster://[user:password@]host:port (any one node; rediss+cluster:// with TLS); "
                           "null = `worldloop up` starts a local server")
-    namespace: str = Field("worldloop", description="prefix of every key and stream of the run, so several runs can "
-                                                    "share one Redis")
+    namespace: Annotated[str, Rule("must be non-empty and hold no { or } (every key is {namespace}:..., a cluster "
+                                   "hash tag)", lambda v: bool(v) and "{" not in v and "}" not in v)] = Field(
+        "worldloop", description="prefix of every key and stream of the run ({namespace}:rollouts, ...), so several "
+                                 "runs can share one Redis or cluster")
     max_backlog: int = Field(512, ge=1, description="backpressure: a producer waits while a stream holds this many "
                                                     "undelivered + pending entries")
     block_ms: int = Field(1000, ge=1, le=MAX_WAIT_S * 1000, json_schema_extra={"unit": "ms", "note": "0 would block forever"},
@@ -557,14 +561,6 @@ class Config(Section):
 # --------------------------------------------------------------------------- public API
 
 
-def get_key(cfg: Any, dotted: str) -> Any:
-    """The value at a dotted key: ``get_key(cfg, "trainer.actor_lr")``."""
-    obj = cfg
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def config_from_dict(data: dict | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Validate a config tree (with overrides applied) against the schema, then the cross-field rules."""
     try:
@@ -582,11 +578,6 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     cfg = config_from_dict(data, overrides)
     cfg.source = str(p) if p is not None else None
     return cfg
-
-
-def to_dict(cfg: Any) -> dict:
-    """The config (or a section) as plain data, for logs, the run directory and child processes."""
-    return cfg.model_dump()
 
 
 def env_label(spec: EnvSpec) -> str:

@@ -102,3 +102,16 @@ def run_dir_of(cfg: Any) -> Path:
     """The run folder of a config: ``run.run_dir``, or ``runs/<run.name>`` when it is unset (the
     learner writes there; the evaluator reads the final checkpoint from there)."""
     return Path(cfg.run.run_dir) if cfg.run.run_dir else Path("runs") / cfg.run.name
+
+
+def get_key(cfg: Any, dotted: str) -> Any:
+    """The value at a dotted key: ``get_key(cfg, "trainer.actor_lr")``."""
+    obj = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def to_dict(cfg: Any) -> dict:
+    """The config (or a section) as plain data, for logs, the run directory and child processes."""
+    return cfg.model_dump()

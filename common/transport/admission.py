@@ -22,12 +22,12 @@ trained, and an episode admitted while its actor held weights ``v_a`` is trained
 
 The budget never leaks, so the run never stalls:
 
-* every admitted id holds a **lease** (``<ns>:admission:leases``, expiry time by Redis's own clock,
+* every admitted id holds a **lease** (``{ns}:admission:leases``, expiry time by Redis's own clock,
   so that no machine's clock skew can end a lease early or keep it late) that its actor renews
   while the episode runs (:meth:`Admission.renew`) and settles when the trajectory is in the
   stream (:meth:`Admission.settle`). A lease that expires (the actor was SIGKILLed, or its machine
   vanished) gives its budget back; any admission call reaps expired leases first and keeps those
-  ids in ``<ns>:admission:expired``. A trajectory whose lease had expired but that arrives after
+  ids in ``{ns}:admission:expired``. A trajectory whose lease had expired but that arrives after
   all (a paused actor) is counted again on settle, or when the learner trains it if that comes
   first. A settle that comes after the learner already retired or refunded its id counts nothing:
   the actor settles once its XADD returned, and over a slow link (200 ms each way) the judge and
@@ -37,13 +37,13 @@ The budget never leaks, so the run never stalls:
   ``redis.max_deliveries`` times, unusable) **refunds** the trajectory it names
   (:meth:`Admission.refund_payload`, the consumers' ``on_deadletter`` hook);
 * the learner **refunds** an admitted trajectory it cannot train (dead-lettered, unusable, stale)
-  and **retires** the ones it trains. Both go through the set ``<ns>:admission:ids`` of ids
+  and **retires** the ones it trains. Both go through the set ``{ns}:admission:ids`` of ids
   admitted and not yet retired: SREM answers whether this is the first time, so a refund happens
   at most once per id even when a restarted learner decides the same entry again, and a
   duplicate of an already-trained trajectory refunds nothing.
 
-Keys: ``<ns>:admission`` (hash: ``admitted``, ``expired``, ``refunded``), ``<ns>:admission:leases``
-(zset id -> expiry), ``<ns>:admission:ids`` (set), ``<ns>:admission:expired`` (set: ids whose lease
+Keys: ``{ns}:admission`` (hash: ``admitted``, ``expired``, ``refunded``), ``{ns}:admission:leases``
+(zset id -> expiry), ``{ns}:admission:ids`` (set), ``{ns}:admission:expired`` (set: ids whose lease
 ran out before they arrived; one per episode lost with a killed actor, cleared by a fresh learner).
 The learner writes ``train_batch_size`` and ``max_staleness`` into the control record, so the
 bound is the learner's even when an actor's config differs; before the learner wrote them, the
@@ -191,7 +191,7 @@ class Admission:
         self.lease_s = float(lease_s)
         self.link = RedisLink(url, keys.admission, reconnect_max_s, socket_timeout_s, should_stop=should_stop,
                               startup_timeout_s=startup_timeout_s)
-        r = self.link.r
+        r = self.link  # scripts need no client yet: a cluster one is built at the first call
         self._admit, self._settle, self._release = (r.register_script(ADMIT_LUA), r.register_script(SETTLE_LUA),
                                                     r.register_script(RELEASE_LUA))
         self._reset, self._renew = r.register_script(RESET_LUA), r.register_script(RENEW_LUA)

@@ -71,7 +71,7 @@ def default_proc_id() -> str:
 
 
 def stats_incr(r, keys: Keys, name: str, n: int = 1) -> int:
-    """Add ``n`` to the run-wide counter ``name`` (HINCRBY ``<ns>:stats``); return the new value.
+    """Add ``n`` to the run-wide counter ``name`` (HINCRBY ``{ns}:stats``); return the new value.
 
     Judges and the learner count failures here (e.g. ``judge_failures``, ``judge_fallbacks``,
     ``learner_dropped_stale``) so that ``worldloop status`` can show them for the whole run.

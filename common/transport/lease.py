@@ -145,7 +145,7 @@ class LearnerLease:
                      "pid_start": _pid_start(os.getpid()), "since": f"{time.time():.3f}", "redis": redis_address(url)}
         self.link = RedisLink(url, keys.learner_lease, reconnect_max_s, socket_timeout_s,
                               should_stop=self._closing.is_set, startup_timeout_s=startup_timeout_s)
-        r = self.link.r
+        r = self.link  # scripts need no client yet: a cluster one is built at the first call
         self._acquire, self._renew = r.register_script(ACQUIRE_LUA), r.register_script(RENEW_LUA)
         self._hset, self._release = r.register_script(FENCED_HSET_LUA), r.register_script(RELEASE_LUA)
 

@@ -16,7 +16,7 @@ What it owns, once for all roles:
   instead, so a Ctrl-C during minutes of model loading or engine start-up ends the process at once.
 * **metrics**: ``/metrics`` on ``metrics.host``/``metrics.port`` (port 0: ephemeral), kept in
   ``scaffold.metrics_port``.
-* **heartbeat**: every ``HEARTBEAT_S`` the process's entry in ``<ns>:procs`` (role, id, host, pid,
+* **heartbeat**: every ``HEARTBEAT_S`` the process's entry in ``{ns}:procs`` (role, id, host, pid,
   metrics URL) plus its ``phase`` (what it is doing or waiting on) and ``phase_since``, so that
   ``worldloop up`` and ``worldloop status`` can say where a process that makes no progress is
   waiting. Its own Redis connection; a failed beat is logged and retried, never fatal.
@@ -37,7 +37,8 @@ from worldloop.common.contracts.config import Config
 from worldloop.common.transport.control import read_control, register_process
 from worldloop.common.contracts.keys import Keys
 from worldloop.common.metrics import serve_metrics
-from worldloop.common.transport.redis_link import connect
+from worldloop.common.transport.key_migration import migrate_legacy_keys
+from worldloop.common.transport.redis_link import RedisLink, connect
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,8 @@ CONTROL_POLL_S = 0.5
 
 class ProcessScaffold:
     def __init__(self, cfg: Config, role: str, proc_id: str, *, stop_message: str = "stopping cleanly",
-                 poll_control: bool = True, services: bool = True, install_signals: bool = True):
+                 poll_control: bool = True, services: bool = True, install_signals: bool = True,
+                 migrate_keys: bool = True):
         self.cfg = cfg
         self.role = role
         self.proc_id = proc_id
@@ -57,6 +59,7 @@ class ProcessScaffold:
         self.poll_control = poll_control
         self.services = services  # False (e.g. learner ranks > 0): signals only, no metrics/heartbeat/control
         self.install_signals = install_signals
+        self.migrate_keys = migrate_keys  # rename the run's pre-hash-tag keys first (common/transport/key_migration.py)
         self.metrics_port: int | None = None
         self.control: dict[str, Any] = {"policy_version": 0, "max_turns": None, "run_state": "running", "updated_at": 0.0}
         self.control_read_at = 0.0  # monotonic time of the last successful read (0: never)
@@ -82,6 +85,8 @@ class ProcessScaffold:
             self._install_signals()
         if not self.services:
             return
+        if self.migrate_keys and self.cfg.redis.url:
+            self._migrate_keys()
         if self.cfg.metrics.enabled:
             self.metrics_port = serve_metrics(self.role, self.cfg.metrics.host, self.cfg.metrics.port)
         self._spawn(self._heartbeat_loop, "heartbeat")
@@ -133,6 +138,17 @@ class ProcessScaffold:
         self.control = read_control(r, self.keys)
         self.control_read_at = time.monotonic()
         return self.control
+
+    def _migrate_keys(self) -> None:
+        """Rename the run's keys from their names before the hash tag, before this role uses them
+        (waits for Redis like every link: ``RedisUnreachable`` after ``redis.startup_timeout_s``)."""
+        r = self.cfg.redis
+        link = RedisLink(r.url, self.keys.control, r.reconnect_max_s, r.socket_timeout_s, should_stop=self.stop.is_set,
+                         startup_timeout_s=r.startup_timeout_s)
+        try:
+            link.call(lambda c: migrate_legacy_keys(c, self.keys))
+        finally:
+            link.close()
 
     # ------------------------------------------------------------------ threads
 

@@ -32,14 +32,21 @@ Design decisions
   (:mod:`worldloop.common.transport.lease`) fails with ``FENCED``: :class:`Fenced` is raised, never retried.
 * **Start-up.** Until a first call succeeds, the retrying gives up after ``startup_timeout_s`` with
   :class:`RedisUnreachable`: a wrong ``redis.url`` must not look like a slow start.
+* **Cluster.** A ``redis+cluster://host:port`` (or ``rediss+cluster://``, TLS) URL makes a
+  redis-py ``RedisCluster``: the node named seeds it and it discovers the others, follows MOVED/ASK
+  and reloads a script a promoted replica does not know (NOSCRIPT). Every key of a run shares one
+  hash tag (:mod:`worldloop.common.contracts.keys`), so each script and transaction runs on one node. While a
+  primary fails over the cluster answers CLUSTERDOWN / TRYAGAIN, or its slots are uncovered for a
+  moment: those are waited out like a connection error (:data:`RETRYABLE`).
 * **Secrets.** A URL's password is never printed (:func:`redis_address` is what errors show); a
   URL without one takes ``$WORLDLOOP_REDIS_PASSWORD``, so that it is on no command line.
 
 Public API::
 
-    connect(url, socket_timeout_s=10.0) -> redis.Redis        redis_address(url) -> str
+    connect(url, socket_timeout_s=10.0) -> redis.Redis | redis.RedisCluster   redis_address(url) -> str
+    is_cluster_url(url) -> bool                                   CLUSTER_SCHEMES
     RedisLink(url, stream, reconnect_max_s, socket_timeout_s, *, should_stop=None, startup_timeout_s=None)
-        .call(fn, should_stop=None) -> fn(client)    .on_nogroup()    .close()
+        .call(fn, should_stop=None) -> fn(client)    .r    .register_script(lua)    .on_nogroup()    .close()
     refusal(response_error) -> "OOM" | "MISCONF" | "READONLY" | "NOPERM" | None
     RETRYABLE, RedisUnreachable, WriteRefused, Fenced, REDIS_PASSWORD_ENV
 """
@@ -49,10 +56,13 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 import time
 from typing import Callable, TypeVar
 
 import redis
+from redis.commands.core import Script
+from redis.exceptions import ClusterDownError, RedisClusterException, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoPermissionError, OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -63,8 +73,10 @@ from worldloop.common.secrets import REDIS_PASSWORD_ENV, strip_password
 
 log = logging.getLogger(__name__)
 
-# the errors after which a call is retried on a fresh connection (BusyLoadingError is a ConnectionError)
-RETRYABLE = (RedisConnectionError, RedisTimeoutError)
+# the errors after which a call is retried on a fresh connection (BusyLoadingError is a ConnectionError);
+# on a cluster also a failover's CLUSTERDOWN / MASTERDOWN (ClusterDownError), TRYAGAIN and a slot
+# that no node serves for a moment (redis-py gives up on those after its own few retries)
+RETRYABLE = (RedisConnectionError, RedisTimeoutError, ClusterDownError, TryAgainError, SlotNotCoveredError)
 _BACKOFF_START_S = 0.05
 
 T = TypeVar("T")
@@ -72,24 +84,54 @@ T = TypeVar("T")
 
 
 
-def connect(url: str, socket_timeout_s: float = 10.0) -> redis.Redis:
-    """A client for ``redis://``, ``rediss://`` (TLS) or ``unix://`` URLs.
+# the URL schemes of a Redis Cluster (redis-py RedisCluster); the rest of the URL is a redis:// one
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
+
+
+def is_cluster_url(url: str | None) -> bool:
+    """True for ``redis+cluster://`` and ``rediss+cluster://`` URLs."""
+    return bool(url) and url.split("://", 1)[0] in CLUSTER_SCHEMES
+
+
+def _plain_url(url: str) -> str:
+    """The ``redis://`` / ``rediss://`` URL a cluster URL stands for (others unchanged)."""
+    scheme, sep, rest = url.partition("://")
+    return f"{CLUSTER_SCHEMES.get(scheme, scheme)}{sep}{rest}"
+
+
+def connect(url: str, socket_timeout_s: float = 10.0) -> "redis.Redis | redis.RedisCluster":
+    """A client for ``redis://``, ``rediss://`` (TLS) or ``unix://`` URLs, or a ``RedisCluster`` for
+    ``redis+cluster://host:port`` / ``rediss+cluster://`` (any one node; the client finds the rest).
 
     Auth: ``redis://:password@host:port/db`` and ``redis://user:password@...`` (ACL) both work;
     a URL without a password takes ``$WORLDLOOP_REDIS_PASSWORD`` when that is set (a password
-    in the URL wins). Responses stay bytes (``decode_responses=False``).
+    in the URL wins). Responses stay bytes (``decode_responses=False``). A cluster has only db 0.
     """
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(f"redis url must start with redis://, rediss:// or unix://, got {strip_password(url)!r}")
-    warn_open_redis(url, env_password=bool(os.environ.get(REDIS_PASSWORD_ENV)))
-    return redis.Redis.from_url(
-        url,
-        # redis-py lets what the URL says override these keyword arguments
-        password=os.environ.get(REDIS_PASSWORD_ENV) or None,
-        decode_responses=False,
-        socket_timeout=socket_timeout_s,
-        socket_connect_timeout=min(socket_timeout_s, 5.0),
-    )
+    if not url.startswith(_SCHEMES):
+        raise ValueError("redis url must start with redis://, rediss://, unix://, redis+cluster:// or "
+                         f"rediss+cluster://, got {strip_password(url)!r}")
+    plain = _plain_url(url)
+    warn_open_redis(plain, env_password=bool(os.environ.get(REDIS_PASSWORD_ENV)))
+    # redis-py lets what the URL says override these keyword arguments
+    kwargs = dict(password=os.environ.get(REDIS_PASSWORD_ENV) or None, decode_responses=False,
+                  socket_timeout=socket_timeout_s, socket_connect_timeout=min(socket_timeout_s, 5.0))
+    if not is_cluster_url(url):
+        return redis.Redis.from_url(plain, **kwargs)
+    from urllib.parse import urlsplit
+
+    db = urlsplit(plain).path.strip("/")
+    if db not in ("", "0"):
+        raise ValueError(f"a Redis Cluster has only database 0, the url names {db!r}: drop the /{db}")
+    try:  # a RedisCluster asks its seed node for the slot map at once
+        return redis.RedisCluster.from_url(plain, **kwargs)
+    except RedisClusterException as e:
+        raise RedisConnectionError(f"cannot reach the Redis Cluster at {redis_address(url)}: {e}") from None
+
+
+# the client that Script objects are registered with: only its encoder is used (every script call
+# passes the link's client), so that registering a script never needs a reachable Redis
+_SCRIPT_HOLDER = redis.Redis()
 
 
 # what a write that Redis refuses is waiting for, by the code of Redis's error reply
@@ -138,7 +180,8 @@ def redis_address(url: str) -> str:
     u = urlsplit(url)
     if u.scheme == "unix":
         return u.path
-    return f"{u.hostname or 'localhost'}:{u.port or 6379}{u.path or ''}"
+    where = f"{u.hostname or 'localhost'}:{u.port or 6379}{u.path or ''}"
+    return f"cluster {where}" if is_cluster_url(url) else where
 
 
 class RedisLink:
@@ -162,8 +205,24 @@ class RedisLink:
         self.startup_timeout_s = startup_timeout_s
         self.reached = False
         self.closed = False
-        self.r = connect(url, socket_timeout_s)
+        # a cluster client needs a reachable node to be built: built at the first call, retried there
+        self._client = None if is_cluster_url(url) else connect(url, socket_timeout_s)
+        self._client_lock = threading.Lock()  # threads sharing the link build one client
         self._reconnects = metric("worldloop_stream_reconnects").labels(stream=stream)
+
+    @property
+    def r(self) -> "redis.Redis | redis.RedisCluster":
+        """The link's client (a cluster one is built on first use: ConnectionError while no node answers)."""
+        if self._client is None:
+            with self._client_lock:
+                if self._client is None:
+                    self._client = connect(self.url, self.socket_timeout_s)
+        return self._client
+
+    def register_script(self, text: str) -> Script:
+        """A Lua script to run as ``script(keys=..., args=..., client=r)`` inside :meth:`call` (EVALSHA,
+        loaded again on NOSCRIPT: a restarted Redis or a promoted replica). Needs no reachable Redis."""
+        return Script(_SCRIPT_HOLDER, text)
 
     def call(self, fn: Callable[[redis.Redis], T], should_stop: Callable[[], bool] | None = None) -> T:
         """Run ``fn(client)``; on a connection-type error or a refused write wait with backoff and
@@ -223,7 +282,9 @@ class RedisLink:
 
     def close(self) -> None:
         self.closed = True
+        if self._client is None:
+            return
         try:
-            self.r.close()
+            self._client.close()
         except Exception:  # closing a dead connection may fail; nothing to recover
             pass

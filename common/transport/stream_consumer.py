@@ -127,8 +127,8 @@ class StreamConsumer:
         self._link = RedisLink(url, stream, reconnect_max_s, max(socket_timeout_s, block_ms / 1000 + 5),
                                should_stop=should_stop, startup_timeout_s=startup_timeout_s)
         self._link.on_nogroup = self._create_group
-        self._ack_script = self._link.r.register_script(ACK_LUA)
-        self._deadletter_script = self._link.r.register_script(DEADLETTER_LUA)
+        self._ack_script = self._link.register_script(ACK_LUA)
+        self._deadletter_script = self._link.register_script(DEADLETTER_LUA)
         self._claim_cursor = "0-0"
         self._m = {
             "consumed": metric("worldloop_stream_consumed_messages").labels(stream=stream),

@@ -212,7 +212,7 @@ class Forwarder:
         self.producer = StreamProducer(url, dest, max_backlog, reconnect_max_s=reconnect_max_s,
                                        socket_timeout_s=socket_timeout_s, should_stop=should_stop,
                                        startup_timeout_s=startup_timeout_s)
-        self._script = self.link.r.register_script(FORWARD_LUA)
+        self._script = self.link.register_script(FORWARD_LUA)
         self._m_produced = metric("worldloop_stream_produced_messages").labels(stream=dest)
         self._m_bytes = metric("worldloop_stream_produced_bytes").labels(stream=dest)
         self._m_acked = metric("worldloop_stream_acked_messages").labels(stream=source)
