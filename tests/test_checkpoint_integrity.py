@@ -17,7 +17,6 @@ redis-server, real files (and a real full tmpfs for the export).
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import shutil
@@ -69,21 +68,21 @@ def test_a_fresh_learner_moves_an_earlier_run_aside_and_resume_never_loads_anoth
             first.step()  # a checkpoint after each update
         # keep_checkpoints 2: steps 2 and 3 stay, by their recorded steps
         assert _steps(root) == [2, 3] and checkpoint.latest(root).name == "step_00000003"
-        old_run = first.run_id
-        assert checkpoint.read_state(root / "step_00000003")["run_id"] == old_run == checkpoint.run_id_of(root)
     finally:
         first.close()
 
     _produce(codec, redis_url, ns, [f"b{i}" for i in range(4)])
     second = _learner(model_dir, redis_url, run_dir, ns)  # fresh (no --resume) in the used folder
     try:
+        second.step()
+        # before the fix, its step_00000001 sorted first by name and was pruned right after it was
+        # written, and latest() named the earlier run's step_00000003
+        assert checkpoint.latest(root).name == "step_00000001"
         aside = list(run_dir.glob("checkpoints.old-*"))
         assert len(aside) == 1 and sorted(p.name for p in aside[0].glob("step_*")) == ["step_00000002", "step_00000003"]
-        assert second.run_id != old_run and checkpoint.run_id_of(root) == second.run_id
-        second.step()
-        # before the fix, its step_00000001 sorted first by name and was pruned right after it was written
-        assert checkpoint.latest(root).name == "step_00000001"
-        assert checkpoint.read_state(root / "step_00000001")["run_id"] == second.run_id
+        old_run = checkpoint.read_state(aside[0] / "step_00000003")["run_id"]
+        assert old_run != second.run_id and checkpoint.run_id_of(aside[0]) == old_run
+        assert checkpoint.read_state(root / "step_00000001")["run_id"] == second.run_id == checkpoint.run_id_of(root)
     finally:
         second.close()
 
@@ -229,18 +228,3 @@ def test_a_full_disk_during_the_hf_export_fails_naming_enospc_and_leaves_no_tmp(
         assert not tmp.exists() and checkpoint.latest(root) == root / "step_00000001"
     finally:
         _umount(fs)
-
-
-def test_start_run_moves_an_earlier_run_aside_and_keeps_a_resumed_ones(tmp_path) -> None:
-    """start_run on its own: a fresh claim moves everything but run.json aside, a resumed one keeps it."""
-    root = tmp_path / "checkpoints"
-    assert checkpoint.start_run(root, "r1", fresh=True) is None and checkpoint.run_id_of(root) == "r1"
-    assert checkpoint.start_run(root, "r2", fresh=True) is None  # nothing but run.json: nothing to move
-    (root / "step_00000005").mkdir()
-    (root / "step_00000005" / "state.json").write_text(json.dumps({"run_id": "r2", "step": 5, "complete": True}))
-    assert checkpoint.latest(root) == root / "step_00000005"
-    assert checkpoint.start_run(root, "r2", fresh=False) is None and checkpoint.latest(root) == root / "step_00000005"
-    moved = checkpoint.start_run(root, "r3", fresh=True)
-    assert moved is not None and moved.name.startswith("checkpoints.old-") and (moved / "step_00000005").is_dir()
-    assert checkpoint.latest(root) is None and checkpoint.run_id_of(root) == "r3"
-    assert checkpoint.latest(moved) == moved / "step_00000005"  # the moved run stays readable where it went
