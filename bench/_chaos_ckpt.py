@@ -6,7 +6,8 @@ of the accounting they need.
   "recovered N entries"), so the loop fits in one checkpoint interval. A restart must not count
   a delivery against every pending entry: good entries dead-lettered by restarts alone are a
   finding (``good entries dead-lettered`` in the report).
-* ``torn_checkpoint``: the learner killed, then a DeepSpeed file of its newest checkpoint cut to
+* ``torn_checkpoint``: once the run has two checkpoints (waited for, bounded), the learner killed,
+  then a DeepSpeed file of its newest checkpoint cut to
   half its size (as a disk that lost writes would leave it); the restarted learner (``--resume``)
   must skip it, saying why, and resume from the checkpoint before. The updates between the two
   were acked with the damaged checkpoint: their trajectories are lost with it (documented in
@@ -29,7 +30,8 @@ from _records import jsonl_records
 
 CRASH_LOOP_KILLS = 6
 RECOVERED_WAIT_S = 240.0  # a restarted learner builds its models, then recovers: bounded per kill
-BOUND_S = CRASH_LOOP_KILLS * (180 + RECOVERED_WAIT_S) + 180  # the longest both faults take (chaos.wall_bound_s)
+TWO_CHECKPOINTS_WAIT_S = 240.0  # torn_checkpoint waits for a checkpoint to fall back to
+BOUND_S = CRASH_LOOP_KILLS * (180 + RECOVERED_WAIT_S) + TWO_CHECKPOINTS_WAIT_S + 180  # both faults (chaos.wall_bound_s)
 _RECOVERED = re.compile(r"recovered \d+ entries a previous learner process left pending|^.*step \d+/\d+ v\d+", re.M)
 
 
@@ -63,13 +65,16 @@ def learner_crash_loop(c, f) -> None:
 def torn_checkpoint(c, f) -> None:
     from worldloop.learner import checkpoint
 
+    root = c.run_dir / "checkpoints"
+    deadline = time.monotonic() + TWO_CHECKPOINTS_WAIT_S  # early in a soak there may be one checkpoint only
+    while len(checkpoint._candidates(root)) < 2 and time.monotonic() < deadline:
+        c.wait(1.0)
     p = _learner(c)
     if p is None:
         f.note = "no learner holding the lease"
         return
     p.signal(signal.SIGKILL)  # nothing writes the folder while it is torn; the supervisor restarts it
     p.popen.wait(30)
-    root = c.run_dir / "checkpoints"
     found = checkpoint._candidates(root)
     if len(found) < 2:
         f.target, f.note = "learner", f"{len(found)} checkpoint(s): nothing to fall back to, not torn"
