@@ -34,6 +34,25 @@ CUT_AGE_S = 1.0  # the host crash loses the AOF's writes of at least this long a
 
 
 @dataclass
+class Fault:
+    kind: str
+    offset_s: float  # planned, from the soak's start
+    at_wall: float = 0.0
+    target: str = ""
+    note: str = ""
+    recovery_s: float | None = None
+
+
+def malformed_entries() -> list[dict]:
+    """The ``malformed`` fault's entries: not msgpack, the wrong schema, no ``data`` field."""
+    from worldloop.common.contracts.schemas import packb
+
+    return [{b"data": b"\xc1 this is not msgpack"},
+            {b"data": packb({"schema": "not-a-trajectory", "x": 1})},
+            {b"payload": b"an entry without the data field"}]
+
+
+@dataclass
 class AofSample:
     at: float  # monotonic
     inode: int

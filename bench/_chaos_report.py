@@ -9,8 +9,17 @@ import json
 def last_line(res: dict) -> str:
     return (f"chaos: produced {res['produced']}, trained once {res['trained_once']}, trained twice "
             f"{res['trained_twice']}, lost {res['lost']}, lost in host crashes (allowed) {res['lost_in_crashes']}, "
+            f"lost with torn checkpoints (allowed) {res.get('lost_with_torn', 0)}, "
             f"dropped {sum(res['dropped'].values())} (stale {stale_percent(res):.1f} %), "
             f"dead-lettered {res['dead_lettered']}, queued {res['queued']}")
+
+
+def verdict(res: dict) -> str:
+    """What the soak must hold: no exit it did not cause, nothing trained twice, no good entry
+    dead-lettered (only poison and malformed entries may be), nothing lost beyond what is allowed."""
+    exits = sum(len(v) for v in res["unexpected_exits"].values())
+    return (f"verdict: unexpected exits {exits}, trained twice {res['trained_twice']}, good entries dead-lettered "
+            f"{res['dead_lettered']}, lost {res['lost']}")
 
 
 def stale_percent(res: dict) -> float:
@@ -32,6 +41,7 @@ def report(res: dict, kinds: tuple[str, ...]) -> str:
              f"| lost | {res['lost']} |",
              f"| lost in host crashes (logged in the cut second: {res['crash_window_ids']}; allowed by appendfsync "
              f"everysec) | {res['lost_in_crashes']} |",
+             f"| lost with torn checkpoints (acked with the damaged checkpoint) | {res.get('lost_with_torn', 0)} |",
              f"| dropped | {drop} (stale {stale_percent(res):.1f} % of produced) |",
              f"| dead-lettered | {res['dead_lettered']} |", f"| queued | {res['queued']} |",
              "", f"learner steps {res['steps']} (ledger gaps: {res['ledger_gaps'] or 'none'}); malformed entries "
@@ -42,12 +52,14 @@ def report(res: dict, kinds: tuple[str, ...]) -> str:
              f"refused {res['second_learners_refused']}; refused-write log lines (OOM etc.) {res['refused_write_lines']}; "
              f"host-crash AOF cuts {res['crash_cuts']}",
              f"run-wide counters: {json.dumps(res['stats'])}",
-             f"exits not caused by the soak: {json.dumps(res['unexpected_exits']) if res['unexpected_exits'] else 'none'}"]
+             f"exits not caused by the soak: {json.dumps(res['unexpected_exits']) if res['unexpected_exits'] else 'none'}",
+             f"torn checkpoints: {json.dumps([{k: v for k, v in t.items() if k != 'ids'} for t in res.get('torn', [])])}",
+             ]
     if res["lost_ids"]:
         rows.append(f"lost ids: {res['lost_ids'][:20]}")
     if res["twice_ids"]:
         rows.append(f"trained twice ids: {res['twice_ids'][:20]}")
-    return "\n".join(rows)
+    return "\n".join(rows + ["", verdict(res)])
 
 
 def recovery(faults: list, steps: list[dict]) -> None:

@@ -19,7 +19,12 @@ moments, in ``R`` rounds of one fault of each kind (default one round per 3 minu
   ``bench/_chaos_faults.py`` (Redis killed while ``scored`` is at its backlog limit; an entry that
   kills every judge that takes it, which must end dead-lettered; Redis refusing writes for 30 s;
   Redis and every process killed at once with the last second cut off Redis's append-only file;
-  a second learner on the same namespace, which must refuse to start).
+  a second learner on the same namespace, which must refuse to start);
+* ``learner_crash_loop``, ``torn_checkpoint``: see ``bench/_chaos_ckpt.py`` (the learner killed 6
+  times in a row within one checkpoint interval; a file of its newest checkpoint cut in half before
+  its restart, which must fall back to the checkpoint before).
+
+``--kinds a,b`` runs only those kinds (a short soak of the new faults).
 
 The soak's clock starts at the first trained step; after it (and, with ``--min-steps K``, once the
 learner's surviving lineage holds K steps: an amount of work, not a time), the run drains (actors
@@ -43,13 +48,16 @@ reported as ``unlogged`` (never more than the actor kills). Each produced id is 
 * lost in a host crash: none of these, and logged by its actor within the second that a
   ``host_crash`` cut off Redis's AOF (what ``appendfsync everysec`` may lose: docs/architecture.md
   "Durability");
+* lost with a torn checkpoint: none of these, and trained in an update that a ``torn_checkpoint``
+  took with it (acked with the damaged checkpoint: docs/operations.md);
 * lost: none of these.
 
 Output: a table (faults by kind, recovery time of each = until the next trained step, the
 accounting, processes that exited without being killed) written to ``<out>/chaos.md`` too, and the
 last line exactly ``chaos: produced N, trained once T, trained twice D, lost L, lost in host
-crashes (allowed) H, dropped X (stale S %), dead-lettered Y, queued Q``. Exit status 1 when D or L
-is not 0 (2 when the run never started).
+crashes (allowed) H, lost with torn checkpoints (allowed) K, dropped X (stale S %), dead-lettered Y,
+queued Q``, after a verdict line (unexpected exits, trained twice, good entries dead-lettered, lost).
+Exit status 1 when D or L is not 0 (2 when the run never started).
 """
 
 from __future__ import annotations
@@ -71,11 +79,14 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_chaos_faults.py, also when loaded by path
+import _chaos_ckpt as ckpt  # noqa: E402
 import _chaos_faults as faults  # noqa: E402
 from _chaos_report import last_line, recovery, report, stale_percent  # noqa: E402,F401 - the soak's output, re-exported
+from _chaos_faults import Fault  # noqa: E402,F401 - re-exported
 from _records import jsonl_records  # noqa: E402
 
-KINDS = ("actor_kill", "judge_kill", "learner_kill", "redis_kill", "judge_pause", "malformed", *faults.NEW_KINDS)
+KINDS = ("actor_kill", "judge_kill", "learner_kill", "redis_kill", "judge_pause", "malformed", *faults.NEW_KINDS,
+         *ckpt.KINDS)
 NS = "chaos"
 _DROP_RE = re.compile(r"dropping (\w+) trajectory (\S+) \(entry")
 
@@ -83,13 +94,13 @@ _DROP_RE = re.compile(r"dropping (\w+) trajectory (\S+) \(entry")
 # --------------------------------------------------------------------------- schedule
 
 
-def make_schedule(seed: int, soak_s: float, rounds: int) -> list[tuple[float, str]]:
-    """(offset in s from the soak's start, kind): ``rounds`` shuffled rounds of every kind, each
-    fault at a random moment of its own equal slot of the soak."""
+def make_schedule(seed: int, soak_s: float, rounds: int, only: tuple[str, ...] = KINDS) -> list[tuple[float, str]]:
+    """(offset in s from the soak's start, kind): ``rounds`` shuffled rounds of every kind (of
+    ``only``), each fault at a random moment of its own equal slot of the soak."""
     rng = random.Random(seed)
     kinds: list[str] = []
     for _ in range(rounds):
-        k = list(KINDS)
+        k = list(only)
         rng.shuffle(k)
         kinds += k
     slot = soak_s / len(kinds)
@@ -211,23 +222,13 @@ class Proc:
         return [(pid, code) for pid, code, ours in self.exits if not ours]
 
 
-@dataclass
-class Fault:
-    kind: str
-    offset_s: float  # planned, from the soak's start
-    at_wall: float = 0.0
-    target: str = ""
-    note: str = ""
-    recovery_s: float | None = None
-
-
 # --------------------------------------------------------------------------- the soak
 
 
 class Chaos:
     def __init__(self, out: Path, seed: int = 0, minutes: float = 10.0, rounds: int | None = None,
                  startup_timeout_s: float = 900.0, drain_timeout_s: float = 240.0, num_actors: int = 2,
-                 claim_idle_ms: int = 3000, echo=print, min_steps: int = 0):
+                 claim_idle_ms: int = 3000, echo=print, min_steps: int = 0, kinds: tuple[str, ...] = KINDS):
         self.out = Path(out).resolve()
         self.seed = seed
         self.soak_s = minutes * 60.0
@@ -238,6 +239,7 @@ class Chaos:
         self.claim_idle_ms = claim_idle_ms
         self.echo = echo
         self.min_steps = min_steps
+        self.kinds = tuple(kinds)
         self.rng = random.Random(seed + 1)
         self.faults: list[Fault] = []
         self.procs: list[Proc] = []
@@ -245,6 +247,7 @@ class Chaos:
         self.poisoned: list[tuple[str, str]] = []  # (entry id, trajectory id) of poison entries
         self.crash_cuts: list = []  # the AOF samples that host crashes cut back to
         self.second_learners: list[bool] = []  # whether each second learner was refused
+        self.torn: list[dict] = []  # each torn checkpoint: its name, the step resumed from, the ids it took
         self.sampler = self._link = None
         self.redis = None
         self.soak_started_wall: float | None = None
@@ -316,7 +319,8 @@ class Chaos:
         closes = (1 + self.num_actors + 2) * (30 + 30)
         restarts = self.rounds * (4 + 120)  # each redis_kill: down <= 4 s, then a start within 120 s
         drains = self.drain_timeout_s * (3 if self.min_steps else 2)
-        return 120 + 60 + self.startup_timeout_s + self.soak_s + restarts + drains + stops + closes
+        learner_faults = self.rounds * ckpt.BOUND_S * len(set(self.kinds) & set(ckpt.KINDS)) / 2
+        return 120 + 60 + self.startup_timeout_s + self.soak_s + restarts + drains + stops + closes + learner_faults
 
     def surviving_steps(self) -> int:
         """Distinct steps in the learner's ledger (for each step the last line wins)."""
@@ -364,11 +368,13 @@ class Chaos:
             f.target, f.note = p.name, f"stopped {pause:.1f}s"
         elif f.kind in faults.NEW_KINDS:
             faults.NEW_KINDS[f.kind](self, f)
+        elif f.kind in ckpt.KINDS:
+            ckpt.KINDS[f.kind](self, f)
         elif f.kind == "malformed":
             for stream in (self.keys.rollouts, self.keys.scored):
-                for entry in malformed_entries():
+                for entry in faults.malformed_entries():
                     self.injected.append((stream, self._xadd(stream, entry)))
-            f.target, f.note = "rollouts+scored", f"{len(malformed_entries()) * 2} entries"
+            f.target, f.note = "rollouts+scored", f"{len(faults.malformed_entries()) * 2} entries"
         self.faults.append(f)
         self.echo(f"chaos: t+{time.time() - self.soak_started_wall:5.0f}s {f.kind} {f.target} {f.note}")
 
@@ -397,7 +403,7 @@ class Chaos:
                 self.wait(1.0)
             self.soak_started_wall = time.time()
             t0 = time.monotonic()
-            schedule = make_schedule(self.seed, self.soak_s, self.rounds)
+            schedule = make_schedule(self.seed, self.soak_s, self.rounds, self.kinds)
             self.echo(f"chaos: soak of {self.soak_s / 60:.1f} min, {len(schedule)} faults (seed {self.seed})")
             for offset, kind in schedule:
                 self.wait(max(0.0, t0 + offset - time.monotonic()))
@@ -482,9 +488,7 @@ class Chaos:
             for line in path.read_text(errors="replace").splitlines():
                 if re.fullmatch(r"[0-9a-f]{32}", line.strip()):
                     produced.setdefault(line.strip(), path.stem)
-        by_step: dict[int, dict] = {}
-        for line in jsonl_records(self.run_dir / "learner_ledger.jsonl"):
-            by_step[int(line["step"])] = line  # the last line of a step wins
+        by_step = ckpt.surviving_ledger(self.run_dir)  # the last line of a step wins
         trained = Counter(t for line in by_step.values() for t in line["trained"])
         steps = sorted(by_step)
         gaps = [s for s in range(1, steps[-1] + 1) if s not in by_step] if steps else []
@@ -519,12 +523,14 @@ class Chaos:
         for t in unlogged:
             produced[t] = "unlogged"
         allowed = faults.allowed_losses(self)  # logged in the second a host crash cut off the AOF
+        torn = ckpt.torn_losses(self)  # trained in updates a torn checkpoint took with it
         fate: dict[str, str] = {}
         for t in produced:
             n = trained.get(t, 0)
             fate[t] = ("trained once" if n == 1 else "trained twice" if n >= 2 else "dead-lettered" if t in dead
                        else "queued" if t in queued else f"dropped ({drops[t]})" if t in drops
-                       else "lost in a host crash" if t in allowed else "lost")
+                       else "lost in a host crash" if t in allowed
+                       else "lost with a torn checkpoint" if t in torn else "lost")
         counts = Counter(fate.values())
         logs = "".join(p.read_text(errors="replace") for p in sorted((self.run_dir / "logs").glob("*.log")))
         stats = read_stats(self.r, self.keys)
@@ -534,6 +540,7 @@ class Chaos:
             "produced": len(produced), "unlogged": len(unlogged),
             "trained_once": counts["trained once"], "trained_twice": counts["trained twice"],
             "lost": counts["lost"], "lost_in_crashes": counts["lost in a host crash"],
+            "lost_with_torn": counts["lost with a torn checkpoint"], "torn": self.torn,
             "dead_lettered": counts["dead-lettered"], "queued": counts["queued"],
             "dropped": {k[len("dropped ("):-1]: v for k, v in counts.items() if k.startswith("dropped")},
             "lost_ids": sorted(t for t, f in fate.items() if f == "lost"),
@@ -552,14 +559,6 @@ class Chaos:
         }
 
 
-def malformed_entries() -> list[dict]:
-    from worldloop.common.contracts.schemas import packb
-
-    return [{b"data": b"\xc1 this is not msgpack"},
-            {b"data": packb({"schema": "not-a-trajectory", "x": 1})},
-            {b"payload": b"an entry without the data field"}]
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=10.0)
@@ -567,14 +566,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--rounds", type=int, default=None, help="rounds of one fault of each kind (default: minutes/3)")
     ap.add_argument("--min-steps", type=int, default=0, help="after the soak, run on until the ledger holds this many steps")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated fault kinds (default: all)")
     args = ap.parse_args(argv)
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    if set(kinds) - set(KINDS):
+        ap.error(f"--kinds: unknown {sorted(set(kinds) - set(KINDS))}; known: {', '.join(KINDS)}")
     out = args.out or ROOT / "runs" / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
-        res = Chaos(out, seed=args.seed, minutes=args.minutes, rounds=args.rounds, min_steps=args.min_steps).run()
+        res = Chaos(out, seed=args.seed, minutes=args.minutes, rounds=args.rounds, min_steps=args.min_steps,
+                    kinds=kinds).run()
     except RuntimeError as e:
         print(f"chaos: {e}", flush=True)
         return 2
-    text = report(res, KINDS)
+    text = report(res, kinds)
     (Path(out) / "chaos.md").write_text(text + "\n\n" + last_line(res) + "\n")
     (Path(out) / "chaos.json").write_text(json.dumps(res, indent=1))
     print(text, flush=True)

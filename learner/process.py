@@ -40,7 +40,9 @@ Each update (policy version v -> v + 1):
 
 ``run_dir`` is ``run.run_dir``, or ``runs/<run.name>`` when that is null (a stable folder, so that
 ``--resume`` finds the checkpoints). ``--resume`` (or ``trainer.resume``) continues from the newest
-complete checkpoint with the same version sequence; without a checkpoint it starts fresh. After a
+intact checkpoint of the run with the same version sequence (damaged newer ones are skipped and set
+aside, see ``learner/checkpoint.py``); without one it starts fresh. A fresh learner moves an earlier
+run's checkpoints aside to ``<run_dir>/checkpoints.old-<UTC time>/``. After a
 kill -9 the restarted learner re-reads the entries the dead one held pending; ``metrics.jsonl``
 and the ledger keep the lines of the lost updates, and the re-done steps are appended after them
 (the last line of a step wins).
@@ -64,7 +66,7 @@ from worldloop.common.transport.control import control_fields, default_proc_id, 
 from worldloop.common.exposure import warn_plain_weights
 from worldloop.common.files import append_lines
 from worldloop.common.contracts.keys import Keys
-from worldloop.common.transport.lease import LearnerLease
+from worldloop.common.transport.lease import LearnerLease, LeaseLost
 from worldloop.common.metrics import metric
 from worldloop.common.transport.process import HEARTBEAT_S, ProcessScaffold
 from worldloop.common.transport.streams import RedisLink
@@ -72,7 +74,8 @@ from worldloop.common.versions import write_versions
 from worldloop.learner import checkpoint
 from worldloop.learner.data import (DedupWindow, ScoredSource, check_pending_fits, decode_batch, encode_batch,
                                     whole_group_fraction)
-from worldloop.learner.engine import DistInfo, all_reduce_sum, broadcast_bytes, build_models, gather_policy_weights, init_distributed
+from worldloop.learner.engine import (DistInfo, all_reduce_sum, barrier, broadcast_bytes, build_models, gather_policy_weights,
+                                      init_distributed)
 from worldloop.learner.rewards import anneal_max_turns
 from worldloop.learner.rewards import batch_reward_stats
 from worldloop.learner.trainer import PPOTrainer
@@ -134,21 +137,7 @@ class Learner:
         self.version = 0
         self.max_turns = cfg.actor.max_turns
         self.anneal_window: list[int] = []
-        trained: dict[str, int] = {}
-        if self.t.resume:
-            path = checkpoint.latest(self.ckpt_dir)
-            if path is None:
-                log.info("trainer.resume: no complete checkpoint in %s; starting fresh", self.ckpt_dir)
-            else:
-                st = checkpoint.load(self.models, path)
-                self.step_no, self.version = int(st["step"]), int(st["policy_version"])
-                self.max_turns = int(st.get("max_turns") or self.max_turns)
-                self.anneal_window = [int(x) for x in st.get("anneal_window", [])]
-                trained = {str(k): int(v) for k, v in st.get("trained", {}).items()}
-                if dist.is_main:
-                    self._repair_lineage(st.get("lineage", []))
-        elif checkpoint.latest(self.ckpt_dir) is not None:
-            log.warning("%s holds checkpoints but trainer.resume is off: starting fresh, they will be overwritten", self.ckpt_dir)
+        trained = self._restore()
         self.ckpt_step, self.ckpt_version = self.step_no, self.version
         self.dedup = DedupWindow(self.t.max_staleness, trained)
         self.trainer = PPOTrainer(cfg, self.models, seed=cfg.run.seed)
@@ -157,6 +146,38 @@ class Learner:
         self._publish()
         if dist.is_main:
             self._write_control()
+
+    def _restore(self) -> dict[str, int]:
+        """``--resume``: load the newest intact checkpoint of the run (damaged newer ones are skipped,
+        logged and set aside); else (or with none) a fresh run: a new run id, and rank 0 moves an
+        earlier run's checkpoints aside (``checkpoint.start_run``). Returns the trained-id window."""
+        self.run_id, trained, skipped = None, {}, []
+        if self.t.resume:
+            path, skipped = checkpoint.find(self.ckpt_dir)
+            if path is None:
+                log.info("trainer.resume: no intact checkpoint in %s; starting fresh", self.ckpt_dir)
+            else:
+                st = checkpoint.load(self.models, path)
+                self.run_id = str(st.get("run_id", ""))
+                self.step_no, self.version = int(st["step"]), int(st["policy_version"])
+                self.max_turns = int(st.get("max_turns") or self.max_turns)
+                self.anneal_window = [int(x) for x in st.get("anneal_window", [])]
+                trained = {str(k): int(v) for k, v in st.get("trained", {}).items()}
+                if skipped:
+                    log.warning("resumed from %s instead of the damaged %s", path, ", ".join(str(p) for p, _ in skipped))
+                if self.dist.is_main:
+                    self._repair_lineage(st.get("lineage", []))
+        fresh = self.run_id is None
+        self.run_id = checkpoint.new_run_id() if fresh else self.run_id
+        barrier(self.dist)  # every rank has read the folder before rank 0 changes it
+        if self.dist.is_main:
+            for p, _why in skipped:
+                log.warning("damaged checkpoint %s set aside as %s", p, checkpoint.set_aside(p))
+            moved = checkpoint.start_run(self.ckpt_dir, self.run_id, fresh)
+            if moved is not None:
+                log.warning("%s held checkpoints of an earlier run and this learner starts fresh (trainer.resume "
+                            "off, or nothing intact to resume): moved them aside to %s", self.ckpt_dir, moved)
+        return trained
 
     # ------------------------------------------------------------------ rank 0 services
 
@@ -218,6 +239,7 @@ class Learner:
         t0 = time.perf_counter()
         weights = gather_policy_weights(self.models)
         if self.dist.is_main:
+            self.lease.check()  # a learner that lost the namespace publishes nothing (LeaseLost)
             if self.publisher.version is None:  # at start: both (pinned) buffers now, so no update waits for one
                 self.publisher.reserve(weights)
             self.publisher.publish(weights, self.version)
@@ -290,7 +312,7 @@ class Learner:
             weights = gather_policy_weights(self.models)
         if self.dist.is_main:
             self.lease.check()  # the run directory is another learner's once it took the namespace
-        state = {"step": self.step_no, "policy_version": self.version, "max_turns": self.max_turns,
+        state = {"run_id": self.run_id, "step": self.step_no, "policy_version": self.version, "max_turns": self.max_turns,
                  "anneal_window": self.anneal_window, "trained": self.dedup.to_dict(),
                  # the ledger and metrics lines of the steps this checkpoint covers: a kill between
                  # the checkpoint and their append cannot lose them (see _repair_lineage)
@@ -479,6 +501,9 @@ class Learner:
             t0 = time.monotonic()
             self.step()
             recent.append(time.monotonic() - t0)
+        if self.dist.is_main and self.lease.lost.is_set():  # the renewal found another learner: exit 3, not 0
+            raise LeaseLost(f"the learner lease of namespace {self.keys.ns!r} was taken by another learner: stopped "
+                            "without a checkpoint")
         if self.step_no > self.ckpt_step:
             self.save_checkpoint()
         if timed_out:

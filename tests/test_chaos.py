@@ -94,7 +94,11 @@ def test_accounting_classifies_every_fate_from_independent_sources(tmp_path, red
     assert (res["lost"], res["lost_ids"]) == (1, [ids["i"]])  # i trained only in the lost update
     assert (res["malformed_injected"], res["malformed_dead_lettered"], res["other_dead_letters"]) == (1, 1, 0)
     assert chaos.last_line(res) == ("chaos: produced 10, trained once 5, trained twice 1, lost 1, lost in host "
-                                    "crashes (allowed) 0, dropped 1 (stale 10.0 %), dead-lettered 1, queued 1")
+                                    "crashes (allowed) 0, lost with torn checkpoints (allowed) 0, dropped 1 (stale "
+                                    "10.0 %), dead-lettered 1, queued 1")
+    # the verdict line: f is a good entry dead-lettered (neither injected nor poison)
+    assert chaos.report(res, chaos.KINDS).splitlines()[-1] == ("verdict: unexpected exits 0, trained twice 1, good "
+                                                              "entries dead-lettered 1, lost 1")
 
 
 MIN_STEPS = 3  # after the soak, the run goes on until the ledger holds this many steps (work, not time)
@@ -108,11 +112,13 @@ def test_two_minute_soak_loses_nothing_and_trains_nothing_twice(tmp_path, capsys
     out = capsys.readouterr().out
     last = out.strip().splitlines()[-1]
     m = re.fullmatch(r"chaos: produced (\d+), trained once (\d+), trained twice (\d+), lost (\d+), lost in host "
-                     r"crashes \(allowed\) (\d+), dropped (\d+) \(stale [\d.]+ %\), dead-lettered (\d+), queued (\d+)", last)
+                     r"crashes \(allowed\) (\d+), lost with torn checkpoints \(allowed\) (\d+), dropped (\d+) "
+                     r"\(stale [\d.]+ %\), dead-lettered (\d+), queued (\d+)", last)
     assert m, out[-3000:]
-    produced, once, twice, lost, crash_lost, dropped, dead, queued = map(int, m.groups())
+    produced, once, twice, lost, crash_lost, torn_lost, dropped, dead, queued = map(int, m.groups())
     assert (twice, lost) == (0, 0) and rc == 0, out[-3000:]
-    assert produced == once + crash_lost + dropped + dead + queued, out[-3000:]
+    assert produced == once + crash_lost + torn_lost + dropped + dead + queued, out[-3000:]
+    assert f"verdict: unexpected exits 0, trained twice 0, good entries dead-lettered {dead}, lost 0" in out
     res = json.loads((tmp_path / "chaos.json").read_text())
     # every step of the surviving lineage trained a batch of distinct trajectories (none twice)
     assert res["steps"] >= MIN_STEPS and once == chaos.FAST["trainer.train_batch_size"] * res["steps"], out[-3000:]
@@ -125,6 +131,13 @@ def test_two_minute_soak_loses_nothing_and_trains_nothing_twice(tmp_path, capsys
     assert res["poison_dead_lettered"] == res["poison_injected"] == 1
     assert res["second_learners_refused"] == res["second_learners"] == 1
     assert crash_lost <= res["crash_window_ids"]
+    # issue 38's faults: six kills in a row; the torn checkpoint skipped on resume (when there were two)
+    loop = next(f for f in res["faults"] if f["kind"] == "learner_crash_loop")
+    assert loop["note"].startswith("killed 6 times in a row"), loop
+    assert torn_lost <= sum(len(t["ids"]) for t in res["torn"])
+    if res["torn"]:
+        logs = (tmp_path / "run" / "logs" / "learner.log").read_text(errors="replace")
+        assert f"{res['torn'][0]['checkpoint']} is damaged and skipped" in logs
     assert all(f["recovery_s"] is not None for f in res["faults"]), res["faults"]
     assert res["unexpected_exits"] == {} and res["ledger_gaps"] == []
 
@@ -147,3 +160,26 @@ def test_accounting_counts_a_loss_in_a_host_crash_cut_as_allowed_and_no_other(tm
     res = c.account()
     assert (res["trained_once"], res["lost_in_crashes"], res["lost"], res["lost_ids"]) == (2, 1, 1, [ids[1]])
     assert res["crash_window_ids"] == 2
+
+
+def test_accounting_ends_the_lineage_at_the_final_checkpoint_and_counts_torn_losses_apart(tmp_path, redis_url) -> None:
+    """A torn checkpoint made the learner fall back: the ledger lines of steps past the final
+    checkpoint belong to the dropped lineage (not trained), and the ids of the updates the torn
+    checkpoint took with it are lost with it (counted apart); any other loss is still a loss."""
+    c = chaos.Chaos(tmp_path, echo=lambda *_: None)
+    c.r, c.keys = connect(redis_url), Keys(chaos.NS)
+    ids = [uuid.uuid4().hex for _ in range(6)]
+    (tmp_path / "produced").mkdir()
+    (tmp_path / "run" / "logs").mkdir(parents=True)
+    (tmp_path / "produced" / "actor-0.ids").write_text("".join(i + "\n" for i in ids))
+    final = tmp_path / "run" / "checkpoints" / "step_00000002"
+    final.mkdir(parents=True)
+    (final / "state.json").write_text(json.dumps({"step": 2, "complete": True}))
+    ledger = [{"step": 1, "trained": [ids[0]]}, {"step": 2, "trained": [ids[1]]},  # torn: falls back to 1
+              {"step": 2, "trained": [ids[2]]},  # step 2 again after the fall-back: ids[1] went with the torn one
+              {"step": 3, "trained": [ids[3]]}]  # past the final checkpoint: a lineage that was dropped
+    (tmp_path / "run" / "learner_ledger.jsonl").write_text("".join(json.dumps(x) + "\n" for x in ledger))
+    c.torn = [{"checkpoint": "step_00000002", "falls_back_to": 1, "ids": [ids[1]]}]
+    res = c.account()
+    assert (res["trained_once"], res["steps"], res["lost_with_torn"]) == (2, 2, 1)
+    assert res["lost_ids"] == sorted(ids[3:])  # ids[3] only in the dropped lineage; 4 and 5 nowhere

@@ -5,7 +5,10 @@ learner's reader (learner/data.py ScoredSource) with checkpoints kept on "disk" 
 survives the crash, as the learner's fsynced checkpoints do). Redis is killed, its AOF truncated to
 where it stood before the last writes (everysec: the writes of the last second may be lost; always:
 no acknowledged write is), and everything restarts. Nothing may be trained twice, and what is lost
-must be exactly the trajectories whose XADD was acknowledged after the cut, counted."""
+must be exactly the trajectories whose XADD was acknowledged after the cut, counted.
+
+The checkpoint is a dict here; that a real learner checkpoint is on the disk (every file and folder
+fsynced) before its acks is checked on the real learner in tests/test_checkpoint_integrity.py."""
 
 from __future__ import annotations
 

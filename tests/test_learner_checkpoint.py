@@ -133,3 +133,47 @@ def test_annealing_and_weights_survive_a_checkpoint_and_resume(model_dir, redis_
         assert _differs(_params(second.models.policy), lost_policy) == []  # the same update, bit for bit
     finally:
         second.close()
+
+
+def test_start_run_moves_an_earlier_run_aside_and_keeps_a_resumed_ones(tmp_path) -> None:
+    """start_run on its own: a fresh claim moves everything but run.json aside, a resumed one keeps it."""
+    root = tmp_path / "checkpoints"
+    assert checkpoint.start_run(root, "r1", fresh=True) is None and checkpoint.run_id_of(root) == "r1"
+    assert checkpoint.start_run(root, "r2", fresh=True) is None  # nothing but run.json: nothing to move
+    (root / "step_00000005").mkdir()
+    (root / "step_00000005" / "state.json").write_text(json.dumps({"run_id": "r2", "step": 5, "complete": True}))
+    assert checkpoint.latest(root) == root / "step_00000005"
+    assert checkpoint.start_run(root, "r2", fresh=False) is None and checkpoint.latest(root) == root / "step_00000005"
+    moved = checkpoint.start_run(root, "r3", fresh=True)
+    assert moved is not None and moved.name.startswith("checkpoints.old-") and (moved / "step_00000005").is_dir()
+    assert checkpoint.latest(root) is None and checkpoint.run_id_of(root) == "r3"
+    assert checkpoint.latest(moved) == moved / "step_00000005"  # the moved run stays readable where it went
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_checkpoints_are_ordered_by_recorded_step_within_the_folders_run_never_by_name(seed, tmp_path) -> None:
+    """Random folders (seeded) named in any order (a name need not match its step); run.json names
+    run "cur": latest() is the complete "cur" checkpoint of the highest recorded step, and pruning
+    keeps the ``keep`` highest of "cur" and never touches another run's (or a run-less, older
+    layout's) checkpoints or incomplete ones."""
+    import random
+
+    rng = random.Random(seed)
+    keep = rng.randint(1, 4)
+    pairs = {(rng.choice(["cur", "old", None]), rng.randint(0, 120)) for _ in range(rng.randint(0, 12))}
+    entries = [(run, step, rng.random() < 0.8) for run, step in sorted(pairs, key=str)]
+    names = rng.sample(range(200), len(entries))
+    root = tmp_path / "checkpoints"
+    checkpoint.start_run(root, "cur", fresh=True)
+    for (run, step, complete), n in zip(entries, names):
+        p = root / f"step_{n:08d}"
+        p.mkdir()
+        state = {"step": step, "complete": complete, **({} if run is None else {"run_id": run})}
+        (p / "state.json").write_text(json.dumps(state))
+    ours = sorted(((step, f"step_{n:08d}") for (run, step, ok), n in zip(entries, names) if run == "cur" and ok),
+                  reverse=True)
+    got = checkpoint.latest(root)
+    assert (got.name if got else None) == (ours[0][1] if ours else None)
+    others = {f"step_{n:08d}" for (run, step, ok), n in zip(entries, names) if run != "cur" or not ok}
+    checkpoint._prune(root, keep)
+    assert {p.name for p in root.glob("step_*")} == others | {name for _, name in ours[:keep]}

@@ -115,3 +115,44 @@ def test_a_second_learner_process_refuses_to_start(redis_url, tmp_path: Path) ->
         assert not (tmp_path / "run").exists()  # it wrote nothing
     finally:
         holder.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # its waits: 300 s for the learner to start, 30 for the expiry, 120 for its exit
+def test_a_running_learner_whose_lease_expired_and_was_taken_stops_with_exit_3(redis_url, tmp_path: Path) -> None:
+    """A real `worldloop learner` (lease_ttl_s 3) is frozen (SIGSTOP) until Redis expires its lease
+    by the TTL; another learner takes the namespace; thawed, its renewal thread finds the lease
+    gone and the learner stops with exit status 3 (it used to exit 0 when it had nothing to
+    checkpoint), writing nothing."""
+    import os
+    import signal
+
+    from procs import wait_for
+    from worldloop.common.contracts.config import to_dict
+    from worldloop.testing.learner import tiny_learner_config
+
+    keys = Keys("lease5")
+    r = connect(redis_url)
+    model = make_tiny_model(tmp_path / "model", max_image_side=112)
+    cfg = tiny_learner_config(model, redis_url, tmp_path / "run", namespace=keys.ns, lease_ttl_s=3.0)
+    conf = tmp_path / "learner.yaml"
+    conf.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    child = Child(["learner", "--config", str(conf)], tmp_path / "learner.log")
+    b = None
+    try:
+        wait_for(lambda: r.hget(keys.learner_lease, "pid") == str(child.pid).encode() and r.hexists(keys.control, "policy_version"),
+                 "the learner to hold the lease and publish version 0", 300, [child])
+        os.kill(child.pid, signal.SIGSTOP)
+        wait_for(lambda: not r.exists(keys.learner_lease), "Redis to expire the frozen learner's lease", 30)
+        b = LearnerLease(redis_url, keys, 30.0, holder="B").acquire()
+        os.kill(child.pid, signal.SIGCONT)
+        rc = child.wait(120)
+        out = child.output(None)
+        assert rc == 3, out[-3000:]
+        assert "learner lease of lease5 lost" in out and "stopped: the learner lease of namespace 'lease5'" in out
+        assert not list((tmp_path / "run" / "checkpoints").glob("step_*"))
+        assert r.hget(keys.learner_lease, "token").decode() == b.token  # B's lease untouched
+    finally:
+        child.kill()
+        if b is not None:
+            b.close()

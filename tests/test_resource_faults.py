@@ -159,7 +159,7 @@ def test_disk_full_during_a_checkpoint_fails_clearly_and_resume_continues(redis_
         # no half-written checkpoint anywhere that latest() (or a scan) would pick up
         ck_root = run_dir / "checkpoints"
         assert checkpoint.latest(ck_root).name == "step_00000002"
-        assert sorted(p.name for p in ck_root.iterdir()) == ["latest", "step_00000002"]
+        assert sorted(p.name for p in ck_root.iterdir()) == ["latest", "run.json", "step_00000002"]
         assert (ck_root / "latest").read_text().strip() == "step_00000002"
         # step 4's ledger and metrics lines travel with its checkpoint (learner/process.py): none was written
         assert [x["step"] for x in _lines(run_dir / "metrics.jsonl")] == [1, 2, 3]
