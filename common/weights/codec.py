@@ -205,8 +205,8 @@ def _parse_header(mv: memoryview) -> tuple[int, list[tuple[str, torch.dtype, lis
         raise ValueError(f"header length {hlen} runs past the end of the data ({len(mv)} bytes)")
     try:
         header = json.loads(bytes(mv[8:8 + hlen]).decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
-        raise ValueError(f"header is not valid JSON: {e}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"header is not valid JSON: {type(e).__name__}: {e}") from None
     if not isinstance(header, dict):
         raise ValueError(f"header must be a JSON object, got {type(header).__name__}")
     meta = header.pop("__metadata__", None)

@@ -556,7 +556,10 @@ class WeightPublisher:
 
 def _json_object(raw: bytes) -> dict:
     """A request's JSON object (ValueError otherwise)."""
-    req = json.loads(raw)
+    try:
+        req = json.loads(raw)
+    except RecursionError:
+        raise ValueError("request is nested too deeply") from None
     if not isinstance(req, dict):
         raise ValueError("request must be a JSON object")
     return req
