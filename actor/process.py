@@ -123,14 +123,22 @@ class WeightFetcher(threading.Thread):
 
     The actor's loop takes the newest complete version with :meth:`take` between generations,
     so a fetch (large models: seconds; a vanished learner: up to ``weights.fetch_timeout_s``)
-    neither stalls generation nor delays a shutdown.
+    neither stalls generation nor delays a shutdown. Errors follow
+    :class:`~worldloop.common.weights.retry.FetchErrors` (``errors``: channel and passing system
+    errors retried with backoff, counted in ``worldloop_actor_weight_update_failures``); on a fatal
+    one the thread sets ``stop`` and ends, and :meth:`check` raises it (the actor exits non-zero).
     """
 
-    def __init__(self, subscriber: Any, stop: threading.Event, *, have: int = 0, poll_s: float = 0.05):
+    def __init__(self, subscriber: Any, stop: threading.Event, *, have: int = 0, poll_s: float = 0.05,
+                 errors: Any = None):
+        from worldloop.common.weights.retry import FetchErrors
+
         super().__init__(name="actor-weights", daemon=True)
         self.subscriber = subscriber
         self.stop = stop
         self.poll_s = poll_s
+        self.errors = errors or FetchErrors(
+            "actor weights", lambda reason: metric("worldloop_actor_weight_update_failures").labels(reason=reason).inc())
         self._have = int(have)  # the newest version fetched (handed over or waiting in _ready)
         self._lock = threading.Lock()
         self._ready: tuple[int, dict] | None = None
@@ -149,24 +157,35 @@ class WeightFetcher(threading.Thread):
         with self._lock:
             self._have, self._ready = -1, None
 
-    def run(self) -> None:
-        from worldloop.common.weights import WeightsError
+    def check(self) -> None:
+        """Raise :class:`~worldloop.common.weights.retry.WeightFetchFailed` when the thread stopped
+        on a fatal error."""
+        from worldloop.common.weights.retry import WeightFetchFailed
 
+        if self.errors.fatal is not None:
+            raise WeightFetchFailed.of(self.errors.what, self.errors.fatal) from self.errors.fatal
+
+    def run(self) -> None:
+        announced = None
         while not self.stop.is_set():
-            announced = self.subscriber.latest_announced()
-            if announced is not None and announced > self._have:
-                try:
+            try:
+                got = None
+                announced = self.subscriber.latest_announced()
+                if announced is not None and announced > self._have:
                     got = self.subscriber.fetch(min_version=self._have)
-                except WeightsError as e:
-                    metric("worldloop_actor_weight_update_failures").labels(reason="fetch").inc()
-                    log.warning("fetching weights v%s failed (%s); retrying", announced, e)
-                    self.stop.wait(1.0)
-                    continue
-                if got is not None:
-                    with self._lock:
-                        self._ready = got  # a newer version replaces one not applied yet
-                        self._have = got[0]
-                    continue
+                self.errors.ok()
+            except Exception as e:  # FetchErrors decides: retry after a wait, or end the process
+                wait = self.errors.failed(e, announced)
+                if wait is None:
+                    self.stop.set()  # the actor stops; run() raises the error (a non-zero exit)
+                    return
+                self.stop.wait(wait)
+                continue
+            if got is not None:
+                with self._lock:
+                    self._ready = got  # a newer version replaces one not applied yet
+                    self._have = got[0]
+                continue
             self.stop.wait(self.poll_s)
 
 
@@ -433,6 +452,8 @@ def run(cfg: Config, args: argparse.Namespace | None = None) -> int:
             proc.ready()
             Actor(cfg, backend, proc=proc, producer=producer, weights=fetcher, actor_id=actor_id,
                   admission=admission).run()
+            if fetcher is not None:
+                fetcher.check()  # stopped by a fatal fetch error: exit non-zero (the supervisor restarts us)
         finally:
             stop.set()
             if fetcher is not None:

@@ -257,6 +257,7 @@ def _evaluate_until_final(cfg: Config, proc, backend, fetcher, evals: Evaluation
     from_disk = False  # tried the final checkpoint already
     seen = None  # the control record's version at the last look
     while True:
+        fetcher.check()  # its thread stopped on a fatal error: exit non-zero, the supervisor restarts us
         got = fetcher.take()
         if got is not None and (final is None or got[0] >= final):  # stopping: only the final version
             backend.update_weights(got[1], got[0])
