@@ -11,6 +11,7 @@ Every key of a run is ``<namespace>:<what>``:
     <ns>:judge:forwarded  zset  trajectory ids forwarded to scored (exactly-once dedup)
     <ns>:admission[:leases|:ids|:expired]  the rollout admission budget (common/admission.py)
     <ns>:learner:lease|owner|epoch  one learner per namespace, with a fencing token (common/lease.py)
+    <ns>:learner:inflight  set  scored entry ids the learner is processing (a crash strikes only these)
 """
 
 from __future__ import annotations
@@ -86,6 +87,12 @@ class Keys:
     def judge_forwarded(self) -> str:
         """Sorted set of trajectory ids the judges already forwarded to ``scored`` (score: time)."""
         return f"{self.ns}:judge:forwarded"
+
+    @property
+    def learner_inflight(self) -> str:
+        """Set of the ``scored`` entry ids the learner is processing right now (deciding or training):
+        the only ones a crash counts a delivery against (``StreamConsumer(inflight_key=...)``)."""
+        return f"{self.ns}:learner:inflight"
 
 
 RUN_STATES = ("running", "paused", "stopped")
