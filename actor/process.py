@@ -3,9 +3,9 @@
 Public API::
 
     run(cfg, args) -> int                   # the CLI entry point; 0 on a clean stop
-    Actor(cfg, backend, *, proc, producer, weights, actor_id)   # proc: common.process.ProcessScaffold
+    Actor(cfg, backend, *, proc, producer, weights, actor_id)   # proc: common.transport.process.ProcessScaffold
         .run() -> None                      # the loop below, until stopped
-    WeightFetcher(subscriber, stop, have=0) # background thread: fetches newer versions, .take()
+    WeightFetcher (common/transport/weights/fetcher.py)  # background thread: fetches newer versions, .take()
     check_env_specs(specs) -> None          # ConfigError naming actor.envs[i] if one cannot be made
 
 The loop, one iteration per batched generation:
@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -70,6 +69,7 @@ from worldloop.common.metrics import metric
 from worldloop.common.transport.process import ProcessScaffold
 from worldloop.common.contracts.schemas import Trajectory, encode_trajectory, total_turn_reward
 from worldloop.common.transport.streams import StopRequested, StreamProducer
+from worldloop.common.transport.weights.fetcher import WeightFetcher
 
 log = logging.getLogger("worldloop.actor")
 
@@ -116,58 +116,6 @@ class ProducedLog:
     def record(self, trajectory_id: str) -> None:
         os.write(self._fd, (trajectory_id + "\n").encode())
         os.fsync(self._fd)
-
-
-class WeightFetcher(threading.Thread):
-    """Owns the subscriber: fetches every newer announced version in the background.
-
-    The actor's loop takes the newest complete version with :meth:`take` between generations,
-    so a fetch (large models: seconds; a vanished learner: up to ``weights.fetch_timeout_s``)
-    neither stalls generation nor delays a shutdown.
-    """
-
-    def __init__(self, subscriber: Any, stop: threading.Event, *, have: int = 0, poll_s: float = 0.05):
-        super().__init__(name="actor-weights", daemon=True)
-        self.subscriber = subscriber
-        self.stop = stop
-        self.poll_s = poll_s
-        self._have = int(have)  # the newest version fetched (handed over or waiting in _ready)
-        self._lock = threading.Lock()
-        self._ready: tuple[int, dict] | None = None
-
-    def take(self) -> tuple[int, dict] | None:
-        with self._lock:
-            got, self._ready = self._ready, None
-        return got
-
-    def resync(self) -> None:
-        """Forget what was fetched: the next fetch takes the newest version whatever its number.
-
-        A learner that restarts from its last checkpoint publishes version numbers again that
-        this actor may already hold (with the weights of updates that were lost in the crash).
-        """
-        with self._lock:
-            self._have, self._ready = -1, None
-
-    def run(self) -> None:
-        from worldloop.common.transport.weights import WeightsError
-
-        while not self.stop.is_set():
-            announced = self.subscriber.latest_announced()
-            if announced is not None and announced > self._have:
-                try:
-                    got = self.subscriber.fetch(min_version=self._have)
-                except WeightsError as e:
-                    metric("worldloop_actor_weight_update_failures").labels(reason="fetch").inc()
-                    log.warning("fetching weights v%s failed (%s); retrying", announced, e)
-                    self.stop.wait(1.0)
-                    continue
-                if got is not None:
-                    with self._lock:
-                        self._ready = got  # a newer version replaces one not applied yet
-                        self._have = got[0]
-                    continue
-            self.stop.wait(self.poll_s)
 
 
 class Actor:
@@ -433,6 +381,8 @@ def run(cfg: Config, args: argparse.Namespace | None = None) -> int:
             proc.ready()
             Actor(cfg, backend, proc=proc, producer=producer, weights=fetcher, actor_id=actor_id,
                   admission=admission).run()
+            if fetcher is not None:
+                fetcher.check()  # stopped by a fatal fetch error: exit non-zero (the supervisor restarts us)
         finally:
             stop.set()
             if fetcher is not None:

@@ -22,7 +22,7 @@ that contains its fate is complete on disk; then it is acked (XACK + XDEL). Its 
 trained in update s; dropped as stale; dropped as a duplicate; dead-lettered (unusable; the
 dead-letter stream is itself durable, so those are acked at once). A restart loads the newest
 complete checkpoint and first re-reads its own pending list (the consumer name is fixed,
-``learner-0``, so XREADGROUP with id 0 returns exactly what the dead process held):
+``learner-0``, so XPENDING for it lists exactly what the dead process held):
 
 * an entry trained in an update the checkpoint contains (its id is in the checkpoint's trained
   set) is a duplicate of durable work: acked at once, not trained;
@@ -42,7 +42,14 @@ Redis reports one). The learner's consumer does not reclaim idle entries (all of
 pending entries are its own, held on purpose); a restart re-reads them. An entry read by
 ``redis.max_deliveries`` learner processes in a row that each died before a checkpoint held its
 fate is dead-lettered as ``poison`` instead of being trained again; whatever the learner
-dead-letters gives its admission budget back.
+dead-letters gives its admission budget back. Only a death *while processing* the entry counts:
+``{ns}:learner:inflight`` names the entries being decided (from their read to their fate) and
+the batch being trained (from :meth:`ScoredSource.collect` to :meth:`ScoredSource.trained`,
+right after the update); a restart counts one more delivery against those alone. Entries a
+dying learner merely held (trained, waiting for the checkpoint; buffered) come back uncounted, so
+a crash loop elsewhere (loading, publishing, a full disk at the checkpoint, kill -9 while idle)
+never turns good data into poison; the batch in training when the process dies is counted, as
+that batch may be what killed it.
 
 Dedup window
 ------------
@@ -243,7 +250,9 @@ class ScoredSource:
             stats_key=keys.stats, **consumer_limits(cfg.redis), fence=fence,  # fence: the learner lease's
             # it holds its entries pending until a checkpoint: no reclaiming them from itself (a
             # restart re-reads them: recover); whatever it dead-letters refunds its admission
-            reclaim=False, on_deadletter=lambda payload: self.admission.refund_payload(payload))
+            reclaim=False, on_deadletter=lambda payload: self.admission.refund_payload(payload),
+            # a crash counts a delivery only against what it was deciding or training (see recover)
+            inflight_key=keys.learner_inflight)
         self.max_deliveries, self.consumer_name = cfg.redis.max_deliveries, consumer_name
         # retire trained ids, refund the ones that can never be trained (common/transport/admission.py)
         self.admission = Admission(cfg.redis.url, keys, max_staleness=cfg.trainer.max_staleness,
@@ -271,7 +280,9 @@ class ScoredSource:
     # ------------------------------------------------------------------ reading
 
     def recover(self, page: int = 256) -> int:
-        """Take back what a previous learner process held (its pending list); return how many."""
+        """Take back what a previous learner process held (its pending list); return how many.
+        Only the entries it was deciding or training when it died count one more delivery
+        (:meth:`StreamConsumer.read_own_pending`); those it merely held do not."""
         got = self.consumer.read_own_pending(page)
         self._recovered.extend(got)
         n = len(got)
@@ -300,12 +311,21 @@ class ScoredSource:
                 msgs, self._recovered = self._recovered[: n * 2], self._recovered[n * 2 :]
             else:
                 msgs = self.consumer.read(min(max(n - len(self._buffer), 1), 256))
+            ids = [m.id for m in msgs]
+            self.consumer.processing(ids)  # deciding them: a crash now counts against them
             for m in msgs:
                 self._decide(m)
+            self.consumer.processed(ids)
         out, self._buffer = self._buffer[:n], self._buffer[n:]
         for it in out:
             self._unbuffer(it)
+        self.consumer.processing([it.entry_id for it in out])  # to be trained: until trained()
         return out
+
+    def trained(self, items: list[Item]) -> None:
+        """The update on ``items`` went through: a crash from now on counts no delivery against them
+        (rank 0 calls it right after the update, before publishing and checkpointing)."""
+        self.consumer.processed([it.entry_id for it in items])
 
     def _decide(self, m: Message) -> None:
         if m.id in self._held or m.id in self._buffered_ids:
@@ -330,11 +350,12 @@ class ScoredSource:
             self.admission.release([tid], refund=False)
             return
         if m.deliveries > self.max_deliveries:
-            # read again by max_deliveries learner processes in a row that each died before a
-            # checkpoint held its fate: a poison entry, not trained again (refunded by the hook)
+            # max_deliveries learner processes died while deciding or training it: a poison entry,
+            # not trained again (refunded by the hook)
             self._m_dropped.labels(reason="poison").inc()
-            self.consumer.deadletter(m, f"learner: trajectory {tid} was read {m.deliveries} times by learners that "
-                                     f"died before a checkpoint (redis.max_deliveries={self.max_deliveries})", "poison")
+            self.consumer.deadletter(m, f"learner: trajectory {tid} was read {m.deliveries} times: {m.deliveries - 1} "
+                                     "learner processes died while deciding or training it "
+                                     f"(redis.max_deliveries={self.max_deliveries})", "poison")
             self._lose(traj.group_id)
             return
         try:
@@ -426,6 +447,7 @@ class ScoredSource:
     # ------------------------------------------------------------------ fate and acks
 
     def mark_trained(self, items: list[Item]) -> None:
+        self.trained(items)  # (done already right after the update; a no-op then)
         for it in items:
             self.dedup.add(it.trajectory_id, it.oldest)
             self._held[it.entry_id] = it.nbytes

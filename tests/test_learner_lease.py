@@ -156,3 +156,46 @@ def test_a_running_learner_whose_lease_expired_and_was_taken_stops_with_exit_3(r
         child.kill()
         if b is not None:
             b.close()
+
+
+def test_after_a_redis_restart_without_persistence_the_holder_is_not_fenced() -> None:
+    """Issue 38, finding 5: Redis restarted without persistence loses the lease and the owner key.
+    The fenced scripts compared the missing owner with the learner's token and failed (FENCED: the
+    learner exited 3), while check() accepted it. Now both accept it and the first fenced write sets
+    the owner back; a learner that takes the namespace afterwards still fences the old one."""
+    from worldloop.common.transport.redis_local import LocalRedis
+
+    keys = Keys("lease5")
+    with LocalRedis() as srv:
+        a = LearnerLease(srv.url, keys, 30.0, holder="A", reconnect_max_s=0.1).acquire()
+        cons = StreamConsumer(srv.url, keys.scored, "learner", "learner-0", block_ms=10, fence=a.fence,
+                              deadletter_stream=keys.deadletter, reconnect_max_s=0.1)
+        srv.restart()  # no persistence: the lease, the owner key and the stream are gone
+        r = connect(srv.url)
+        assert not r.exists(keys.learner_owner) and not r.exists(keys.learner_lease)
+        a.check()  # the file check accepts a missing owner...
+        a.hset(keys.control, {"policy_version": 7})  # ...and so does every fenced script now
+        assert r.get(keys.learner_owner).decode() == a.token  # the write re-claimed the owner key
+        prod = StreamProducer(srv.url, keys.scored, 10)
+        prod.add(b"x")
+        prod.add(b"y")
+        m1, m2 = cons.read(2)
+        r.delete(keys.learner_owner)  # lost again (a second restart): the ack and dead letter re-claim it
+        assert cons.ack([m1.id]) == 1
+        assert r.get(keys.learner_owner).decode() == a.token
+        r.delete(keys.learner_owner)
+        cons.deadletter(m2, "unusable")
+        assert r.xlen(keys.deadletter) == 1 and r.hget(keys.control, "policy_version") == b"7"
+        assert a.renew() is True and r.hget(keys.learner_lease, "token").decode() == a.token
+        # another learner that takes the namespace (A's lease ran out) fences A as before
+        r.delete(keys.learner_lease)
+        a.info["host"] = "elsewhere"
+        b = LearnerLease(srv.url, keys, 30.0, holder="B", reconnect_max_s=0.1).acquire()
+        prod.add(b"z")
+        (m3,) = cons.read(1)
+        with pytest.raises(Fenced, match="FENCED another learner holds this namespace now"):
+            cons.ack([m3.id])
+        with pytest.raises(LeaseLost, match="another learner took namespace 'lease5'"):
+            a.check()
+        for c in (prod, cons, b, a):
+            c.close()

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 from worldloop.actor.backends import make_backend
-from worldloop.actor.process import WeightFetcher
+from worldloop.common.transport.weights.fetcher import WeightFetcher
 from worldloop.actor.rollout import EpisodeSpec, Sampling, env_name, play_episodes
 from worldloop.common.contracts.config import Config, ConfigError, run_dir_of
 from worldloop.common.transport.control import default_proc_id, list_processes
@@ -256,6 +256,7 @@ def _evaluate_until_final(cfg: Config, proc, backend, fetcher, evals: Evaluation
     from_disk = False  # tried the final checkpoint already
     seen = None  # the control record's version at the last look
     while True:
+        fetcher.check()  # its thread stopped on a fatal error: exit non-zero, the supervisor restarts us
         got = fetcher.take()
         if got is not None and (final is None or got[0] >= final):  # stopping: only the final version
             backend.update_weights(got[1], got[0])

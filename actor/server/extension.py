@@ -18,7 +18,10 @@ vLLM adds this class to its worker's bases; the API server calls its methods thr
   per-chunk CRC, whole-set hash, size cap) and fetches every newer announced version into memory
   (at most one set waits: a newer one replaces it). A learner that restarted from an older
   checkpoint announces a lower version than the one held: the next fetch then takes whatever it
-  serves. ``worldloop_apply`` loads the waiting set with the in-process backend's validated,
+  serves. Fetch errors follow :class:`~worldloop.common.transport.weights.retry.FetchErrors` (retried with
+  backoff, counted in ``worldloop_server_weight_update_failures``); a fatal one ends the worker's
+  process (:func:`exit_on_fatal`, status 75), which stops the server so that its supervisor
+  restarts it. ``worldloop_apply`` loads the waiting set with the in-process backend's validated,
   all-or-nothing :func:`~worldloop.actor.vllm_backend.load_weights_in_place`; the driver calls it
   only while generation is paused and drained, and clears the engine's caches after it.
 * **Config.** The worker reads the worldloop config from ``$WORLDLOOP_SERVE_CONFIG`` (its resolved
@@ -38,17 +41,19 @@ import json
 import logging
 import os
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from worldloop.actor.generation import WeightUpdateError
 from worldloop.actor.server.launch import CONFIG_ENV
 from worldloop.actor.vllm_backend import install_no_torchvision_compat, load_weights_in_place, reference_params, wrap_sampler
 from worldloop.common.contracts.config import Config, config_from_dict
 from worldloop.common.exposure import warn_plain_weights
+from worldloop.common.metrics import metric
 
 log = logging.getLogger("worldloop.server")
 
 POLL_S = 0.1
+FATAL_EXIT = 75  # the worker's exit status when its weight fetching stopped on a fatal error
 
 
 def _log_to_stderr() -> None:
@@ -72,10 +77,21 @@ def server_config() -> Config | None:
     return config_from_dict(json.loads(raw)) if raw else None
 
 
+def exit_on_fatal(e: BaseException) -> None:
+    """End the server at once (this runs in vLLM's worker, whose engine then stops the API server):
+    a server whose weight fetching died would serve old weights for ever; its supervisor restarts it."""
+    from worldloop.common.transport.weights.retry import WeightFetchFailed
+
+    log.critical("%s", WeightFetchFailed.of("server weights", e))
+    logging.shutdown()
+    os._exit(FATAL_EXIT)
+
+
 class WeightSync:
     """The worker's weights: a fetching thread, the set waiting to be loaded, the loaded version."""
 
-    def __init__(self, cfg: Config | None, model_dir: str):
+    def __init__(self, cfg: Config | None, model_dir: str, *, on_fatal: Callable[[BaseException], None] | None = None,
+                 make_subscriber: Callable[[Config], Any] | None = None):
         self.cfg = cfg
         self.shapes, self.groups = reference_params(model_dir)
         self.loaded = 0
@@ -85,6 +101,8 @@ class WeightSync:
         self._ready: tuple[int, dict] | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.on_fatal = on_fatal or exit_on_fatal  # the fetching thread's fatal error ends the server's process
+        self._make_subscriber = make_subscriber
         self._thread: threading.Thread | None = None
         if self.channel:
             warn_plain_weights("inference server", cfg.weights.host, cfg.weights.curve_server_public)
@@ -95,28 +113,44 @@ class WeightSync:
                         model_dir)
 
     def _run(self) -> None:
-        from worldloop.common.transport.weights import WeightsError, subscriber_from_config
+        from worldloop.common.transport.weights import subscriber_from_config
+        from worldloop.common.transport.weights.retry import FetchErrors
 
-        sub = subscriber_from_config(self.cfg)  # made here: a subscriber belongs to one thread
+        errors = FetchErrors("server weights", lambda reason: metric("worldloop_server_weight_update_failures")
+                             .labels(reason=reason).inc())
+        make = self._make_subscriber or subscriber_from_config
+        sub = None  # made here, in the retried part: a subscriber belongs to one thread
         try:
             while not self._stop.is_set():
-                announced = self.announced = sub.latest_announced()
-                if announced is not None and announced != self._have:
-                    # a lower number than ours: the learner restarted from an older checkpoint
-                    floor = self._have if announced > self._have else -1
-                    try:
-                        got = sub.fetch(min_version=floor)
-                    except WeightsError as e:
-                        log.warning("fetching weights v%s failed (%s); retrying", announced, e)
-                        self._stop.wait(1.0)
-                        continue
-                    if got is not None:
-                        with self._lock:
-                            self._ready, self._have = got, got[0]
-                        continue
-                self._stop.wait(POLL_S)
+                try:
+                    if sub is None:
+                        sub = make(self.cfg)
+                    got = self._poll(sub)
+                    errors.ok()
+                except Exception as e:  # FetchErrors decides: retry after a wait, or end the server
+                    wait = errors.failed(e, self.announced)
+                    if wait is None:
+                        self.on_fatal(e)
+                        return
+                    self._stop.wait(wait)
+                    continue
+                if got is None:
+                    self._stop.wait(POLL_S)
         finally:
-            sub.close()
+            if sub is not None:
+                sub.close()
+
+    def _poll(self, sub: Any) -> tuple[int, dict] | None:
+        """One look at the announcements, and a fetch when one is news; what was fetched."""
+        announced = self.announced = sub.latest_announced()
+        if announced is None or announced == self._have:
+            return None
+        # a lower number than ours: the learner restarted from an older checkpoint
+        got = sub.fetch(min_version=self._have if announced > self._have else -1)
+        if got is not None:
+            with self._lock:
+                self._ready, self._have = got, got[0]
+        return got
 
     def staged(self) -> int | None:
         with self._lock:

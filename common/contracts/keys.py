@@ -11,6 +11,7 @@ Every key of a run is ``{<namespace>}:<what>``:
     {ns}:judge:forwarded  zset  trajectory ids forwarded to scored (exactly-once dedup)
     {ns}:admission[:leases|:ids|:expired]  the rollout admission budget (common/transport/admission.py)
     {ns}:learner:lease|owner|epoch  one learner per namespace, with a fencing token (common/transport/lease.py)
+    {ns}:learner:inflight  set  scored entry ids the learner is processing (a crash strikes only these)
 
 The braces are a Redis Cluster hash tag: only ``<namespace>`` is hashed, so every key of a run
 lives in one slot, on one node, and the multi-key scripts and transactions (fencing, admission,
@@ -115,8 +116,15 @@ class Keys:
         """Sorted set of trajectory ids the judges already forwarded to ``scored`` (score: time)."""
         return f"{self.tag}:judge:forwarded"
 
+    @property
+    def learner_inflight(self) -> str:
+        """Set of the ``scored`` entry ids the learner is processing right now (deciding or training):
+        the only ones a crash counts a delivery against (``StreamConsumer(inflight_key=...)``)."""
+        return f"{self.tag}:learner:inflight"
+
 
 KEY_NAMES = ("rollouts", "scored", "deadletter", "control", "procs", "stats", "admission", "admission_leases",
-             "admission_ids", "admission_expired", "learner_lease", "learner_owner", "learner_epoch", "judge_forwarded")
+             "admission_ids", "admission_expired", "learner_lease", "learner_owner", "learner_epoch", "judge_forwarded",
+             "learner_inflight")
 
 RUN_STATES = ("running", "paused", "stopped")

@@ -140,7 +140,7 @@ def trajectory_id_of(data: bytes) -> str | None:
     or lacks), else None: what a dead-lettered entry's admission refund needs."""
     try:
         return _ID_ONLY.decode(data).trajectory_id
-    except (msgspec.DecodeError, msgspec.ValidationError, TypeError):
+    except Exception:  # noqa: BLE001 -- untrusted bytes: any failure (also RecursionError) means "none"
         return None
 
 
@@ -189,13 +189,25 @@ def check_trajectory(traj: Trajectory) -> Trajectory:
     return traj
 
 
-def decode_trajectory(data: bytes) -> Trajectory:
-    """Decode, type-check and check one trajectory message (one pass over the bytes)."""
+def _decode(decoder: msgspec.msgpack.Decoder, data: bytes, expected_tag: str) -> Any:
+    """``decoder.decode(data)`` raising only :class:`SchemaError`, whatever the untrusted bytes:
+    also for nesting deeper than Python's recursion limit (msgspec raises RecursionError while it
+    skips an unknown field's value) and for a payload that is not bytes."""
     try:
-        traj = _TRAJECTORY.decode(data)
+        return decoder.decode(data)
     except msgspec.MsgspecError as e:
-        raise _schema_error(e, TRAJECTORY_SCHEMA) from None
-    return check_trajectory(traj)
+        raise _schema_error(e, expected_tag) from None
+    except RecursionError:
+        raise SchemaError(f"payload is not a {expected_tag} message: nested deeper than the decoder allows "
+                          f"({len(data)} bytes)") from None
+    except TypeError as e:
+        raise SchemaError(f"payload is not bytes: {e}") from None
+
+
+def decode_trajectory(data: bytes) -> Trajectory:
+    """Decode, type-check and check one trajectory message (one pass over the bytes); any bad
+    payload raises :class:`SchemaError` and nothing else."""
+    return check_trajectory(_decode(_TRAJECTORY, data, TRAJECTORY_SCHEMA))
 
 
 def encode_trajectory(traj: Trajectory) -> bytes:
@@ -218,10 +230,8 @@ def deadletter_message(reason: str, source_stream: str, source_id: str, consumer
 
 
 def decode_deadletter(data: bytes) -> DeadLetter:
-    try:
-        return _DEADLETTER.decode(data)
-    except msgspec.MsgspecError as e:
-        raise _schema_error(e, DEADLETTER_SCHEMA) from None
+    """One dead-letter record; any bad payload raises :class:`SchemaError` and nothing else."""
+    return _decode(_DEADLETTER, data, DEADLETTER_SCHEMA)
 
 
 def empty_state() -> State:

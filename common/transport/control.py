@@ -61,7 +61,7 @@ def list_processes(r, keys: Keys) -> list[dict]:
     for _, v in (r.hgetall(keys.procs) or {}).items():
         try:
             out.append(json.loads(v))
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, RecursionError):
             continue
     return sorted(out, key=lambda d: (d.get("role", ""), d.get("id", "")))
 

@@ -4,9 +4,9 @@ Two learners on one namespace would share consumer ``learner-0``'s pending list 
 directory, and train entries twice across lineages. So rank 0 of a learner takes the namespace's
 lease before it builds anything, keeps it while it runs, and writes nothing once it lost it.
 
-Keys (``Keys``): ``<ns>:learner:lease`` (hash: token, holder, host, pid, pid_start, since; expires
-``trainer.lease_ttl_s`` after the last renewal), ``<ns>:learner:owner`` (the token of the last
-learner that took the lease; no expiry) and ``<ns>:learner:epoch`` (a counter; each token starts
+Keys (``Keys``): ``{ns}:learner:lease`` (hash: token, holder, host, pid, pid_start, since; expires
+``trainer.lease_ttl_s`` after the last renewal), ``{ns}:learner:owner`` (the token of the last
+learner that took the lease; no expiry) and ``{ns}:learner:epoch`` (a counter; each token starts
 with its next value, so tokens grow with every hand-over).
 
 * **Taking it.** :meth:`LearnerLease.acquire` takes a free (or expired) lease. One held by a live
@@ -20,7 +20,10 @@ with its next value, so tokens grow with every hand-over).
   is still the lease's). A lease that expired while its holder could not reach Redis (Redis was
   down or restarted, even without persistence) is taken back by the same token when nobody took
   it in between (``owner`` still names this token, or is gone with the data). Otherwise the lease
-  is lost: :attr:`lost` is set and ``on_lost`` runs (the learner stops).
+  is lost: :attr:`lost` is set and ``on_lost`` runs (the learner stops). The fenced scripts and
+  :meth:`check` agree on a missing ``owner`` (a Redis restarted without persistence): it is still
+  the holder's, who re-claims it with the same token (the scripts set it again); before, the
+  scripts refused it while ``check`` accepted it, and the learner stopped as if fenced (exit 3).
 * **Fencing.** A learner that lost its lease writes nothing more. In Redis this is atomic: the
   learner's acks and dead letters (``StreamConsumer(fence=...)``) and its control-record writes
   (:meth:`hset`) run as scripts that first compare ``owner`` with the learner's token and fail
@@ -77,12 +80,21 @@ return 0
 """
 
 def fence_lua(key: int | str, arg: int | str) -> str:
-    """The Lua lines a fenced write script starts with: fail with FENCED unless ``KEYS[key]`` (the
-    owner key) holds ``ARGV[arg]`` (the token); an empty token means unfenced."""
+    """The Lua lines a fenced write script starts with: fail with FENCED when ``KEYS[key]`` (the
+    owner key) holds another token than ``ARGV[arg]``; an empty token means unfenced. A missing
+    owner key (Redis restarted without persistence, and no learner took the namespace since) is
+    the holder's to re-claim: the script sets it to the token and goes on, as :meth:`LearnerLease.check`
+    accepts it and the renewal takes the lease back (a learner taking the namespace afterwards
+    sets its own token, and this one is fenced from then on)."""
     return f"""
-if ARGV[{arg}] ~= '' and redis.call('GET', KEYS[{key}]) ~= ARGV[{arg}] then
-  return redis.error_reply('FENCED another learner holds this namespace now (owner ' ..
-    tostring(redis.call('GET', KEYS[{key}])) .. ', ours ' .. ARGV[{arg}] .. ')')
+if ARGV[{arg}] ~= '' then
+  local owner = redis.call('GET', KEYS[{key}])
+  if owner == false then
+    redis.call('SET', KEYS[{key}], ARGV[{arg}])
+  elseif owner ~= ARGV[{arg}] then
+    return redis.error_reply('FENCED another learner holds this namespace now (owner ' ..
+      owner .. ', ours ' .. ARGV[{arg}] .. ')')
+  end
 end
 """
 
@@ -201,7 +213,8 @@ class LearnerLease:
 
     def check(self) -> None:
         """Raise :class:`LeaseLost` unless this learner still owns the namespace (a Redis read; call
-        right before writing files that another learner would share)."""
+        right before writing files that another learner would share). A missing owner key (Redis
+        lost it) is accepted, as the fenced scripts accept it (:func:`fence_lua`)."""
         owner = self.link.call(lambda r: r.get(self.keys.learner_owner))
         if self.lost.is_set() or (owner is not None and owner.decode() != self.token):
             self.lost.set()

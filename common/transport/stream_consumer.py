@@ -71,6 +71,23 @@ if ARGV[5] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[5], 1) end
 return 1
 """
 
+# KEYS: stream, in-flight set; ARGV: group, consumer. Counts one more delivery (XCLAIM RETRYCOUNT)
+# of each entry in the set that is still pending for the consumer (it was being processed when the
+# consumer's process died), then empties the set; returns how many were counted. One script: a
+# crash between the count and the clearing cannot count twice.
+STRIKE_LUA = """
+local n = 0
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1, ARGV[2])
+  if #p > 0 then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'RETRYCOUNT', p[1][4] + 1, 'JUSTID')
+    n = n + 1
+  end
+end
+redis.call('DEL', KEYS[2])
+return n
+"""
+
 # the head of an oversized payload that its dead-letter record keeps
 _OVERSIZED_KEPT = 65536
 
@@ -98,6 +115,11 @@ class StreamConsumer:
       refund).
     * ``fence``: (owner key, token) of the learner lease (:mod:`worldloop.common.transport.lease`): acks and
       dead letters fail with ``Fenced`` once another learner took the namespace.
+    * ``inflight_key``: a set naming the entries this consumer is processing right now
+      (:meth:`processing` before, :meth:`processed` after). :meth:`read_own_pending` counts a
+      delivery only against those (the process died while working on them); the others a dead
+      process merely held come back uncounted, so a crash loop alone never makes good entries
+      poison.
     """
 
     def __init__(self, url: str, stream: str, group: str, consumer: str, *,
@@ -107,7 +129,8 @@ class StreamConsumer:
                  startup_timeout_s: float | None = None, stats_key: str | None = None,
                  max_message_bytes: int | None = None, deadletter_maxlen: int = 10_000,
                  max_deliveries: int | None = None, reclaim: bool = True,
-                 on_deadletter: Callable[[bytes], Any] | None = None, fence: tuple[str, str] | None = None):
+                 on_deadletter: Callable[[bytes], Any] | None = None, fence: tuple[str, str] | None = None,
+                 inflight_key: str | None = None):
         self.stream = stream
         self.group = group
         self.stats_key = stats_key
@@ -122,6 +145,7 @@ class StreamConsumer:
         self.max_deliveries = max_deliveries
         self.reclaim = reclaim
         self.on_deadletter = on_deadletter
+        self.inflight_key = inflight_key
         self._fence_key, self._fence_token = fence or (stream, "")
         # a blocking XREADGROUP must return before the socket times out
         self._link = RedisLink(url, stream, reconnect_max_s, max(socket_timeout_s, block_ms / 1000 + 5),
@@ -129,6 +153,7 @@ class StreamConsumer:
         self._link.on_nogroup = self._create_group
         self._ack_script = self._link.register_script(ACK_LUA)
         self._deadletter_script = self._link.register_script(DEADLETTER_LUA)
+        self._strike_script = self._link.register_script(STRIKE_LUA)
         self._claim_cursor = "0-0"
         self._m = {
             "consumed": metric("worldloop_stream_consumed_messages").labels(stream=stream),
@@ -167,27 +192,43 @@ class StreamConsumer:
     def read_own_pending(self, page: int = 256) -> list[Message]:
         """Every entry still pending for this consumer name (what a previous process of the same
         name read and never acked), decoded like :meth:`read`: undecodable ones go to the
-        dead-letter stream, ones deleted while pending are acked and skipped. Reading them counts
-        one more delivery of each (:attr:`Message.deliveries`)."""
-        cursor, out = "0-0", []
-        while True:
-            def page_of(r: redis.Redis) -> tuple[list, list]:
-                res = r.xreadgroup(self.group, self.consumer, {self.stream: cursor}, count=page)
-                entries = res[0][1] if res else []
-                if not entries:
-                    return entries, []
-                return entries, r.xpending_range(self.stream, self.group, min=entries[0][0], max=entries[-1][0],
-                                                 count=len(entries), consumername=self.consumer)
+        dead-letter stream, ones deleted while pending are acked and skipped.
 
-            entries, pending = self._link.call(page_of)
-            if not entries:
+        Reading them counts no delivery (XPENDING + XRANGE, never XREADGROUP, which would count
+        one for each): only the entries in ``inflight_key`` (being processed when the previous
+        process died) get one more (:data:`STRIKE_LUA`), so :attr:`Message.deliveries` is 1 plus
+        the number of processes that died while processing the entry. Without ``inflight_key``
+        nothing is counted."""
+        if self.inflight_key is not None:
+            struck = int(self._link.call(lambda r: self._strike_script(
+                keys=[self.stream, self.inflight_key], args=[self.group, self.consumer], client=r)))
+            if struck:
+                log.warning("stream %s: %d entries were being processed when %s's previous process died: one "
+                            "more delivery counted against each", self.stream, struck, self.consumer)
+        cursor, out = "-", []
+        while True:
+            rows = self._link.call(lambda r: r.xpending_range(self.stream, self.group, min=cursor, max="+", count=page,
+                                                              consumername=self.consumer))
+            if not rows:
                 return out
-            cursor = _text(entries[-1][0])
-            gone = [_text(eid) for eid, fields in entries if not fields]
-            if gone:
-                self.ack(gone, count_metric=False)
-            counts = {_text(row["message_id"]): int(row["times_delivered"]) for row in pending}
-            out += self._decode_all([(eid, fields) for eid, fields in entries if fields], counts, reclaimed=True)
+            ids = [_text(row["message_id"]) for row in rows]
+            cursor = _next_id(ids[-1])
+            entries, counts = self._fetch_pending(ids)
+            out += self._decode_all(entries, counts, reclaimed=True)
+
+    def processing(self, ids: Iterable[str]) -> None:
+        """Record (in ``inflight_key``) that this consumer works on ``ids`` now: should its process
+        die before :meth:`processed`, the next :meth:`read_own_pending` counts a delivery of each."""
+        ids = list(ids)
+        if ids and self.inflight_key is not None:
+            self._link.call(lambda r: r.sadd(self.inflight_key, *ids))
+
+    def processed(self, ids: Iterable[str]) -> None:
+        """The work on ``ids`` is over (done, or its outcome recorded): a crash from now on counts
+        nothing against them."""
+        ids = list(ids)
+        if ids and self.inflight_key is not None:
+            self._link.call(lambda r: r.srem(self.inflight_key, *ids))
 
     def touch(self, ids: list[str]) -> int:
         """Reset the idle time of entries this consumer still works on (XCLAIM to itself), so that a
@@ -224,6 +265,13 @@ class StreamConsumer:
         if not ids:
             return [], {}
 
+        entries, counts = self._fetch_pending(ids)
+        self._m["reclaimed"].inc(len(entries))
+        return entries, counts
+
+    def _fetch_pending(self, ids: list) -> tuple[list[tuple[bytes, dict]], dict[str, int]]:
+        """The pending entries ``ids`` that still exist and each one's delivery count (XRANGE and
+        XPENDING, which count nothing); those deleted while pending are acked."""
         def fetch(r: redis.Redis) -> list:
             p = r.pipeline(transaction=False)
             for i in ids:
@@ -242,7 +290,6 @@ class StreamConsumer:
         if gone:
             log.info("stream %s: %d pending entries were deleted; acking them", self.stream, len(gone))
             self.ack(gone, count_metric=False)
-        self._m["reclaimed"].inc(len(entries))
         return entries, counts
 
     def attempt(self, m: Message) -> bool:

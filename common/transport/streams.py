@@ -172,14 +172,20 @@ class StreamProducer:
 
 # --------------------------------------------------------------------------- exactly-once forward
 
+# KEYS: source, dest, seen zset; ARGV: group, entry id, payload, dedup id, window s, data field.
+# The window runs on Redis's own clock (TIME), never a judge's: a judge whose clock is days ahead
+# once wiped the set and let a duplicate through. replicate_commands: a write after TIME needs
+# effects replication on Redis 6.2 (the only mode, and a no-op, on 7).
 FORWARD_LUA = """
+redis.replicate_commands()
 local acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 if acked == 0 then return 0 end
 redis.call('XDEL', KEYS[1], ARGV[2])
-local now = tonumber(ARGV[5])
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - tonumber(ARGV[6]))
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. (now - tonumber(ARGV[5])))
 if redis.call('ZADD', KEYS[3], 'NX', now, ARGV[4]) == 0 then return -1 end
-redis.call('XADD', KEYS[2], '*', ARGV[7], ARGV[3])
+redis.call('XADD', KEYS[2], '*', ARGV[6], ARGV[3])
 return 1
 """
 FORWARDED, LOST_RACE, DUPLICATE = 1, 0, -1
@@ -191,14 +197,15 @@ class Forwarder:
 
         XACK source group <id>     -- 0: another consumer already finished this entry -> LOST_RACE
         XDEL source <id>
-        ZADD NX <seen_key> <now> <dedup_id>   -- 0: this id was forwarded already -> DUPLICATE
+        ZADD NX <seen_key> <Redis TIME> <dedup_id>   -- 0: this id was forwarded already -> DUPLICATE
         XADD dest * data <payload>            -- FORWARDED
 
     A consumer that dies before the script ran left the entry pending: another one reclaims and
     forwards it. Two consumers holding the same entry (a slow one whose entry was reclaimed) both
     run the script, but only the first XACK removes it from the pending list, so one XADD happens.
     A reply lost to a connection error is retried: the retry finds the entry acked and adds
-    nothing. ``seen_key`` forgets ids older than ``dedup_window_s``. The destination's backpressure
+    nothing. ``seen_key`` forgets ids older than ``dedup_window_s`` by Redis's clock (TIME in the
+    script), so a judge's own clock, however wrong, moves nothing. The destination's backpressure
     (``max_backlog`` undelivered entries) is waited for before the script runs.
     """
 
@@ -225,7 +232,7 @@ class Forwarder:
 
         def run(r: redis.Redis) -> int:
             return int(self._script(keys=[self.source, self.dest, self.seen_key],
-                                    args=[self.group, entry_id, payload, dedup_id, time.time(), self.dedup_window_s, DATA_FIELD],
+                                    args=[self.group, entry_id, payload, dedup_id, self.dedup_window_s, DATA_FIELD],
                                     client=r))
 
         try:

@@ -215,8 +215,11 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def json_object(raw: bytes) -> dict:
-    """A request's JSON object (ValueError otherwise)."""
-    req = json.loads(raw)
+    """A request's JSON object (ValueError otherwise, also for one nested too deeply to parse)."""
+    try:
+        req = json.loads(raw)
+    except RecursionError:
+        raise ValueError("request is nested too deeply") from None
     if not isinstance(req, dict):
         raise ValueError("request must be a JSON object")
     return req
@@ -237,8 +240,8 @@ def _parse_header(mv: memoryview) -> tuple[int, list[tuple[str, torch.dtype, lis
         raise ValueError(f"header length {hlen} runs past the end of the data ({len(mv)} bytes)")
     try:
         header = json.loads(bytes(mv[8:8 + hlen]).decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
-        raise ValueError(f"header is not valid JSON: {e}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"header is not valid JSON: {type(e).__name__}: {e}") from None
     if not isinstance(header, dict):
         raise ValueError(f"header must be a JSON object, got {type(header).__name__}")
     meta = header.pop("__metadata__", None)

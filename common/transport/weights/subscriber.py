@@ -273,7 +273,7 @@ class WeightSubscriber:
                 msg = json.loads(frames[1])
                 if msg.get("format") == FORMAT and valid_version(msg.get("version")):
                     self._announced = msg["version"]
-            except (IndexError, ValueError, AttributeError):
+            except (IndexError, ValueError, AttributeError, RecursionError):  # RecursionError: nested too deep
                 log.debug("weights: ignored a malformed announcement")
 
     # ---- fetching
@@ -334,7 +334,7 @@ class WeightSubscriber:
             hdr = json.loads(frames[2].bytes)
             if not isinstance(hdr, dict) or not is_int(hdr.get("rid")):
                 raise ValueError("no request id")
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: a header nested too deep
             self._reject(f"malformed reply ({e})")
             return None
         return hdr["rid"], frames[1].bytes, hdr, frames[3:]
