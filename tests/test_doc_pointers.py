@@ -105,3 +105,12 @@ def test_only_the_transport_room_speaks_redis_streams() -> None:
                                           "common/*.py")
                        if call.search((ROOT / f).read_text())})
     assert speakers and all(f.startswith("common/transport/") for f in speakers), speakers
+
+
+def test_the_readme_layout_names_every_module() -> None:
+    # each module of the installed folders is named in the README's Layout section, by file or stem
+    readme = (ROOT / "README.md").read_text()
+    layout = readme[readme.index("## Layout"):readme.index("## The processes")]
+    missing = [f for f in tracked("actor/*.py", "judge/*.py", "learner/*.py", "envs/*.py", "common/*.py", "worldloop/*.py")
+               if not f.endswith("__init__.py") and not re.search(rf"\b{re.escape(Path(f).stem)}(\.py)?\b", layout)]
+    assert missing == []
