@@ -39,3 +39,71 @@ def redis_server():
 @pytest.fixture
 def redis_url(redis_server) -> str:
     return redis_server.url
+
+
+# --- running in parallel (pytest-xdist, `--dist loadgroup`; tests/README.md "Parallel runs") --------------
+# The full-system tests start many processes each (`worldloop up`, several roles, a Prometheus, a
+# supervisord, network namespaces, a vLLM): they go to one xdist group, "serial", which one worker
+# runs one test at a time, so that no two of them share the 2 cores and the memory at once. Every
+# other test goes to the group of its module, so that a module's module-scoped fixtures (a learner,
+# a trained model) are built once, on one worker.
+SERIAL_MODULES = frozenset({
+    "test_up", "test_chaos", "test_scaling", "test_server_run", "test_netns", "test_prometheus", "test_deploy",
+    "test_admission_runs", "test_resource_faults", "test_redis_faults", "test_learner_resume", "test_show",
+    "test_server_backend", "test_vllm_backend",
+})
+SERIAL_GROUP = "serial"
+
+
+def xdist_group_of(item: pytest.Item) -> str:
+    """The xdist group of a test: "serial" for a full-system test (a module of SERIAL_MODULES, or a
+    test marked vllm: two vLLMs at once do not fit the memory of a CI machine), else its module."""
+    module = item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else item.nodeid.split("::")[0]
+    if module in SERIAL_MODULES or item.get_closest_marker("vllm") is not None:
+        return SERIAL_GROUP
+    return module
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group into the node id
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(xdist_group_of(item)))
+
+
+# --- the tiny model, built once per session (per xdist worker) and shared by the tests that only read it ----
+@pytest.fixture(scope="session")
+def shared_tiny_model(tmp_path_factory):
+    """``shared_tiny_model(**kwargs)``: the directory ``make_tiny_model(path, **kwargs)`` builds, built once
+    per session for each distinct set of arguments (defaults filled in, so ``seed=0`` and no seed are the
+    same model). It is made read-only: a test that writes into its model (saves over it, fine-tunes it in
+    place) fails with PermissionError and must build its own copy with ``make_tiny_model(tmp_path / ...)``."""
+    import inspect
+    import json
+
+    from worldloop.bootstrap.tiny_model import make_tiny_model
+
+    sig = inspect.signature(make_tiny_model)
+    root = tmp_path_factory.mktemp("shared-tiny")
+    built: dict[str, Path] = {}
+
+    def get(**kwargs) -> Path:
+        if kwargs.get("force"):
+            raise ValueError("shared_tiny_model: force=True rebuilds a shared model; build your own copy")
+        bound = sig.bind(root, **kwargs)
+        bound.apply_defaults()
+        args = {k: v for k, v in bound.arguments.items() if k != "path"}
+        key = json.dumps(args, sort_keys=True)
+        if key not in built:
+            path = make_tiny_model(root / f"m{len(built)}", **args)
+            _make_read_only(path)
+            built[key] = path
+        return built[key]
+
+    return get
+
+
+def _make_read_only(path: Path) -> None:
+    for p in sorted(path.rglob("*"), reverse=True):
+        p.chmod(0o555 if p.is_dir() else 0o444)
+    path.chmod(0o555)

@@ -59,3 +59,40 @@ def test_what_is_there_is_returned(monkeypatch) -> None:
     monkeypatch.setenv("CI", "true")
     assert require_tool("no-such-tool-xyz", "python3").endswith("python3")  # the first one found
     assert require_import("json").dumps([1]) == "[1]"
+
+
+def test_the_readme_runs_the_tests_as_ci_does() -> None:
+    """README's "Run the tests" command is the pytest line of .ci/run, word for word."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    ci_cmd = [line.strip() for line in (root / ".ci/run").read_text().splitlines()
+              if line.strip().startswith("python -m pytest")]
+    readme = (root / "README.md").read_text()
+    block = re.search(r"\*\*Run the tests\*\*.*?```bash\n(.*?)```", readme, re.S).group(1)
+    assert ci_cmd == [line for line in block.splitlines() if line.startswith("python -m pytest")], (ci_cmd, block)
+    assert "--dist loadgroup" in ci_cmd[0] and "--durations=30" in ci_cmd[0]
+
+
+def test_every_serial_module_exists_and_its_tests_are_grouped(request) -> None:
+    """conftest.SERIAL_MODULES names test files that exist (a renamed file would silently leave the
+    group), and a test of one of them is put in the serial group, any other in its module's."""
+    from pathlib import Path
+
+    import conftest
+
+    here = Path(__file__).resolve().parent
+    assert sorted(m for m in conftest.SERIAL_MODULES if not (here / f"{m}.py").exists()) == []
+    assert conftest.xdist_group_of(request.node) == "test_ci"
+    marks = [m.args[0] for m in request.node.iter_markers("xdist_group")]
+    assert marks == ["test_ci"]
+    from types import SimpleNamespace
+
+    def item(module: str, vllm: bool) -> SimpleNamespace:
+        return SimpleNamespace(module=SimpleNamespace(__name__=module), nodeid=f"tests/{module}.py::t",
+                               get_closest_marker=lambda name: object() if (vllm and name == "vllm") else None)
+
+    assert [conftest.xdist_group_of(item(m, v)) for m, v in
+            [("test_up", False), ("test_hf_backend", True), ("test_hf_backend", False)]] == [
+        "serial", "serial", "test_hf_backend"]
