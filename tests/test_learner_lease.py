@@ -3,16 +3,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from procs import ROOT, Child
+from procs import Child, wait_for
 from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.common.keys import Keys
 from worldloop.common.lease import LearnerLease, LeaseHeld, LeaseLost
@@ -29,22 +26,21 @@ HOLDER = textwrap.dedent('''
 ''')
 
 
-def _hold_in_child(url: str, ns: str) -> subprocess.Popen:
-    child = subprocess.Popen([sys.executable, "-c", HOLDER, url, ns], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    assert child.stdout.readline().strip() == "held"
+def _hold_in_child(url: str, ns: str, log: Path) -> Child:
+    child = Child.script(HOLDER, [url, ns], log)
+    wait_for(lambda: "held" in child.output(None).split(), "the holder process to take the learner lease", 120, [child])
     return child
 
 
-def test_a_second_learner_is_refused_naming_the_holder_and_a_dead_ones_lease_is_taken_over(redis_url) -> None:
+def test_a_second_learner_is_refused_naming_the_holder_and_a_dead_ones_lease_is_taken_over(redis_url, tmp_path) -> None:
     keys = Keys("lease1")
-    child = _hold_in_child(redis_url, keys.ns)
+    child = _hold_in_child(redis_url, keys.ns, tmp_path / "holder.log")
     try:
         with pytest.raises(LeaseHeld) as e:
             LearnerLease(redis_url, keys, 30.0, holder="a second learner").acquire()
         assert "the first learner" in str(e.value) and f"pid {child.pid}" in str(e.value)
         assert "lease1" in str(e.value)
-        child.kill()  # kill -9: nothing handed the lease back
-        child.wait()
+        child.kill()  # kill -9 (and reaped): nothing handed the lease back
         lease = LearnerLease(redis_url, keys, 30.0, holder="its restart").acquire()  # at once, no TTL wait
         assert lease.token.split("-")[0] == "2"  # the token's epoch grew
         assert connect(redis_url).get(keys.learner_owner).decode() == lease.token
@@ -101,7 +97,7 @@ def test_a_lease_that_expired_while_redis_was_away_is_taken_back_when_nobody_too
 
 def test_a_second_learner_process_refuses_to_start(redis_url, tmp_path: Path) -> None:
     keys = Keys("lease4")
-    holder = _hold_in_child(redis_url, keys.ns)
+    holder = _hold_in_child(redis_url, keys.ns, tmp_path / "holder.log")
     conf = tmp_path / "learner.yaml"
     model = make_tiny_model(tmp_path / "model")  # a model the learner could start from, were the namespace free
     conf.write_text(yaml.safe_dump({"redis": {"url": redis_url, "namespace": keys.ns}, "metrics": {"enabled": False},
