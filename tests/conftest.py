@@ -66,9 +66,29 @@ def xdist_group_of(item: pytest.Item) -> str:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group into the node id
 def pytest_collection_modifyitems(config, items):
+    # pytest-randomly has shuffled the items already (its hook wraps this one)
+    in_written_order(items)
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(xdist_group_of(item)))
+
+
+def _written_key(item: pytest.Item) -> tuple:
+    callspec = getattr(item, "callspec", None)
+    return item.location[1] or 0, tuple(callspec.indices.values()) if callspec is not None else ()
+
+
+def in_written_order(items: list) -> None:
+    """The tests of a module marked ``in_order`` (one scenario on a shared, expensive fixture, e.g. a
+    vLLM engine whose weight versions the tests advance) are put back in the order they are written,
+    in the places the random order gave the module's tests; every other test keeps its random place."""
+    slots: dict[str, list[int]] = {}
+    for i, item in enumerate(items):
+        if item.get_closest_marker("in_order") is not None:
+            slots.setdefault(str(item.path), []).append(i)
+    for places in slots.values():
+        for i, item in zip(places, sorted((items[i] for i in places), key=_written_key)):
+            items[i] = item
 
 
 # --- the tiny model, built once per session (per xdist worker) and shared by the tests that only read it ----

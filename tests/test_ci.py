@@ -96,3 +96,22 @@ def test_every_serial_module_exists_and_its_tests_are_grouped(request) -> None:
     assert [conftest.xdist_group_of(item(m, v)) for m, v in
             [("test_up", False), ("test_hf_backend", True), ("test_hf_backend", False)]] == [
         "serial", "serial", "test_hf_backend"]
+
+
+def test_a_module_marked_in_order_gets_its_written_order_back_in_its_places() -> None:
+    """conftest.in_written_order on a shuffled list: the in_order module's tests (x at lines 5, 9, 9
+    with parameters 0 and 1) take back their written order in the places they held; the others stay."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import conftest
+
+    def item(name: str, path: str, line: int, param: int | None = None, in_order: bool = False):
+        return SimpleNamespace(name=name, path=Path(path), location=(path, line, name),
+                               callspec=SimpleNamespace(indices={"p": param}) if param is not None else None,
+                               get_closest_marker=lambda m: object() if (in_order and m == "in_order") else None)
+
+    x = [item("x9b", "x.py", 9, 1, True), item("a", "a.py", 3), item("x5", "x.py", 5, None, True),
+         item("x9a", "x.py", 9, 0, True), item("b", "a.py", 1)]
+    conftest.in_written_order(x)
+    assert [i.name for i in x] == ["x5", "a", "x9a", "x9b", "b"]
