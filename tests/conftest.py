@@ -92,12 +92,17 @@ def in_written_order(items: list) -> None:
 
 
 # --- the tiny model, built once per session (per xdist worker) and shared by the tests that only read it ----
+_SHARED_MODELS: dict[Path, dict[str, tuple[int, int]]] = {}  # path -> its files' (size, mtime) when built
+
+
 @pytest.fixture(scope="session")
 def shared_tiny_model(tmp_path_factory):
     """``shared_tiny_model(**kwargs)``: the directory ``make_tiny_model(path, **kwargs)`` builds, built once
     per session for each distinct set of arguments (defaults filled in, so ``seed=0`` and no seed are the
-    same model). It is made read-only: a test that writes into its model (saves over it, fine-tunes it in
-    place) fails with PermissionError and must build its own copy with ``make_tiny_model(tmp_path / ...)``."""
+    same model). Tests only read it: its files are made read-only (a write fails with PermissionError,
+    except as root), and after each test that used it they are compared with what was built (a test
+    that changed one fails in its teardown). A test that changes its model builds its own copy with
+    ``make_tiny_model(tmp_path / ...)``."""
     import inspect
     import json
 
@@ -117,10 +122,28 @@ def shared_tiny_model(tmp_path_factory):
         if key not in built:
             path = make_tiny_model(root / f"m{len(built)}", **args)
             _make_read_only(path)
+            _SHARED_MODELS[path] = _files_of(path)
             built[key] = path
         return built[key]
 
     return get
+
+
+@pytest.fixture(autouse=True)
+def _shared_models_unchanged(request):
+    yield
+    if "shared_tiny_model" not in request.fixturenames:
+        return
+    changed = {str(p): sorted(set(files) ^ set(now) | {f for f in files if now.get(f) != files[f]})
+               for p, files in _SHARED_MODELS.items() if (now := _files_of(p)) != files}
+    if changed:
+        pytest.fail(f"{request.node.nodeid} changed a shared tiny model (files {changed}): a test that "
+                    "changes its model builds its own with make_tiny_model(tmp_path / ...)", pytrace=False)
+
+
+def _files_of(path: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.rglob("*"))
+            if p.is_file()}
 
 
 def _make_read_only(path: Path) -> None:

@@ -115,3 +115,20 @@ def test_a_module_marked_in_order_gets_its_written_order_back_in_its_places() ->
          item("x9a", "x.py", 9, 0, True), item("b", "a.py", 1)]
     conftest.in_written_order(x)
     assert [i.name for i in x] == ["x5", "a", "x9a", "x9b", "b"]
+
+
+def test_the_shared_tiny_model_is_built_once_per_arguments_and_read_only(shared_tiny_model) -> None:
+    """Defaults filled in: no seed and seed=0 are one model; other arguments another; every file
+    read-only (mode 444: a write fails, except as root, where the check after each test catches it);
+    force=True (a rebuild over the shared one) refused."""
+    import stat
+
+    import conftest
+
+    a = shared_tiny_model(max_image_side=56)
+    assert shared_tiny_model(seed=0, max_image_side=56) == a and shared_tiny_model(max_image_side=112) != a
+    files = [p for p in a.rglob("*") if p.is_file()]
+    assert (a / "config.json") in files and {stat.S_IMODE(p.stat().st_mode) for p in files} == {0o444}
+    assert conftest._SHARED_MODELS[a] == conftest._files_of(a)  # what the check after this test compares
+    with pytest.raises(ValueError, match="force=True rebuilds a shared model"):
+        shared_tiny_model(max_image_side=56, force=True)
