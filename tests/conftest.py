@@ -71,6 +71,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(xdist_group_of(item)))
+    # the serial group, the longest piece of work, first (in its shuffled order): xdist hands out groups
+    # in the order of their first test, and a serial group handed out last would run alone at the end
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group").args[0] != SERIAL_GROUP)
 
 
 def _written_key(item: pytest.Item) -> tuple:

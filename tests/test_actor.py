@@ -28,7 +28,6 @@ from transformers import AutoTokenizer
 
 from worldloop import envs  # noqa: F401  (registers the env ids)
 from worldloop.actor.process import run
-from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.common.config import config_from_dict
 from worldloop.common.control import list_processes, write_control
 from worldloop.common.keys import Keys, SCORED_GROUP
@@ -46,8 +45,8 @@ ENV = {"id": "worldloop/FrozenLake-v0",
 
 
 @pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("actor") / "vl", seed=0, max_image_side=SIDE)
+def vl_dir(shared_tiny_model) -> Path:
+    return shared_tiny_model(seed=0, max_image_side=SIDE)
 
 
 @pytest.fixture(scope="module")

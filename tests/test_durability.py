@@ -22,14 +22,12 @@ from worldloop.common.schemas import decode_trajectory, encode_trajectory
 from worldloop.common.streams import FORWARDED, Forwarder, StreamConsumer, StreamProducer, connect
 from worldloop.learner.data import DedupWindow, ScoredSource
 from worldloop.learner.synthetic import synthetic_trajectory
-from worldloop.bootstrap.tiny_model import make_tiny_model
-
 NS = "dur"
 
 
 @pytest.fixture(scope="module")
-def codec(tmp_path_factory) -> ChatCodec:
-    return ChatCodec(make_tiny_model(tmp_path_factory.mktemp("tiny") / "vl", max_image_side=112), max_image_side=112)
+def codec(shared_tiny_model) -> ChatCodec:
+    return ChatCodec(shared_tiny_model(max_image_side=112), max_image_side=112)
 
 
 class Run:

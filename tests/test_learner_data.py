@@ -17,7 +17,6 @@ from worldloop.common.keys import Keys, SCORED_GROUP
 from worldloop.common.modeling import ChatCodec, build_sequence, collate
 from worldloop.common.schemas import Trajectory, decode_deadletter, encode_trajectory
 from worldloop.common.streams import StreamProducer, connect
-from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.learner.data import (
     DedupWindow,
     ScoredSource,
@@ -35,8 +34,8 @@ NS = "ld"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "vl", max_image_side=112)
+def model_dir(shared_tiny_model) -> Path:
+    return shared_tiny_model(max_image_side=112)
 
 
 @pytest.fixture(scope="module")

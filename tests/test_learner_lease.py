@@ -10,7 +10,6 @@ import pytest
 import yaml
 
 from procs import Child, wait_for
-from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.common.keys import Keys
 from worldloop.common.lease import LearnerLease, LeaseHeld, LeaseLost
 from worldloop.common.redis_link import Fenced
@@ -95,11 +94,11 @@ def test_a_lease_that_expired_while_redis_was_away_is_taken_back_when_nobody_too
         a.close()
 
 
-def test_a_second_learner_process_refuses_to_start(redis_url, tmp_path: Path) -> None:
+def test_a_second_learner_process_refuses_to_start(redis_url, tmp_path: Path, shared_tiny_model) -> None:
     keys = Keys("lease4")
     holder = _hold_in_child(redis_url, keys.ns, tmp_path / "holder.log")
     conf = tmp_path / "learner.yaml"
-    model = make_tiny_model(tmp_path / "model")  # a model the learner could start from, were the namespace free
+    model = shared_tiny_model()  # a model the learner could start from, were the namespace free
     conf.write_text(yaml.safe_dump({"redis": {"url": redis_url, "namespace": keys.ns}, "metrics": {"enabled": False},
                                     "model": {"path": str(model)}, "run": {"run_dir": str(tmp_path / "run")}}))
     try:

@@ -22,7 +22,6 @@ from worldloop.common.keys import Keys, SCORED_GROUP
 from worldloop.common.modeling import ChatCodec
 from worldloop.common.schemas import decode_trajectory, encode_trajectory
 from worldloop.common.streams import StreamProducer, connect
-from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.learner import checkpoint
 from worldloop.learner.synthetic import synthetic_trajectory, tiny_learner_config
 from procs import run_to_end, wait_for
@@ -32,8 +31,8 @@ _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", 
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "vl", max_image_side=112)
+def model_dir(shared_tiny_model) -> Path:
+    return shared_tiny_model(max_image_side=112)
 
 
 def _env() -> dict:

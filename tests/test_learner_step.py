@@ -22,7 +22,6 @@ from worldloop.common.modeling import ChatCodec, build_sequence, collate, load_p
 from worldloop.common.redis_local import LocalRedis
 from worldloop.common.schemas import encode_trajectory
 from worldloop.common.streams import StreamProducer, connect
-from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.common.weights import WeightSubscriber
 from worldloop.learner import checkpoint
 from worldloop.learner.engine import init_distributed
@@ -33,8 +32,8 @@ TEMPERATURE = 0.7  # the actor's sampling temperature (config default)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "vl", max_image_side=112)
+def model_dir(shared_tiny_model) -> Path:
+    return shared_tiny_model(max_image_side=112)
 
 
 @pytest.fixture(scope="module")

@@ -31,9 +31,9 @@ TINY = ["model.max_image_side=56", "model.tiny_grounding_steps=0", "actor.max_tu
 
 
 @pytest.fixture(scope="module")
-def fresh_tokenizer(tmp_path_factory) -> Path:
+def fresh_tokenizer(shared_tiny_model) -> Path:
     """A model directory with the tokenizer the code trains now (the weights are not used)."""
-    return make_tiny_model(tmp_path_factory.mktemp("fresh") / "m")
+    return shared_tiny_model()
 
 
 @pytest.mark.parametrize("preset", PRESETS)
