@@ -43,10 +43,10 @@ def redis_url(redis_server) -> str:
 
 # --- running in parallel (pytest-xdist, `--dist loadgroup`; tests/README.md "Parallel runs") --------------
 # The full-system tests start many processes each (`worldloop up`, several roles, a Prometheus, a
-# supervisord, network namespaces, a vLLM): they go to one xdist group, "serial", which one worker
-# runs one test at a time, so that no two of them share the 2 cores and the memory at once. Every
-# other test goes to the group of its module, so that a module's module-scoped fixtures (a learner,
-# a trained model) are built once, on one worker.
+# supervisord, network namespaces, a vLLM): they form one group, "serial", which one worker runs one
+# test at a time, so that no two of them share the 2 cores and the memory at once. Every other test
+# goes to the group of its module, so that a module's module-scoped fixtures (a learner, a trained
+# model) are built once, on one worker. Every test marked vllm is in one of these modules (test_ci.py).
 SERIAL_MODULES = frozenset({
     "test_up", "test_chaos", "test_scaling", "test_server_run", "test_netns", "test_prometheus", "test_deploy",
     "test_admission_runs", "test_resource_faults", "test_redis_faults", "test_learner_resume", "test_show",
@@ -55,25 +55,36 @@ SERIAL_MODULES = frozenset({
 SERIAL_GROUP = "serial"
 
 
-def xdist_group_of(item: pytest.Item) -> str:
-    """The xdist group of a test: "serial" for a full-system test (a module of SERIAL_MODULES, or a
-    test marked vllm: two vLLMs at once do not fit the memory of a CI machine), else its module."""
-    module = item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else item.nodeid.split("::")[0]
-    if module in SERIAL_MODULES or item.get_closest_marker("vllm") is not None:
-        return SERIAL_GROUP
-    return module
+def xdist_group_of(nodeid: str) -> str:
+    """The xdist group of a test, from its node id: "serial" for a test of SERIAL_MODULES, else its module."""
+    module = Path(nodeid.split("::", 1)[0]).stem
+    return SERIAL_GROUP if module in SERIAL_MODULES else module
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group into the node id
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: a run without pytest-xdist has no such hook
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` with the groups of xdist_group_of. xdist's own loadgroup reads a group from a
+    node-id suffix that its workers write into ``item._nodeid``, which pytest 9 no longer reads (its
+    node ids are structured): every test would be its own group. The same scheduling (xdist's
+    loadscope: a group's tests go to one worker, in order), with the scope taken from the node id."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group_of(nodeid)
+
+    return ByGroup(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     # pytest-randomly has shuffled the items already (its hook wraps this one)
     in_written_order(items)
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(xdist_group_of(item)))
-    # the serial group, the longest piece of work, first (in its shuffled order): xdist hands out groups
-    # in the order of their first test, and a serial group handed out last would run alone at the end
-    items.sort(key=lambda item: item.get_closest_marker("xdist_group").args[0] != SERIAL_GROUP)
+    # the serial group, the longest piece of work, first (in its shuffled order): the scheduler hands out
+    # groups in the order of their first test, and a serial group handed out last would run alone at the end
+    items.sort(key=lambda item: xdist_group_of(item.nodeid) != SERIAL_GROUP)
 
 
 def _written_key(item: pytest.Item) -> tuple:

@@ -77,25 +77,23 @@ def test_the_readme_runs_the_tests_as_ci_does() -> None:
 
 def test_every_serial_module_exists_and_its_tests_are_grouped(request) -> None:
     """conftest.SERIAL_MODULES names test files that exist (a renamed file would silently leave the
-    group), and a test of one of them is put in the serial group, any other in its module's."""
+    group) and holds every file with a test marked vllm; a test of one of them is in the serial group,
+    any other in its module's; the serial group comes first in the collection."""
+    import re
     from pathlib import Path
 
     import conftest
 
     here = Path(__file__).resolve().parent
     assert sorted(m for m in conftest.SERIAL_MODULES if not (here / f"{m}.py").exists()) == []
-    assert conftest.xdist_group_of(request.node) == "test_ci"
-    marks = [m.args[0] for m in request.node.iter_markers("xdist_group")]
-    assert marks == ["test_ci"]
-    from types import SimpleNamespace
-
-    def item(module: str, vllm: bool) -> SimpleNamespace:
-        return SimpleNamespace(module=SimpleNamespace(__name__=module), nodeid=f"tests/{module}.py::t",
-                               get_closest_marker=lambda name: object() if (vllm and name == "vllm") else None)
-
-    assert [conftest.xdist_group_of(item(m, v)) for m, v in
-            [("test_up", False), ("test_hf_backend", True), ("test_hf_backend", False)]] == [
-        "serial", "serial", "test_hf_backend"]
+    vllm = {p.stem for p in here.glob("test_*.py") if re.search(r"pytest\.mark\.vllm\b", p.read_text())}
+    assert vllm and sorted(vllm - conftest.SERIAL_MODULES) == []
+    assert conftest.xdist_group_of(request.node.nodeid) == "test_ci"
+    assert [conftest.xdist_group_of(n) for n in ("tests/test_up.py::t[a-b]", "tests/test_hf_backend.py::t",
+                                                  "tests/test_vllm_backend.py::T::t")] == [
+        "serial", "test_hf_backend", "serial"]
+    groups = [conftest.xdist_group_of(item.nodeid) for item in request.session.items]
+    assert groups == sorted(groups, key=lambda g: g != "serial")
 
 
 def test_a_module_marked_in_order_gets_its_written_order_back_in_its_places() -> None:

@@ -103,7 +103,7 @@ def test_a_second_learner_process_refuses_to_start(redis_url, tmp_path: Path, sh
                                     "model": {"path": str(model)}, "run": {"run_dir": str(tmp_path / "run")}}))
     try:
         child = Child(["learner", "--config", str(conf)], tmp_path / "learner.log")
-        rc = child.wait(120)
+        rc = child.wait(300)  # a liveness bound: its imports alone take minutes on a loaded 2-core machine
         out = child.output(None)
         assert rc == 2, out[-3000:]
         assert "already has a learner: the first learner" in out and f"pid {holder.pid}" in out
