@@ -7,6 +7,7 @@ so the assertion message carries the logs' tails and where each child was stuck.
 
 Every other bounded wait of a test goes through one of these too, never a bare timeout:
 
+    Child(args, log) / Child.script(code, args, log)          # python -m worldloop ARGS / python -c CODE ARGS
     wait_for(pred, what, timeout, children=(), extra=None)   # poll a state
     exit_code(popen, timeout, what, log=None) -> int         # a subprocess.Popen to end
     run_to_end(cmd, timeout, what, **kwargs) -> CompletedProcess   # subprocess.run, output captured
@@ -33,13 +34,21 @@ ROOT = Path(__file__).resolve().parent.parent
 class Child:
     """A ``python -m worldloop ARGS`` process whose output goes to ``log``."""
 
-    def __init__(self, args: list[str], log: Path, env: dict | None = None, new_session: bool = False):
+    def __init__(self, args: list[str], log: Path, env: dict | None = None, new_session: bool = False,
+                 launcher: tuple[str, ...] = ("-m", "worldloop")):
         self.args = list(args)
         self.log = Path(log)
+        self.name = "worldloop" if launcher == ("-m", "worldloop") else "python"
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), **(env or {})}
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "worldloop", *self.args], cwd=ROOT, env=full_env,
+            self.proc = subprocess.Popen([sys.executable, *launcher, *self.args], cwd=ROOT, env=full_env,
                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=new_session)
+
+    @classmethod
+    def script(cls, code: str, args: list[str], log: Path, env: dict | None = None) -> "Child":
+        """A ``python -c CODE ARGS`` child: a helper process the test itself writes (e.g. one that
+        holds a lease), with its output in ``log`` like any other child."""
+        return cls(args, log, env=env, launcher=("-c", code))
 
     @property
     def pid(self) -> int:
@@ -55,7 +64,7 @@ class Child:
 
     def describe(self, tail: int = 4000) -> str:
         state = "running" if self.proc.poll() is None else f"exited with {self.proc.returncode}"
-        return f"\n--- worldloop {' '.join(self.args[:1])} (pid {self.pid}, {state}), log {self.log}:\n{self.output(tail)}"
+        return f"\n--- {self.name} {' '.join(self.args[:1])} (pid {self.pid}, {state}), log {self.log}:\n{self.output(tail)}"
 
     def dump_stacks(self) -> None:
         """Ask a live child to print every thread's stack into its log."""

@@ -28,6 +28,12 @@ from transformers import AutoTokenizer
 
 from worldloop import envs  # noqa: F401  (registers the env ids)
 from worldloop.actor.process import run
+from worldloop.common.contracts.config import config_from_dict
+from worldloop.common.transport.control import list_processes, write_control
+from worldloop.common.contracts.keys import Keys, SCORED_GROUP
+from worldloop.common.contracts.modeling import IMAGE_PLACEHOLDER, ChatCodec, build_sequence, collate, load_policy, token_logprobs
+from worldloop.common.contracts.schemas import decode_trajectory
+from worldloop.common.transport.streams import StreamConsumer
 from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.common.contracts.config import config_from_dict
 from worldloop.common.transport.control import list_processes, write_control
@@ -46,8 +52,8 @@ ENV = {"id": "worldloop/FrozenLake-v0",
 
 
 @pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("actor") / "vl", seed=0, max_image_side=SIDE)
+def vl_dir(shared_tiny_model) -> Path:
+    return shared_tiny_model(seed=0, max_image_side=SIDE)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,8 @@ from worldloop import envs  # noqa: F401  (registers the env ids)
 from worldloop.actor.hf_backend import HFBackend
 from worldloop.actor.rollout import (EpisodeSpec, RolloutEngine, Sampling, SeedSchedule, env_name, episode_sample_key,
                                      play_episodes)
+from worldloop.common.contracts.config import EnvSpec
+from worldloop.common.contracts.schemas import Trajectory, decode_trajectory, encode_trajectory
 from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.common.contracts.config import EnvSpec
 from worldloop.common.contracts.schemas import Trajectory, decode_trajectory, encode_trajectory
@@ -41,8 +43,8 @@ if BUGGY not in gymnasium.registry:
 
 
 @pytest.fixture(scope="module")
-def backend(tmp_path_factory) -> HFBackend:
-    path = make_tiny_model(tmp_path_factory.mktemp("rollout") / "vl", seed=0, max_image_side=SIDE)
+def backend(shared_tiny_model) -> HFBackend:
+    path = shared_tiny_model(seed=0, max_image_side=SIDE)
     return HFBackend(path, max_image_side=SIDE)
 
 

@@ -59,3 +59,74 @@ def test_what_is_there_is_returned(monkeypatch) -> None:
     monkeypatch.setenv("CI", "true")
     assert require_tool("no-such-tool-xyz", "python3").endswith("python3")  # the first one found
     assert require_import("json").dumps([1]) == "[1]"
+
+
+def test_the_readme_runs_the_tests_as_ci_does() -> None:
+    """README's "Run the tests" command is the pytest line of .ci/run, word for word."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    ci_cmd = [line.strip() for line in (root / ".ci/run").read_text().splitlines()
+              if line.strip().startswith("python -m pytest")]
+    readme = (root / "README.md").read_text()
+    block = re.search(r"\*\*Run the tests\*\*.*?```bash\n(.*?)```", readme, re.S).group(1)
+    assert ci_cmd == [line for line in block.splitlines() if line.startswith("python -m pytest")], (ci_cmd, block)
+    assert "--dist loadgroup" in ci_cmd[0] and "--durations=30" in ci_cmd[0]
+
+
+def test_every_serial_module_exists_and_its_tests_are_grouped(request) -> None:
+    """conftest.SERIAL_MODULES names test files that exist (a renamed file would silently leave the
+    group) and holds every file with a test marked vllm; a test of one of them is in the serial group,
+    any other in its module's; the serial group comes first in the collection."""
+    import re
+    from pathlib import Path
+
+    import conftest
+
+    here = Path(__file__).resolve().parent
+    assert sorted(m for m in conftest.SERIAL_MODULES if not (here / f"{m}.py").exists()) == []
+    vllm = {p.stem for p in here.glob("test_*.py") if re.search(r"pytest\.mark\.vllm\b", p.read_text())}
+    assert vllm and sorted(vllm - conftest.SERIAL_MODULES) == []
+    assert conftest.xdist_group_of(request.node.nodeid) == "test_ci"
+    assert [conftest.xdist_group_of(n) for n in ("tests/test_up.py::t[a-b]", "tests/test_hf_backend.py::t",
+                                                  "tests/test_vllm_backend.py::T::t")] == [
+        "serial", "test_hf_backend", "serial"]
+    groups = [conftest.xdist_group_of(item.nodeid) for item in request.session.items]
+    assert groups == sorted(groups, key=lambda g: g != "serial")
+
+
+def test_a_module_marked_in_order_gets_its_written_order_back_in_its_places() -> None:
+    """conftest.in_written_order on a shuffled list: the in_order module's tests (x at lines 5, 9, 9
+    with parameters 0 and 1) take back their written order in the places they held; the others stay."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import conftest
+
+    def item(name: str, path: str, line: int, param: int | None = None, in_order: bool = False):
+        return SimpleNamespace(name=name, path=Path(path), location=(path, line, name),
+                               callspec=SimpleNamespace(indices={"p": param}) if param is not None else None,
+                               get_closest_marker=lambda m: object() if (in_order and m == "in_order") else None)
+
+    x = [item("x9b", "x.py", 9, 1, True), item("a", "a.py", 3), item("x5", "x.py", 5, None, True),
+         item("x9a", "x.py", 9, 0, True), item("b", "a.py", 1)]
+    conftest.in_written_order(x)
+    assert [i.name for i in x] == ["x5", "a", "x9a", "x9b", "b"]
+
+
+def test_the_shared_tiny_model_is_built_once_per_arguments_and_read_only(shared_tiny_model) -> None:
+    """Defaults filled in: no seed and seed=0 are one model; other arguments another; every file
+    read-only (mode 444: a write fails, except as root, where the check after each test catches it);
+    force=True (a rebuild over the shared one) refused."""
+    import stat
+
+    import conftest
+
+    a = shared_tiny_model(max_image_side=56)
+    assert shared_tiny_model(seed=0, max_image_side=56) == a and shared_tiny_model(max_image_side=112) != a
+    files = [p for p in a.rglob("*") if p.is_file()]
+    assert (a / "config.json") in files and {stat.S_IMODE(p.stat().st_mode) for p in files} == {0o444}
+    assert conftest._SHARED_MODELS[a] == conftest._files_of(a)  # what the check after this test compares
+    with pytest.raises(ValueError, match="force=True rebuilds a shared model"):
+        shared_tiny_model(max_image_side=56, force=True)

@@ -6,6 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from worldloop.bootstrap.tiny_model import fallback_corpus
+from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate
+from worldloop.common.contracts.schemas import State, decode_trajectory, encode_trajectory
 from worldloop.bootstrap.tiny_model import fallback_corpus, make_tiny_model
 from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate
 from worldloop.common.contracts.schemas import State, decode_trajectory, encode_trajectory
@@ -15,8 +18,8 @@ from worldloop.testing.trajectories import synthetic_trajectory
 
 
 @pytest.fixture(scope="module")
-def codec(tmp_path_factory) -> ChatCodec:
-    model = make_tiny_model(tmp_path_factory.mktemp("tiny") / "vl", seed=0, max_image_side=112, corpus=fallback_corpus())
+def codec(shared_tiny_model) -> ChatCodec:
+    model = shared_tiny_model(seed=0, max_image_side=112, corpus=fallback_corpus())
     return ChatCodec(model, max_image_side=112)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from worldloop.common.metrics import CATALOG, exported_names
 from worldloop.common.contracts.keys import Keys
 from worldloop.common.metrics import CATALOG, exported_names, free_port
 
@@ -223,6 +225,38 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_prefixes(counts: dict[str, int]) -> dict[str, str]:
+    """A distinct two-digit port prefix P for each program, with P00 .. P(n-1) free now. supervisord
+    numbers a program's processes P00, P01, ..., so no OS-given port fits them; prefixes 11..32 give
+    ports 1100..3299, below Linux's ephemeral range (32768 and up), where no outgoing connection and
+    no free_port() of another test (xdist's other worker) lands meanwhile."""
+    out: dict[str, str] = {}
+    candidates = iter(range(11, 33))
+    for name, n in counts.items():
+        out[name] = next((str(p) for p in candidates if all(_bindable(p * 100 + i) for i in range(n))), "")
+        assert out[name], f"no two-digit port prefix with {n} free ports for {name}"
+    return out
+
+
+def test_free_prefixes_skip_a_range_where_something_listens() -> None:
+    first = _free_prefixes({"a": 2})["a"]  # what "a" would get with nothing held
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", int(first) * 100 + 1))  # its second port taken
+        held.listen(1)
+        got = _free_prefixes({"a": 2, "b": 1})
+    assert got["a"] != first and got["a"] != got["b"]
+    assert all(_bindable(int(p) * 100 + i) for p, n in ((got["a"], 2), (got["b"], 1)) for i in range(n))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # its waits add up to about 760 s
 def test_supervisord_runs_every_program_and_each_serves_metrics(tmp_path):
@@ -245,14 +279,14 @@ def test_supervisord_runs_every_program_and_each_serves_metrics(tmp_path):
         "trainer": {"total_steps": 1000, "train_batch_size": 2, "ppo_mini_batch_size": 2, "micro_batch_size": 1},
         "sft": {"enabled": False},
     }))
-    ports = {
-        "WORLDLOOP_REDIS_PORT": free_port(),
-        "WORLDLOOP_WEIGHTS_PUB_PORT": free_port(),
-        "WORLDLOOP_WEIGHTS_FETCH_PORT": free_port(),
-        "WORLDLOOP_LEARNER_METRICS_PORT": free_port(),
-    }
-    # two-digit prefixes with %(process_num)02d: pick ranges where nothing listens
-    actor_prefix, judge_prefix = "47", "48"
+    # two-digit prefixes with %(process_num)02d: ranges where nothing listens now (were 47/48, fixed);
+    # the four single ports from a range of their own there too (supervisord starts the programs that
+    # bind them: no retry on another port is possible)
+    prefixes = _free_prefixes({"actor": 2, "judge": 1, "single": 4})
+    actor_prefix, judge_prefix = prefixes["actor"], prefixes["judge"]
+    ports = {name: int(prefixes["single"]) * 100 + i for i, name in enumerate(
+        ["WORLDLOOP_REDIS_PORT", "WORLDLOOP_WEIGHTS_PUB_PORT", "WORLDLOOP_WEIGHTS_FETCH_PORT",
+         "WORLDLOOP_LEARNER_METRICS_PORT"])}
     password = 's3cret p@ss/"x'  # space, @, / and a quote: quoted for the URL and for redis.conf
     env_file = tmp_path / "worldloop.env"
     sup_dir = tmp_path / "sup"

@@ -25,14 +25,15 @@ from worldloop.common.contracts.schemas import decode_trajectory, encode_traject
 from worldloop.common.transport.streams import FORWARDED, Forwarder, StreamConsumer, StreamProducer, connect
 from worldloop.learner.data import DedupWindow, ScoredSource
 from worldloop.testing.trajectories import synthetic_trajectory
+from worldloop.testing.trajectories import synthetic_trajectory
 from worldloop.bootstrap.tiny_model import make_tiny_model
 
 NS = "dur"
 
 
 @pytest.fixture(scope="module")
-def codec(tmp_path_factory) -> ChatCodec:
-    return ChatCodec(make_tiny_model(tmp_path_factory.mktemp("tiny") / "vl", max_image_side=112), max_image_side=112)
+def codec(shared_tiny_model) -> ChatCodec:
+    return ChatCodec(shared_tiny_model(max_image_side=112), max_image_side=112)
 
 
 class Run:

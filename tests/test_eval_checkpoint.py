@@ -10,6 +10,8 @@ import pytest
 import torch
 import yaml
 
+from worldloop.common.contracts.config import load_config
+from worldloop.common.contracts.modeling import load_policy
 from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.common.contracts.config import load_config
 from worldloop.common.contracts.modeling import load_policy
@@ -17,14 +19,14 @@ from worldloop.eval.model import ModelNotFound, resolve_model
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict:
+def checkpoints(tmp_path_factory, shared_tiny_model) -> dict:
     """A run dir with a checkpoint that has the hf/ export and one without, after a weight change."""
     from worldloop.learner import checkpoint
     from worldloop.learner.engine import build_models, gather_policy_weights, init_distributed
     from worldloop.testing.learner import tiny_learner_config
 
     root = tmp_path_factory.mktemp("ckpt")
-    model_dir = make_tiny_model(root / "base", max_image_side=112)
+    model_dir = shared_tiny_model(max_image_side=112)
     cfg = tiny_learner_config(model_dir, "redis://127.0.0.1:1/0", root / "run", kl_coef=0.0, use_critic=False)
     models = build_models(cfg, init_distributed(cfg))
     with torch.no_grad():  # a visible "training" change: the learner's weights differ from the base

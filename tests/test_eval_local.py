@@ -11,7 +11,6 @@ import gymnasium
 import pytest
 
 from worldloop import envs  # noqa: F401
-from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.cli import main
 from worldloop.envs.presets import resolve
 from worldloop.eval.stats import wilson_interval
@@ -20,8 +19,8 @@ SEED0 = 10_000_000
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "vl", max_image_side=112)
+def model_dir(shared_tiny_model) -> Path:
+    return shared_tiny_model(max_image_side=112)
 
 
 def _records(out: Path) -> list[dict]:

@@ -14,6 +14,9 @@ import pytest
 
 from worldloop import envs  # noqa: F401  (registers the ids)
 from worldloop.bootstrap.sft import make_demonstrations
+from worldloop.common.contracts.config import JudgeConfig
+from worldloop.common.contracts.modeling import ChatCodec
+from worldloop.common.contracts.schemas import state_from_info
 from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.common.contracts.config import JudgeConfig
 from worldloop.common.contracts.modeling import ChatCodec
@@ -25,9 +28,9 @@ FROZENLAKE = {"size": 4, "render_mode": "vision", "image_size": 56, "prompt_form
 
 
 @pytest.fixture(scope="module")
-def demos(tmp_path_factory) -> list:
+def demos(shared_tiny_model) -> list:
     """Four expert FrozenLake episodes (full observations: every relation of the board)."""
-    codec = ChatCodec(make_tiny_model(tmp_path_factory.mktemp("m") / "m", max_image_side=56), max_image_side=56)
+    codec = ChatCodec(shared_tiny_model(max_image_side=56), max_image_side=56)
     return make_demonstrations([{"id": "worldloop/FrozenLake-v0", "kwargs": FROZENLAKE}], 4, 7_000_000, codec, 2)
 
 

@@ -11,6 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from worldloop.bootstrap.grounding import answer_loss, grounding_accuracy, grounding_examples, grounding_pretrain
+from worldloop.bootstrap.tiny_model import ROPE_THETA
+from worldloop.common.contracts.config import ConfigError, load_config
+from worldloop.common.contracts.modeling import ChatCodec, freeze_vision_tower, load_policy
 from worldloop.bootstrap.tiny_model import ROPE_THETA, make_tiny_model
 from worldloop.common.contracts.config import ConfigError, load_config
 from worldloop.common.contracts.modeling import ChatCodec, freeze_vision_tower, load_policy
@@ -22,8 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("g") / "m", seed=0, max_image_side=112)
+def tiny(shared_tiny_model) -> Path:
+    return shared_tiny_model(seed=0, max_image_side=112)
 
 
 def test_tiny_model_uses_a_rope_base_that_resolves_board_cells(tiny: Path) -> None:

@@ -12,6 +12,8 @@ from worldloop.actor.backends import make_backend
 from worldloop.actor.generation import GenerationBackend, GenRequest, WeightUpdateError, keyed_gumbel_scores
 from worldloop.actor.hf_backend import HFBackend
 from worldloop.bootstrap.sft import run_sft
+from worldloop.common.contracts.config import Config
+from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate, load_policy, token_logprobs
 from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.common.contracts.config import Config
 from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate, load_policy, token_logprobs
@@ -21,8 +23,8 @@ ANSWER = "<answer>Up</answer>"
 
 
 @pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "vl", seed=0, max_image_side=112)
+def vl_dir(shared_tiny_model) -> Path:
+    return shared_tiny_model(seed=0, max_image_side=112)
 
 
 @pytest.fixture(scope="module")

@@ -36,12 +36,13 @@ def test_liger_on_without_the_package_names_the_key_and_auto_stays_off():
     assert use_liger(_cfg(liger="auto"), CUDA) is False
 
 
-def test_a_learner_with_liger_on_a_cpu_fails_before_loading_models(tmp_path: Path):
+def test_a_learner_with_liger_on_a_cpu_fails_before_loading_models(tmp_path: Path, shared_tiny_model):
     from worldloop.learner.engine import DistInfo, build_models
+    from worldloop.testing.learner import tiny_learner_config
     from worldloop.testing.learner import tiny_learner_config
     from worldloop.bootstrap.tiny_model import make_tiny_model
 
-    model_dir = make_tiny_model(tmp_path / "tiny", arch="qwen2", max_image_side=112)
+    model_dir = shared_tiny_model(arch="qwen2", max_image_side=112)
     cfg = tiny_learner_config(model_dir, "redis://127.0.0.1:1", tmp_path / "run", liger=True)
     with pytest.raises(ConfigError) as e:
         build_models(cfg, DistInfo(0, 1, 0, CPU, "gloo"))
@@ -108,14 +109,16 @@ def _run(model, batch, mask, entropy: bool, fused: bool):
 @NEEDS_GPU_AND_LIGER
 @pytest.mark.parametrize("arch", ["qwen2", "qwen2_5_vl"])
 @pytest.mark.parametrize("entropy", [False, True])
-def test_liger_gives_the_plain_path_log_probs_entropies_and_gradients(tmp_path, transformers_restored, arch, entropy):
+def test_liger_gives_the_plain_path_log_probs_entropies_and_gradients(transformers_restored, arch, entropy, shared_tiny_model):
     """The tiny model (fp32 on CUDA) with Liger's RMSNorm, RoPE and SwiGLU, and its fused linear
     log-prob where no entropy is asked for, against the plain modules and the chunked head."""
     from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate, load_policy
     from worldloop.testing.trajectories import synthetic_trajectory
+    from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate, load_policy
+    from worldloop.testing.trajectories import synthetic_trajectory
     from worldloop.bootstrap.tiny_model import make_tiny_model
 
-    model_dir = make_tiny_model(tmp_path / arch, arch=arch, max_image_side=112)
+    model_dir = shared_tiny_model(arch=arch, max_image_side=112)
     codec = ChatCodec(model_dir, max_image_side=112)
     trajs = [synthetic_trajectory(codec, trajectory_id=f"g{i}", seed=i, turns=2, response_tokens=9 + 5 * i) for i in range(2)]
     batch = collate([build_sequence(t) for t in trajs], codec)

@@ -21,6 +21,12 @@ from worldloop.common.contracts.keys import Keys
 from worldloop.common.contracts.modeling import ChatCodec
 from worldloop.common.contracts.schemas import encode_trajectory
 from worldloop.common.transport.streams import StreamProducer, connect
+from worldloop.common.contracts.config import ConfigError
+from worldloop.common.transport.control import read_control
+from worldloop.common.contracts.keys import Keys
+from worldloop.common.contracts.modeling import ChatCodec
+from worldloop.common.contracts.schemas import encode_trajectory
+from worldloop.common.transport.streams import StreamProducer, connect
 from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.learner import checkpoint
 from worldloop.learner.engine import init_distributed
@@ -34,8 +40,8 @@ BATCHES = [[2, 2, 2, 2], [2, 2, 2, 6], [1, 1, 1, 5], [2, 2, 2, 2]]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "vl", max_image_side=112)
+def model_dir(shared_tiny_model) -> Path:
+    return shared_tiny_model(max_image_side=112)
 
 
 def _produce(model_dir: Path, url: str) -> None:

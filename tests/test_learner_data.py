@@ -17,6 +17,12 @@ from worldloop.common.contracts.keys import Keys, SCORED_GROUP
 from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate
 from worldloop.common.contracts.schemas import Trajectory, decode_deadletter, encode_trajectory
 from worldloop.common.transport.streams import StreamProducer, connect
+from worldloop.common.contracts.config import ConfigError, config_from_dict
+from worldloop.common.transport.control import read_stats
+from worldloop.common.contracts.keys import Keys, SCORED_GROUP
+from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate
+from worldloop.common.contracts.schemas import Trajectory, decode_deadletter, encode_trajectory
+from worldloop.common.transport.streams import StreamProducer, connect
 from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.learner.data import (
     DedupWindow,
@@ -35,8 +41,8 @@ NS = "ld"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "vl", max_image_side=112)
+def model_dir(shared_tiny_model) -> Path:
+    return shared_tiny_model(max_image_side=112)
 
 
 @pytest.fixture(scope="module")

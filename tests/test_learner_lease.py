@@ -3,15 +3,17 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from procs import Child, wait_for
+from worldloop.common.contracts.keys import Keys
+from worldloop.common.transport.lease import LearnerLease, LeaseHeld, LeaseLost
+from worldloop.common.transport.redis_link import Fenced
+from worldloop.common.transport.streams import StreamConsumer, StreamProducer, connect
 from procs import ROOT, Child
 from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.common.contracts.keys import Keys
@@ -29,22 +31,21 @@ HOLDER = textwrap.dedent('''
 ''')
 
 
-def _hold_in_child(url: str, ns: str) -> subprocess.Popen:
-    child = subprocess.Popen([sys.executable, "-c", HOLDER, url, ns], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    assert child.stdout.readline().strip() == "held"
+def _hold_in_child(url: str, ns: str, log: Path) -> Child:
+    child = Child.script(HOLDER, [url, ns], log)
+    wait_for(lambda: "held" in child.output(None).split(), "the holder process to take the learner lease", 120, [child])
     return child
 
 
-def test_a_second_learner_is_refused_naming_the_holder_and_a_dead_ones_lease_is_taken_over(redis_url) -> None:
+def test_a_second_learner_is_refused_naming_the_holder_and_a_dead_ones_lease_is_taken_over(redis_url, tmp_path) -> None:
     keys = Keys("lease1")
-    child = _hold_in_child(redis_url, keys.ns)
+    child = _hold_in_child(redis_url, keys.ns, tmp_path / "holder.log")
     try:
         with pytest.raises(LeaseHeld) as e:
             LearnerLease(redis_url, keys, 30.0, holder="a second learner").acquire()
         assert "the first learner" in str(e.value) and f"pid {child.pid}" in str(e.value)
         assert "lease1" in str(e.value)
-        child.kill()  # kill -9: nothing handed the lease back
-        child.wait()
+        child.kill()  # kill -9 (and reaped): nothing handed the lease back
         lease = LearnerLease(redis_url, keys, 30.0, holder="its restart").acquire()  # at once, no TTL wait
         assert lease.token.split("-")[0] == "2"  # the token's epoch grew
         assert connect(redis_url).get(keys.learner_owner).decode() == lease.token
@@ -99,16 +100,16 @@ def test_a_lease_that_expired_while_redis_was_away_is_taken_back_when_nobody_too
         a.close()
 
 
-def test_a_second_learner_process_refuses_to_start(redis_url, tmp_path: Path) -> None:
+def test_a_second_learner_process_refuses_to_start(redis_url, tmp_path: Path, shared_tiny_model) -> None:
     keys = Keys("lease4")
-    holder = _hold_in_child(redis_url, keys.ns)
+    holder = _hold_in_child(redis_url, keys.ns, tmp_path / "holder.log")
     conf = tmp_path / "learner.yaml"
-    model = make_tiny_model(tmp_path / "model")  # a model the learner could start from, were the namespace free
+    model = shared_tiny_model()  # a model the learner could start from, were the namespace free
     conf.write_text(yaml.safe_dump({"redis": {"url": redis_url, "namespace": keys.ns}, "metrics": {"enabled": False},
                                     "model": {"path": str(model)}, "run": {"run_dir": str(tmp_path / "run")}}))
     try:
         child = Child(["learner", "--config", str(conf)], tmp_path / "learner.log")
-        rc = child.wait(120)
+        rc = child.wait(300)  # a liveness bound: its imports alone take minutes on a loaded 2-core machine
         out = child.output(None)
         assert rc == 2, out[-3000:]
         assert "already has a learner: the first learner" in out and f"pid {holder.pid}" in out

@@ -22,6 +22,11 @@ from worldloop.common.contracts.keys import Keys, SCORED_GROUP
 from worldloop.common.contracts.modeling import ChatCodec
 from worldloop.common.contracts.schemas import decode_trajectory, encode_trajectory
 from worldloop.common.transport.streams import StreamProducer, connect
+from worldloop.common.contracts.config import to_dict
+from worldloop.common.contracts.keys import Keys, SCORED_GROUP
+from worldloop.common.contracts.modeling import ChatCodec
+from worldloop.common.contracts.schemas import decode_trajectory, encode_trajectory
+from worldloop.common.transport.streams import StreamProducer, connect
 from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.learner import checkpoint
 from worldloop.testing.trajectories import synthetic_trajectory
@@ -33,8 +38,8 @@ _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", 
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "vl", max_image_side=112)
+def model_dir(shared_tiny_model) -> Path:
+    return shared_tiny_model(max_image_side=112)
 
 
 def _env() -> dict:

@@ -22,6 +22,13 @@ from worldloop.common.contracts.modeling import ChatCodec, build_sequence, colla
 from worldloop.common.transport.redis_local import LocalRedis
 from worldloop.common.contracts.schemas import encode_trajectory
 from worldloop.common.transport.streams import StreamProducer, connect
+from worldloop.common.transport.weights import WeightSubscriber
+from worldloop.common.transport.control import read_control
+from worldloop.common.contracts.keys import Keys, SCORED_GROUP
+from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate, load_policy, token_logprobs
+from worldloop.common.transport.redis_local import LocalRedis
+from worldloop.common.contracts.schemas import encode_trajectory
+from worldloop.common.transport.streams import StreamProducer, connect
 from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.common.transport.weights import WeightSubscriber
 from worldloop.learner import checkpoint
@@ -34,8 +41,8 @@ TEMPERATURE = 0.7  # the actor's sampling temperature (config default)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "vl", max_image_side=112)
+def model_dir(shared_tiny_model) -> Path:
+    return shared_tiny_model(max_image_side=112)
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +52,26 @@ def redis_srv():
     srv.close()
 
 
+def _learner(model_dir: Path, url: str, run_dir: Path, namespace: str):
+    cfg = tiny_learner_config(model_dir, url, run_dir, namespace=namespace, total_steps=2, checkpoint_every=2,
+                              kl_coef=0.01)
+    return Learner(cfg, init_distributed(cfg))
+
+
 @pytest.fixture(scope="module")
 def learner(model_dir, redis_srv, tmp_path_factory):
-    cfg = tiny_learner_config(model_dir, redis_srv.url, tmp_path_factory.mktemp("run"), namespace="step",
-                              total_steps=2, checkpoint_every=2, kl_coef=0.01)
-    lrn = Learner(cfg, init_distributed(cfg))
+    """One learner shared by the tests that each train it further (any order): none of them asks what
+    state it is in, only that their own update moves the policy."""
+    lrn = _learner(model_dir, redis_srv.url, tmp_path_factory.mktemp("run"), "step")
+    yield lrn
+    lrn.close()
+
+
+@pytest.fixture
+def fresh_learner(model_dir, redis_srv, tmp_path):
+    """A learner of its own at step 0 with the initial weights (namespace step-fresh), for the test
+    whose numbers depend on that (importance weight 1, KL 0, version 1 after its first step)."""
+    lrn = _learner(model_dir, redis_srv.url, tmp_path / "run", "step-fresh")
     yield lrn
     lrn.close()
 
@@ -68,8 +90,9 @@ def _logprobs(model, model_dir: Path, traj: dict) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_step_trains_publishes_and_an_actor_loads_the_weights(learner, model_dir, redis_srv):
-    keys = Keys("step")
+def test_step_trains_publishes_and_an_actor_loads_the_weights(fresh_learner, model_dir, redis_srv):
+    learner = fresh_learner
+    keys = Keys("step-fresh")
     trajs = _trajectories(model_dir, 8, "s")
     prod = StreamProducer(redis_srv.url, keys.scored, 100)
     for t in trajs:

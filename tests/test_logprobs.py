@@ -155,10 +155,8 @@ def test_zero_tokens_and_bad_arguments():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from worldloop.bootstrap.tiny_model import make_tiny_model
-
-    path = make_tiny_model(tmp_path_factory.mktemp("tiny") / "vl", max_image_side=112)
+def tiny(shared_tiny_model):
+    path = shared_tiny_model(max_image_side=112)
     codec = ChatCodec(path, max_image_side=112)
     trajs = [synthetic_trajectory(codec, trajectory_id=f"t{i}", seed=i, turns=1 + i, response_tokens=5 + 3 * i,
                                   image_side=56) for i in range(2)]

@@ -82,11 +82,10 @@ def test_pending_state_is_the_gradients_and_moments_not_yet_allocated():
     assert pending_state_bytes(wrapped) == 0
 
 
-def test_shape_of_counts_tied_weights_once_and_frozen_ones_as_untrainable(tmp_path):
+def test_shape_of_counts_tied_weights_once_and_frozen_ones_as_untrainable(tmp_path, shared_tiny_model):
     from worldloop.common.contracts.modeling import freeze_vision_tower, load_policy
-    from worldloop.bootstrap.tiny_model import make_tiny_model
 
-    model = load_policy(make_tiny_model(tmp_path / "vl", max_image_side=112))
+    model = load_policy(shared_tiny_model(max_image_side=112))
     shape = shape_of(model)
     text = model.config.get_text_config()
     assert shape.params == sum(p.numel() for p in model.parameters()) == shape.trainable
@@ -98,7 +97,7 @@ def test_shape_of_counts_tied_weights_once_and_frozen_ones_as_untrainable(tmp_pa
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_auto_micro_batch_tokens_on_cuda_fills_the_free_memory(tmp_path):
+def test_auto_micro_batch_tokens_on_cuda_fills_the_free_memory(tmp_path, shared_tiny_model):
     """trainer.micro_batch_tokens auto on a GPU: the budget is what the memory model fits into the
     free memory (a multiple of 128), the update runs with it and stays within the device."""
     from worldloop.common.contracts.modeling import ChatCodec, load_policy
@@ -107,9 +106,8 @@ def test_auto_micro_batch_tokens_on_cuda_fills_the_free_memory(tmp_path):
     from worldloop.testing.trajectories import synthetic_trajectory
     from worldloop.testing.learner import tiny_learner_config
     from worldloop.learner.trainer import PPOTrainer
-    from worldloop.bootstrap.tiny_model import make_tiny_model
 
-    model_dir = make_tiny_model(tmp_path / "vl", max_image_side=112)
+    model_dir = shared_tiny_model(max_image_side=112)
     cfg = tiny_learner_config(model_dir, "redis://127.0.0.1:1", tmp_path / "run", device="cuda", micro_batch_tokens="auto",
                               train_batch_size=8, ppo_mini_batch_size=4, micro_batch_size=1, liger=False)
     dist = init_distributed(cfg)

@@ -151,10 +151,8 @@ def assert_same_update(a: tuple, b: tuple) -> None:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    from worldloop.bootstrap.tiny_model import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "vl", max_image_side=112)
+def model_dir(shared_tiny_model) -> Path:
+    return shared_tiny_model(max_image_side=112)
 
 
 @pytest.mark.parametrize("stage", [0, 2])

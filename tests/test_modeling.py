@@ -21,8 +21,8 @@ SYSTEM = "You are a Sokoban solver."
 
 
 @pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "vl", seed=0)
+def vl_dir(shared_tiny_model) -> Path:
+    return shared_tiny_model(seed=0)
 
 
 @pytest.fixture(scope="module")

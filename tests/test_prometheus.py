@@ -202,8 +202,69 @@ def _has_finite_point(result: list[dict]) -> bool:
     return any(v not in ("NaN", "+Inf", "-Inf") for series in result for _, v in series.get("values", []))
 
 
+def _start_prometheus(prometheus: str, config: Path, data: Path, log: Path,
+                      pick_port=free_port) -> tuple[subprocess.Popen, int]:
+    """A Prometheus on a free loopback port, once its API answers; another port when the one picked
+    was bound by another process first ("address already in use" in its log: 3 tries). The answer
+    must be this one's (its storage path), not another server's that holds the port."""
+    from procs import wait_for
+
+    attempt = 0
+    while True:
+        attempt += 1
+        port = pick_port()
+        api = f"http://127.0.0.1:{port}/api/v1"
+        start = log.stat().st_size if log.exists() else 0
+        with open(log, "ab") as out:
+            server = subprocess.Popen([prometheus, f"--config.file={config}", f"--storage.tsdb.path={data}",
+                                       f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+                                      stdout=out, stderr=subprocess.STDOUT)
+
+        def state():
+            if server.poll() is not None:
+                return "exited"
+            try:
+                return _get(f"{api}/status/flags")["data"].get("storage.tsdb.path") == str(data)
+            except (OSError, ValueError, KeyError):  # not up yet, or not a Prometheus
+                return False
+
+        tail = lambda: log.read_bytes()[start:].decode(errors="replace")[-3000:]  # noqa: E731
+        try:
+            got = wait_for(state, f"prometheus to serve its API on port {port}", 120, extra=tail)
+        except BaseException:
+            server.kill()
+            server.wait(30)
+            raise
+        if got is True:
+            return server, port
+        if "address already in use" not in tail().lower() or attempt == 3:
+            raise AssertionError(f"prometheus exited with {server.returncode} (port {port}):\n{tail()}")
+
+
+def test_prometheus_is_started_again_on_another_port_when_its_port_is_taken(tmp_path) -> None:
+    """_start_prometheus with its first port held by a listening socket: Prometheus exits with
+    "address already in use", and the second port serves."""
+    import socket
+
+    prometheus = _tool("prometheus")
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text(yaml.safe_dump({"global": {"scrape_interval": "15s"}, "scrape_configs": []}))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        picks = [held.getsockname()[1]]
+        server, port = _start_prometheus(prometheus, cfg, tmp_path / "data", tmp_path / "prometheus.log",
+                                         pick_port=lambda: picks.pop(0) if picks else free_port())
+        try:
+            assert port != held.getsockname()[1] and not picks
+            assert "address already in use" in (tmp_path / "prometheus.log").read_text().lower()
+        finally:
+            server.terminate()
+            server.wait(30)
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(1600)  # its waits add up to about 1,420 s (each with the children's logs)
+@pytest.mark.timeout(1600)  # its waits add up to about 1,480 s (each with the children's logs)
 def test_real_prometheus_scrapes_a_run_found_by_worldloop_sd(tmp_path, redis_url):
     """`worldloop up` (learner, actor, judge with an LLM scorer on a fake endpoint) binds /metrics on
     0.0.0.0; `worldloop sd --interval` turns the heartbeats into targets; a real Prometheus with the
@@ -255,15 +316,15 @@ def test_real_prometheus_scrapes_a_run_found_by_worldloop_sd(tmp_path, redis_url
     prom["scrape_configs"][0]["file_sd_configs"][0].update(files=[str(targets_file)], refresh_interval="1s")
     prom_cfg = tmp_path / "prometheus.yml"
     prom_cfg.write_text(yaml.safe_dump(prom))
-    port = free_port()
+    try:
+        server, port = _start_prometheus(prometheus, prom_cfg, tmp_path / "data", tmp_path / "prometheus.log")
+    except BaseException:
+        fake.__exit__(None, None, None)
+        raise
     api = f"http://127.0.0.1:{port}/api/v1"
     env = {"OPENAI_API_KEY": "test-key"}
     up = Child(["up", str(cfg_path)], tmp_path / "up.log", env=env, new_session=True)
     sd = Child(["sd", "--config", str(cfg_path), "--out", str(targets_file), "--interval", "1"], tmp_path / "sd.log")
-    prom_log = open(tmp_path / "prometheus.log", "wb")
-    server = subprocess.Popen([prometheus, f"--config.file={prom_cfg}", f"--storage.tsdb.path={tmp_path / 'data'}",
-                               f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-                              stdout=prom_log, stderr=subprocess.STDOUT)
     children = [up, sd]
     run_dir = tmp_path / "run"
 
@@ -276,14 +337,6 @@ def test_real_prometheus_scrapes_a_run_found_by_worldloop_sd(tmp_path, redis_url
 
     started = time.time()
     try:
-        def ready() -> bool:
-            assert server.poll() is None, "prometheus exited" + logs()
-            try:
-                return _get(f"{api}/status/runtimeinfo").get("status") == "success"
-            except OSError:
-                return False
-
-        wait_for(ready, "prometheus to start", 60, children, extra=logs)
         # every role is discovered through worldloop sd and scraped: up == 1 for learner, actor, judge, evaluator
         def roles_up():
             try:
@@ -403,5 +456,4 @@ def test_real_prometheus_scrapes_a_run_found_by_worldloop_sd(tmp_path, redis_url
             server.wait(30)
         except subprocess.TimeoutExpired:
             server.kill()
-        prom_log.close()
         fake.__exit__(None, None, None)

@@ -127,7 +127,7 @@ def test_judges_leave_the_group_and_dead_names_are_pruned(redis_url: str) -> Non
 
 
 @pytest.mark.slow
-def test_a_learner_step_rides_out_a_redis_restart_at_its_control_write(tmp_path: Path) -> None:
+def test_a_learner_step_rides_out_a_redis_restart_at_its_control_write(tmp_path: Path, shared_tiny_model) -> None:
     """Redis dies after an update's compute and before the learner writes the new version to the
     control record and reads the run-wide counters (the chaos soak's ``redis_kill`` landing there
     ended the learner with a ConnectionError): the step waits Redis out and completes."""
@@ -139,9 +139,11 @@ def test_a_learner_step_rides_out_a_redis_restart_at_its_control_write(tmp_path:
     from worldloop.learner.process import Learner
     from worldloop.testing.trajectories import synthetic_trajectory
     from worldloop.testing.learner import tiny_learner_config
+    from worldloop.testing.trajectories import synthetic_trajectory
+    from worldloop.testing.learner import tiny_learner_config
     from worldloop.bootstrap.tiny_model import make_tiny_model
 
-    model = make_tiny_model(tmp_path / "model", max_image_side=56)
+    model = shared_tiny_model(max_image_side=56)
     srv = LocalRedis(data_dir=str(tmp_path / "redis"), persist=True).start()
     learner = None
     try:

@@ -17,6 +17,11 @@ from worldloop.common.contracts.keys import ROLLOUTS_GROUP, Keys
 from worldloop.common.transport.redis_link import RedisLink
 from worldloop.common.transport.redis_local import LocalRedis
 from worldloop.common.transport.streams import FORWARDED, Forwarder, StreamConsumer, StreamProducer, connect
+from procs import wait_for
+from worldloop.common.contracts.keys import ROLLOUTS_GROUP, Keys
+from worldloop.common.transport.redis_link import RedisLink
+from worldloop.common.transport.redis_local import LocalRedis
+from worldloop.common.transport.streams import FORWARDED, Forwarder, StreamConsumer, StreamProducer, connect
 
 
 def test_threads_sharing_one_forwarder_survive_redis_kills_and_forward_each_entry_once() -> None:
@@ -57,12 +62,11 @@ def test_threads_sharing_one_forwarder_survive_redis_kills_and_forward_each_entr
             srv.stop(kill=True)
             time.sleep(0.3)
             srv.start()
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and sum(forwarded.values()) < n:
-            time.sleep(0.1)
+        wait_for(lambda: escaped or sum(forwarded.values()) >= n, f"all {n} entries forwarded after 3 kills", 120,
+                 extra=lambda: f"forwarded {sum(forwarded.values())}, escaped {escaped[:3]}")
         stop.set()
-        for t in threads:
-            t.join(30)
+        wait_for(lambda: not any(t.is_alive() for t in threads), "the 8 worker threads to stop", 60,
+                 extra=lambda: f"{sum(t.is_alive() for t in threads)} still running")
         assert not escaped, [f"{type(e).__name__}: {e}" for e in escaped[:5]]
         scored = Counter(f[b"data"] for _, f in r.xrange(keys.scored))
         assert len(scored) == n and max(scored.values()) == 1
@@ -89,10 +93,13 @@ def _refuse(srv: LocalRedis, r: redis.Redis, kind: str, tmp_path) -> tuple:
         r.config_set("stop-writes-on-bgsave-error", "yes")
         r.config_set("save", "3600 1")  # MISCONF needs save points
         r.bgsave()
-        for _ in range(100):
-            if r.info("persistence")["rdb_last_bgsave_status"] == "err" and not r.info("persistence")["rdb_bgsave_in_progress"]:
-                break
-            time.sleep(0.05)
+
+        def failed() -> bool:
+            info = r.info("persistence")
+            return info["rdb_last_bgsave_status"] == "err" and not info["rdb_bgsave_in_progress"]
+
+        wait_for(failed, "the background save to fail (MISCONF)", 60,
+                 extra=lambda: {k: v for k, v in r.info("persistence").items() if k.startswith("rdb_")})
 
         def undo() -> None:  # what an operator does once the disk is back: let writes through again
             folder.mkdir()  # (for the LocalRedis clean-up)
@@ -124,18 +131,19 @@ def test_a_refused_write_waits_with_a_log_line_and_a_metric_then_goes_through(ki
                 done.append(e)
 
         t = threading.Thread(target=add, daemon=True)
+        metric = lambda: REGISTRY.get_sample_value(  # noqa: E731
+            "worldloop_stream_refused_writes_total", {"stream": stream, "reason": kind}) or 0
+        before = metric()  # the counter belongs to the process: this test's part is the change
         with caplog.at_level("WARNING", logger="worldloop.common.transport.redis_link"):
             t.start()
-            deadline = time.monotonic() + 30
-            metric = lambda: REGISTRY.get_sample_value(  # noqa: E731
-                "worldloop_stream_refused_writes_total", {"stream": stream, "reason": kind}) or 0
-            while time.monotonic() < deadline and not done and metric() < 2:
-                time.sleep(0.05)
+            wait_for(lambda: done or metric() - before >= 2, f"the {kind}-refused write to be tried twice", 60,
+                     extra=lambda: f"refused writes counted {metric() - before}")
             assert not done, f"the refused write ended its caller: {done}"
-            assert metric() >= 2
+            assert metric() - before >= 2
             assert any(f"redis refused a write ({kind}" in rec.getMessage() for rec in caplog.records)
             undo()
-            t.join(30)
+            wait_for(lambda: not t.is_alive(), f"the write to go through once {kind} is undone", 60,
+                     extra=lambda: f"refused writes counted {metric() - before}, done {done}")
         assert done and not isinstance(done[0], BaseException), done
         assert r.xlen(stream) == 1
         prod.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import urllib.request
@@ -21,6 +22,9 @@ import zmq.auth
 
 from worldloop.common.transport.control import list_processes, write_control
 from worldloop.common.contracts.keys import Keys
+from worldloop.common.transport.redis_local import LocalRedis
+from worldloop.common.transport.control import list_processes, write_control
+from worldloop.common.contracts.keys import Keys
 from worldloop.common.metrics import free_port
 from worldloop.common.transport.redis_local import LocalRedis
 from worldloop.bootstrap.tiny_model import make_tiny_model
@@ -28,6 +32,10 @@ from procs import Child, wait_for
 
 ENV = {"id": "worldloop/FrozenLake-v0",
        "kwargs": {"size": 3, "min_actions_to_succeed": 2, "render_mode": "vision", "image_size": 56}}
+
+
+# the weight publisher's start-up line (common/transport/weights/publisher.py) with the ports the OS gave it
+WEIGHTS_LINE = re.compile(r"weights publisher: PUB tcp://127\.0\.0\.1:(?P<pub>\d+), ROUTER tcp://127\.0\.0\.1:(?P<fetch>\d+)")
 
 
 def _scrape(url: str) -> dict[str, float]:
@@ -41,19 +49,20 @@ def _scrape(url: str) -> dict[str, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1300)  # its waits add up to 1,140 s
+@pytest.mark.timeout(1300)  # its waits add up to 1,200 s
 def test_two_separately_started_actors_join_a_running_learner(tmp_path: Path) -> None:
     certs = tmp_path / "certs"
     certs.mkdir()
     zmq.auth.create_certificates(str(certs), "server")  # server.key (actors) + server.key_secret (learner)
     model = make_tiny_model(tmp_path / "model", seed=0, max_image_side=56)
-    pub_port, fetch_port = free_port(), free_port()
     srv = LocalRedis(password="not-in-any-log").start()
     ns = "scale"
     learner_cfg = {
         "run": {"run_dir": str(tmp_path / "run")},
         "redis": {"url": srv.url, "namespace": ns},
-        "weights": {"bind": "127.0.0.1", "pub_port": pub_port, "fetch_port": fetch_port,
+        # ports 0: the OS hands the learner free ones (no pick-then-bind race); the actors are told
+        # the ports the learner's log names
+        "weights": {"bind": "127.0.0.1", "pub_port": 0, "fetch_port": 0,
                     "curve_server_secret": str(certs / "server.key_secret")},
         "model": {"path": str(model), "max_image_side": 56},
         "actor": {"max_turns": 2, "envs": [ENV]},
@@ -62,17 +71,19 @@ def test_two_separately_started_actors_join_a_running_learner(tmp_path: Path) ->
         "trainer": {"total_steps": 1000, "train_batch_size": 4, "ppo_mini_batch_size": 2, "micro_batch_size": 2,
                     "checkpoint_every": 1, "max_staleness": 8},
     }
-    # what an actor machine gets: Redis URL, learner address + server public key, a model directory
-    actor_cfg = {
-        "redis": {"url": srv.url, "namespace": ns},
-        "weights": {"host": "127.0.0.1", "pub_port": pub_port, "fetch_port": fetch_port,
-                    "curve_server_public": str(certs / "server.key")},
-        "model": {"path": str(model), "max_image_side": 56},
-        "actor": {"num_envs": 2, "max_turns": 2, "max_new_tokens": 24, "envs": [ENV]},
-        "judge": {"enabled": False},
-    }
     (tmp_path / "learner.yaml").write_text(yaml.safe_dump(learner_cfg))
-    (tmp_path / "actor.yaml").write_text(yaml.safe_dump(actor_cfg))
+
+    def write_actor_config(pub_port: int, fetch_port: int) -> None:
+        # what an actor machine gets: Redis URL, learner address + server public key, a model directory
+        actor_cfg = {
+            "redis": {"url": srv.url, "namespace": ns},
+            "weights": {"host": "127.0.0.1", "pub_port": pub_port, "fetch_port": fetch_port,
+                        "curve_server_public": str(certs / "server.key")},
+            "model": {"path": str(model), "max_image_side": 56},
+            "actor": {"num_envs": 2, "max_turns": 2, "max_new_tokens": 24, "envs": [ENV]},
+            "judge": {"enabled": False},
+        }
+        (tmp_path / "actor.yaml").write_text(yaml.safe_dump(actor_cfg))
     r = redis.Redis.from_url(srv.url)
     keys = Keys(ns)
     procs: dict[str, Child] = {}
@@ -108,6 +119,9 @@ def test_two_separately_started_actors_join_a_running_learner(tmp_path: Path) ->
         spawn("learner", "learner", "--config", str(tmp_path / "learner.yaml"))
         wait_for(lambda: any(p["role"] == "learner" for p in list_processes(r, keys)), "the learner to register",
                  180, live())
+        bound = wait_for(lambda: WEIGHTS_LINE.search(procs["learner"].output(None)),
+                         "the learner's log to name its weight ports", 60, live())
+        write_actor_config(int(bound["pub"]), int(bound["fetch"]))
         for name in ("remote-a", "remote-b"):
             spawn(name, "actor", "--config", str(tmp_path / "actor.yaml"), f"actor.actor_id={name}",
                   env={"WORLDLOOP_PRODUCED_LOG": str(tmp_path / f"{name}.ids")})

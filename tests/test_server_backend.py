@@ -36,7 +36,9 @@ from worldloop.common.contracts.config import ConfigError
 from worldloop.common.metrics import free_port
 from worldloop.common.contracts.modeling import load_policy
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+# one scenario on one server (a vLLM start takes minutes): the tests publish v1..v5 in turn and each
+# expects the versions before it, so they declare their order (kept under random order: conftest)
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.in_order]
 
 MAX_LEN = 1024
 

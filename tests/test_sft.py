@@ -73,10 +73,10 @@ if ENV_ID not in gymnasium.registry:
 
 
 @pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory) -> Path:
+def vl_dir(shared_tiny_model) -> Path:
     # a fixed tokenizer corpus: the default one grows with every env's texts, and the format-rate
     # thresholds below were set for this tokenizer
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "vl", seed=0, max_image_side=112, corpus=fallback_corpus())
+    return shared_tiny_model(seed=0, max_image_side=112, corpus=fallback_corpus())
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,6 @@ from worldloop.cli import main
 from worldloop.common.contracts.schemas import TRAJECTORY_SCHEMA, State, Trajectory, Turn
 from worldloop.envs.parsing import parse_response
 from worldloop.judge.rule import rule_score
-from worldloop.bootstrap.tiny_model import make_tiny_model
 from ci import require_tool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,8 +117,8 @@ def static_checks(page: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def eval_out(tmp_path_factory) -> Path:
-    model = make_tiny_model(tmp_path_factory.mktemp("tiny") / "vl", max_image_side=112)
+def eval_out(tmp_path_factory, shared_tiny_model) -> Path:
+    model = shared_tiny_model(max_image_side=112)
     out = tmp_path_factory.mktemp("ev") / "out"
     assert main(["eval", "--model", str(model), "--envs", "sokoban,frozenlake", "--episodes", "1", "--max-tokens", "8",
                  "--output", str(out), "model.max_image_side=112"]) == 0

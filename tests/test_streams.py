@@ -12,9 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
-from typing import Callable
 
 import msgpack
 import pytest
@@ -25,16 +23,9 @@ from worldloop.common.transport.redis_local import LocalRedis, find_redis_server
 from worldloop.common.contracts.schemas import decode_deadletter, decode_trajectory, encode_trajectory, packb, unpackb
 from worldloop.common.transport.streams import StreamConsumer, StreamProducer, connect
 from worldloop.testing.trajectories import make_trajectory
+from procs import exit_code, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def wait_for(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def sample(name: str, **labels: str) -> float:
@@ -71,8 +62,9 @@ WORKER = textwrap.dedent('''
 
 def _spawn(script: Path, url: str, stream: str, name: str, hang_after: int, total: int) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, str(script), url, stream, name, str(hang_after), str(total)],
-                            cwd=ROOT, env=env, stderr=subprocess.PIPE)
+    with open(script.parent / f"{name}.log", "wb") as log:
+        return subprocess.Popen([sys.executable, str(script), url, stream, name, str(hang_after), str(total)],
+                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def test_two_consumers_one_killed_nothing_lost_nothing_twice(redis_url: str, tmp_path: Path) -> None:
@@ -85,17 +77,24 @@ def test_two_consumers_one_killed_nothing_lost_nothing_twice(redis_url: str, tmp
     script.write_text(WORKER)
     victim = _spawn(script, redis_url, stream, "victim", hang_after=50, total=total)
     survivor = None
+    def progress() -> str:
+        return (f"processed {r.scard('processed')} of {total}, pending {r.xpending(stream, 'g')['pending']}, "
+                f"keys {sorted(k.decode() for k in r.keys('*:*'))}")
+
     try:
-        wait_for(lambda: r.get("hanging:victim") is not None, "the victim to hang with pending entries")
+        wait_for(lambda: victim.poll() is not None or r.get("hanging:victim") is not None,
+                 "the victim to hang with pending entries", 120, extra=progress)
+        assert victim.poll() is None, (tmp_path / "victim.log").read_text(errors="replace")[-4000:]
         held = int(r.get("hanging:victim"))
         pending = {c["name"]: c["pending"] for c in r.xpending(stream, "g")["consumers"]}
         assert pending.get(b"victim") == held > 0
         # the survivor starts only now, so nobody can reclaim the victim's batch before the check above
         survivor = _spawn(script, redis_url, stream, "survivor", hang_after=0, total=total)
         victim.send_signal(signal.SIGKILL)
-        victim.wait(10)
-        survivor.wait(60)
-        assert survivor.returncode == 0, survivor.stderr.read().decode()
+        assert exit_code(victim, 60, "the SIGKILLed victim", tmp_path / "victim.log") == -signal.SIGKILL
+        rc = exit_code(survivor, 240, f"the survivor to process all {total} messages ({progress()})",
+                       tmp_path / "survivor.log")
+        assert rc == 0, (tmp_path / "survivor.log").read_text(errors="replace")[-4000:]
     finally:
         for p in (victim, survivor):
             if p is not None and p.poll() is None:
@@ -116,6 +115,9 @@ def test_poison_messages_go_to_deadletter_and_good_ones_flow(redis_url: str) -> 
     stream, dead = "t:rollouts", "t:deadletter"
     r = connect(redis_url)
     consumer = StreamConsumer(redis_url, stream, "judges", "j1", decode=decode_trajectory, deadletter_stream=dead)
+    # the counters belong to this process, which other tests share: what this test adds is the change
+    dead_before = {k: sample("worldloop_stream_deadletter_messages_total", stream=stream, reason=k)
+                   for k in ("decode_error", "missing_data")}
     good1 = encode_trajectory(make_trajectory("good-1"))
     not_msgpack = b"\xc1\xc1 definitely not msgpack"
     wrong_schema = msgpack.packb({"schema": "other/1", "x": 1})
@@ -137,7 +139,9 @@ def test_poison_messages_go_to_deadletter_and_good_ones_flow(redis_url: str) -> 
     assert unpackb(letters[2].payload) == {"other": b"field"}
     assert {d.source_stream for d in letters} == {stream} and {d.consumer for d in letters} == {"j1"}
     assert r.xlen(stream) == 0 and r.xpending(stream, "judges")["pending"] == 0
-    assert sample("worldloop_stream_deadletter_messages_total", stream=stream, reason="decode_error") >= 2
+    dead_added = {k: sample("worldloop_stream_deadletter_messages_total", stream=stream, reason=k) - v
+                  for k, v in dead_before.items()}
+    assert dead_added == {"decode_error": 2, "missing_data": 1}  # not msgpack + wrong schema; the entry with no data
 
     # a caller that finds a message unusable later dead-letters it explicitly
     r.xadd(stream, {b"data": good1})
@@ -177,24 +181,26 @@ def test_producer_blocks_at_backlog_and_resumes_when_drained(redis_url: str) -> 
             prod.add(b"%d" % i)
             added.append(i)
 
+    blocked_s_before = sample("worldloop_stream_backpressure_seconds_total", stream=stream)
     t = threading.Thread(target=produce, daemon=True)
     t.start()
     blocked = lambda: sample("worldloop_stream_backpressure_blocked", stream=stream) == 1.0  # noqa: E731
-    wait_for(blocked, "the producer to block")
+    wait_for(blocked, "the producer to block at the backlog limit", 120, extra=lambda: f"added {added}")
     assert added == list(range(limit)) and t.is_alive()
     assert connect(redis_url).xlen(stream) == limit
     with pytest.raises(TimeoutError):  # a second producer with a timeout gives up, adding nothing
         StreamProducer(redis_url, stream, max_backlog=limit).add(b"late", timeout=0.05)
 
     first = cons.read(3)  # delivered entries no longer count: the producer resumes
-    t.join(30)
+    wait_for(lambda: not t.is_alive(), "the producer to add the rest once 3 entries were delivered", 120,
+             extra=lambda: f"added {added}, stream length {connect(redis_url).xlen(stream)}")
     assert connect(redis_url).xlen(stream) == n  # the 3 delivered entries are still there, pending
     cons.ack([m.id for m in first])
     assert not t.is_alive() and added == list(range(n))
     rest = cons.read(10)
     assert [m.payload for m in first + rest] == [b"%d" % i for i in range(n)]
     assert sample("worldloop_stream_backpressure_blocked", stream=stream) == 0.0
-    assert sample("worldloop_stream_backpressure_seconds_total", stream=stream) > 0
+    assert sample("worldloop_stream_backpressure_seconds_total", stream=stream) > blocked_s_before
 
 
 # --------------------------------------------------------------------------- restarts
@@ -222,13 +228,15 @@ def test_redis_restart_mid_stream(persist: bool) -> None:
         for i in range(half):
             prod.add(b"%d" % i)
         if not persist:  # entries still in Redis at the restart would be lost: let the consumer drain first
-            wait_for(lambda: len(set(got)) == half, "the first half")
+            wait_for(lambda: len(set(got)) == half, "the consumer to take the first half", 120,
+                     extra=lambda: f"consumed {len(set(got))} of {half}")
         srv.restart()
         for i in range(half, 2 * half):
             prod.add(b"%d" % i)
-        wait_for(lambda: set(got) >= set(range(2 * half)), "every entry after the restart")
+        wait_for(lambda: set(got) >= set(range(2 * half)), "every entry after the restart", 120,
+                 extra=lambda: f"missing {sorted(set(range(2 * half)) - set(got))[:20]}")
         stop.set()
-        t.join(10)
+        wait_for(lambda: not t.is_alive(), "the consumer thread to stop", 60)
         assert set(got) == set(range(2 * half))
         assert sample("worldloop_stream_reconnects_total", stream=stream) > before
         prod.close()
@@ -274,9 +282,9 @@ def test_unix_socket_url(tmp_path: Path) -> None:
     proc = subprocess.Popen([find_redis_server(), "--port", "0", "--unixsocket", str(sock), "--save", "",
                              "--appendonly", "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
     try:
-        wait_for(sock.exists, "the unix socket", 10)
+        wait_for(sock.exists, "redis-server to create its unix socket", 60, extra=lambda: f"exit code {proc.poll()}")
         url = f"unix://{sock}?db=0"
-        wait_for(lambda: _pings(url), "redis on the unix socket", 10)
+        wait_for(lambda: _pings(url), "redis on the unix socket to answer PING", 60)
         StreamProducer(url, "t:unix", max_backlog=10).add(b"x")
         assert [m.payload for m in StreamConsumer(url, "t:unix", "g", "c", block_ms=100).read(1)] == [b"x"]
     finally:

@@ -412,16 +412,20 @@ def test_resumed_learner_continues_the_wandb_run_and_skips_old_evals(tmp_path, o
 
 
 @pytest.mark.slow
-def test_a_real_learner_step_reaches_tensorboard_wandb_and_samples(tmp_path, offline_wandb):
+def test_a_real_learner_step_reaches_tensorboard_wandb_and_samples(tmp_path, offline_wandb, shared_tiny_model):
     """Two PPO updates of the tiny model (real DeepSpeed, Redis, ZeroMQ): every number of each
     step's metrics.jsonl line is in TensorBoard and wandb at that step; samples of step 2."""
     from worldloop.common.contracts.modeling import ChatCodec
     from worldloop.common.transport.redis_local import LocalRedis
     from worldloop.testing.trajectories import synthetic_trajectory
     from worldloop.testing.learner import tiny_learner_config, train_until_stopped
+    from worldloop.common.contracts.modeling import ChatCodec
+    from worldloop.common.transport.redis_local import LocalRedis
+    from worldloop.testing.trajectories import synthetic_trajectory
+    from worldloop.testing.learner import tiny_learner_config, train_until_stopped
     from worldloop.bootstrap.tiny_model import make_tiny_model
 
-    model_dir = make_tiny_model(tmp_path / "vl", max_image_side=112)
+    model_dir = shared_tiny_model(max_image_side=112)
     codec = ChatCodec(model_dir, max_image_side=112)
     trajs = [synthetic_trajectory(codec, trajectory_id=f"s{i}", seed=i, turns=2, response_tokens=4,
                                   env_reward=float(i % 3), success=i % 3 == 2, reasoning_reward=0.1 * i)

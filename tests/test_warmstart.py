@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,8 @@ from worldloop.bootstrap.recipe import (BUILDER_VERSION, data_fingerprint, read_
                                         tokenizer_hash)
 from worldloop.bootstrap.store import SHIPPED_DIR, cache_root, prepare_model, resolve_model, shipped_models
 from worldloop.bootstrap.tiny_model import make_tiny_model
+from worldloop.common.contracts.config import load_config
+from procs import exit_code
 from worldloop.common.contracts.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,9 +32,9 @@ TINY = ["model.max_image_side=56", "model.tiny_grounding_steps=0", "actor.max_tu
 
 
 @pytest.fixture(scope="module")
-def fresh_tokenizer(tmp_path_factory) -> Path:
+def fresh_tokenizer(shared_tiny_model) -> Path:
     """A model directory with the tokenizer the code trains now (the weights are not used)."""
-    return make_tiny_model(tmp_path_factory.mktemp("fresh") / "m")
+    return shared_tiny_model()
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -183,10 +186,23 @@ def test_a_role_with_no_model_path_takes_the_cached_model_and_never_builds(tmp_p
 def test_two_processes_resolving_one_recipe_build_it_once(tmp_path: Path) -> None:
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
     cmd = [sys.executable, "-m", "worldloop", "model", "resolve", *TINY]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
-             for _ in range(2)]
-    outs = [p.communicate(timeout=600) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    procs = []
+    for i in range(2):
+        with open(tmp_path / f"resolve{i}.out", "wb") as out, open(tmp_path / f"resolve{i}.err", "wb") as err:
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=tmp_path))
+    # both run at once: one builds (about a minute on 2 cores), the other waits for it; 480 s in all
+    # for the two, within the test's 600 s, so that this message comes before pytest's timeout
+    deadline = time.monotonic() + 480
+    try:
+        codes = [exit_code(p, max(1.0, deadline - time.monotonic()), f"`worldloop model resolve` #{i}",
+                           log=tmp_path / f"resolve{i}.err") for i, p in enumerate(procs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    outs = [((tmp_path / f"resolve{i}.out").read_text(), (tmp_path / f"resolve{i}.err").read_text()) for i in range(2)]
+    assert codes == [0, 0], outs
     paths = {out.strip().splitlines()[-1] for out, _ in outs}
     assert len(paths) == 1, outs
     assert sum("model: built in" in err for _, err in outs) == 1, outs  # the other waited and took it

@@ -349,7 +349,9 @@ def test_publishing_does_not_block_the_next_update() -> None:
             blocked3 = pub.publish(live, 3)
             _next_update(live)
             want[4] = _clone(live)
-            time.sleep(0.05)  # subscribers are mid-fetch of v3 now
+            # v3 (not held) is prepared behind the caller and served: the state the next assertion is about
+            wait_for(lambda: pub.served_version == 3, "v3 prepared and served", 120,
+                     extra=lambda: f"version {pub.version}, served {pub.served_version}")
             blocked4 = returns_within(lambda: pub.publish(live, 4), "publish(v4) while v4's preparation is held", 60)
             assert not gates[4].is_set()  # returned without waiting for v4's preparation ...
             assert pub.served_version == 3  # ... while v3 is served and v4 waits behind the caller

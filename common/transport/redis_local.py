@@ -18,6 +18,19 @@ from worldloop.common.exposure import check_redis_bind
 from worldloop.common.metrics import free_port
 
 
+class PortInUse(RuntimeError):
+    """redis-server could not bind its port: another process listens there."""
+
+
+def _read_from(path: Path, offset: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def find_redis_server() -> str:
     """Path of a redis-server binary (>= 6.2 for XAUTOCLAIM)."""
     exe = os.environ.get("WORLDLOOP_REDIS_SERVER") or shutil.which("redis-server")
@@ -52,7 +65,10 @@ class LocalRedis:
             raise ValueError(f"appendfsync must be always or everysec, got {appendfsync!r}")
         self.appendfsync = appendfsync
         self.host = host
-        self.port = port or free_port()
+        # a port we picked may be taken between free_port() closing it and redis-server binding it
+        # (another test, an outgoing connection's source port): start() then retries on a new one
+        self._picked = port is None
+        self.port = port or free_port(host)
         self._tmp = None
         if data_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="worldloop-redis-")
@@ -69,8 +85,31 @@ class LocalRedis:
         auth = f":{quote(self.password, safe='')}@" if self.password else ""
         return f"redis://{auth}{self.host}:{self.port}/0"
 
+    BIND_ATTEMPTS = 5
+
     def start(self, timeout: float = 10.0) -> "LocalRedis":
+        """Start redis-server and wait until it answers (``timeout`` s). On a port this object picked
+        itself, "Address already in use" starts it again on a newly picked port (``BIND_ATTEMPTS`` in
+        all); a port given by the caller, or the one of a restart, is kept and its failure raised."""
         check_redis_bind(self.host, self.password)  # reachable from other hosts: only with a password
+        attempt = 1
+        while True:
+            try:
+                self._start_once(timeout)
+                break
+            except PortInUse:
+                if not self._picked or attempt >= self.BIND_ATTEMPTS:
+                    raise
+                attempt += 1
+                self.port = free_port(self.host)
+        self._picked = False  # restart() comes back on this port: its clients hold the URL
+        return self
+
+    def _start_once(self, timeout: float) -> None:
+        import redis
+
+        log_file = Path(self.data_dir) / "redis.log"
+        log_start = log_file.stat().st_size if log_file.exists() else 0
         args = [
             find_redis_server(),
             "--port", str(self.port),
@@ -80,23 +119,26 @@ class LocalRedis:
             "--appendonly", "yes" if self.persist else "no",
             "--appendfsync", self.appendfsync,
             "--daemonize", "no",
-            "--logfile", str(Path(self.data_dir) / "redis.log"),
+            "--logfile", str(log_file),
         ]
         if self.password:
             args += ["--requirepass", self.password]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout
-        import redis
-
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {err}")
+                err += _read_from(log_file, log_start)
+                code, self.proc = self.proc.returncode, None
+                kind = PortInUse if "Address already in use" in err else RuntimeError
+                raise kind(f"redis-server on {self.host}:{self.port} exited with {code}: {err.strip()[-2000:]}")
             try:
-                redis.Redis.from_url(self.url, socket_timeout=1).ping()
-                return self
+                # ours, not another server that holds the port (its bind then fails: see above)
+                if redis.Redis.from_url(self.url, socket_timeout=1).info("server")["process_id"] == self.proc.pid:
+                    return
             except redis.exceptions.RedisError:
-                time.sleep(0.05)
+                pass
+            time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout}s")
 
