@@ -26,9 +26,9 @@ from worldloop.learner.data import (
     check_usable,
     decode_batch,
     encode_batch,
-    micro_slices,
     whole_group_fraction,
 )
+from worldloop.learner.microbatch import micro_slices
 from worldloop.learner.synthetic import synthetic_trajectory
 
 NS = "ld"
