@@ -195,8 +195,13 @@ def rope_positions(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> to
     long on the batch's device, each row computed from its own tokens and images by the model's
     ``get_rope_index`` (the ids the padded forward uses); None for a model without M-RoPE."""
     fn = _rope_index_fn(model)
-    if fn is None or "mm_token_type_ids" not in batch:
+    if fn is None:
         return None
+    if "mm_token_type_ids" not in batch:  # an M-RoPE model on text-only rows: 3 x the text positions, so
+        # that the packed row still carries [4, 1, T] ids (a 2-D one would lose its restarts there)
+        width = batch["input_ids"].shape[1]
+        return torch.arange(width, device=batch["input_ids"].device).view(1, width, 1).expand(
+            batch["input_ids"].shape[0], width, 3).contiguous()
     args = {"input_ids": batch["input_ids"], "mm_token_type_ids": batch["mm_token_type_ids"],
             "image_grid_thw": batch.get("image_grid_thw"), "attention_mask": batch["attention_mask"]}
     accepted = inspect.signature(fn).parameters

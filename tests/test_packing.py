@@ -150,6 +150,21 @@ def test_mrope_ids_are_each_trajectorys_own(model_dir):
     assert not torch.equal(own[:, 1], torch.arange(lengths[0]))
 
 
+def test_text_only_rows_of_an_mrope_model_still_get_four_position_rows(model_dir):
+    """Without image tokens (no mm_token_type_ids) Qwen2.5-VL would expand 2-D position ids to its
+    3 M-RoPE rows and drop the text row that carries the restarts: the pack must stay [4, 1, T]."""
+    from worldloop.learner.microbatch import rope_positions
+
+    trainer, _ = _trainer(model_dir, packing=True)
+    batch = {"input_ids": torch.tensor([[5, 6, 7], [8, 9, 0]]), "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]])}
+    rope = rope_positions(trainer.models.policy_hf, batch)
+    assert rope.shape == (2, 3, 3) and rope[1, :, 2].tolist() == [0, 1, 2]
+    batch["rope_positions"] = rope
+    mb = packed_slices(batch, [0, 1], [0, 0], [3, 2], pad_to=8)
+    assert mb["position_ids"].shape == (4, 1, 8)
+    assert mb["position_ids"][:, 0, :5].tolist() == [[0, 1, 2, 0, 1]] * 4
+
+
 def test_a_packed_row_isolates_its_trajectories(model_dir):
     """Changing the response tokens of the first trajectory of a pack leaves the log-probs of the
     trajectories after it unchanged (no attention across the boundary)."""
