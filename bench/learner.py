@@ -1,109 +1,57 @@
 """Learner throughput: tokens/s and model FLOPs utilisation of one PPO update, DeepSpeed vs plain torch.
 
-    python bench/learner.py --size tiny                       # CPU smoke run (a minute)
-    python bench/learner.py --size 0.5b --size 3b             # on a GPU (bf16)
+    python bench/learner.py --size tiny --packing on,off --lengths varied    # CPU: packed vs padded rows
+    python bench/learner.py --size 0.5b --size 3b                             # on a GPU (bf16)
         [--engines torch,zero2,zero3] [--steps 3] [--peak-tflops 989] [--json out.json]
         [--lengths fixed|varied] [--micro-tokens 0,auto,4096] [--batch TRAIN,MINI,MICRO]
+        [--packing on,off] [--checkpointing default,full,selective,none] [--offload none,cpu]
         [--logprobs chunked,full] [--logprob-chunk 512]
     python bench/learner.py --size tiny-bigvocab --engines torch --logprobs chunked,full --steps 1   # CPU, 3 min
 
-Memory (issue 30). Each variant first asks the memory model (``worldloop.learner.memory``) for
-its peak: parameters, gradients, AdamW state, the activations of its largest micro-batch
-(micro_batch_size rows of the longest trajectory, or the token budget), the LM head's logits
-(chunked or full), the reference's weights and the critic's state, from the shapes of models
-built on the meta device. A variant that the model says does not fit (the GPU's memory; on CPU
-the machine's available memory) is skipped before any model is built, with ``does not fit:
-model says X GB > Y GB``; the others print the estimate as ``model GB`` beside the measured peak
-(on CPU also its growth part: gradients, optimizer state, activations and logits, what
-``rss_growth_mb`` measures). ``--logprobs full`` is the counterfactual of the chunked LM head:
-the whole [N, V] logits, log-softmax and entropy with autograd, as before ``common/contracts/logprobs.py``
-(patched into the variant's process only). ``tiny-bigvocab`` is the tiny model's body (hidden 64,
-2 layers) with Qwen's 151,936-token vocabulary and about 1,800 loss tokens per micro-batch, so
-that the logits are most of an update's memory on CPU; its table is in
-docs/benchmarks.md (Learner). The peak RSS counts from after the models are built (the kernel's
-VmHWM is reset there), and the weight publisher reserves its buffers before the first update,
-as the learner does at start, so ``publish s`` is a steady-state hand-over.
-
-Micro-batching (``trainer.micro_batch_tokens``, issue 13 item 3): ``--micro-tokens`` runs every
-engine once per value: 0 = today's fixed count (``micro_batch_size`` trajectories per
-micro-batch, padded to the longest), N = micro-batches filled longest-first up to N token slots
-(rows x padded longest), ``auto`` = N = micro_batch_size x the batch's longest trajectory
-(rounded up to 8), i.e. no micro-batch larger than the fixed count's worst case; on a GPU
-``auto`` is the trainer's: the budget the free memory holds by the memory model.
-``--lengths varied`` draws each trajectory's turns (1 to the size's turns, x2.5 for tiny) and
-response length (1/4 to 1x the size's) from a seeded RNG, so lengths vary several-fold as in
-multi-turn RL; the batch is the same for every variant. The table's ``pad`` column is the
-fraction of the token slots computed (all forwards of the update) that are padding, ``micro``
-the micro-batches per update (training passes), ``cpu s`` the process's CPU time per update
-(less disturbed than wall time when other work shares the cores), ``peak GB`` the CUDA peak on
-a GPU and the process's peak RSS on CPU (``rss_growth_mb``: its growth from before the first
-update: gradients, optimizer state, activations, logits). ``--batch`` overrides the size's
-train / PPO mini / micro batch sizes.
-
-Measured on CPU (2 shared cores, one torch thread; other work ran beside it, so wall times are
-noisy and cpu s is the steadier number), tiny model with images, ZeRO-2 fp32, 32 trajectories of
-1-5 turns (53 to ~290 tokens), mini-batch 16, micro 4, median of 3 updates after one warm-up:
-``OMP_NUM_THREADS=1 python bench/learner.py --size tiny --engines zero2 --lengths varied
---batch 32,16,4 --micro-tokens 0,auto --steps 3``
-
-| micro-batches | micro/update | padding | s/update | cpu s | tokens/s | vs fixed | peak RSS GB (growth) |
-|---|---|---|---|---|---|---|---|
-| 4 rows (fixed count) | 8 | 0.303 | 6.47 | 2.0 | 793 | 1.00 | 0.71 (+172 MB) |
-| <= 1,184 tokens (auto) | 7 | 0.155 | 4.70 | 1.4 | 1,091 | 1.38 | 0.70 (+165 MB) |
-
-The policy losses of the two agree to 7 digits update by update (the same mini-batches, only
-the split differs).
+Every comma list runs one variant per value (their product), each in its own subprocess (clean
+memory; one failure does not end the table). Measured tables, commands, machines and dates are in
+docs/benchmarks.md (Learner).
 
 What one update is: ``worldloop.learner.trainer.PPOTrainer.update`` exactly as the learner runs it, on
-``train_batch_size`` synthetic trajectories (3 turns, long observations): no-grad proximal,
-reference and critic forwards, then one epoch of PPO mini-batches (policy forward + backward,
-critic forward + backward), optimizer steps. Data comes from memory (no Redis); the weight publish
-(gather + encode into the ZeroMQ publisher) is timed once after the update steps.
+``train_batch_size`` synthetic trajectories: no-grad proximal, reference and critic forwards, then
+one epoch of PPO mini-batches (policy forward + backward, critic forward + backward), optimizer
+steps. Data comes from memory (no Redis); the weight publish (gather + encode into the ZeroMQ
+publisher) is timed once after the update steps. ``--lengths varied`` draws each trajectory's
+turns (1 to the size's turns, x2.5 for tiny) and response length (1/4 to 1x) from a seeded RNG;
+the batch is the same for every variant.
+
+Variants: ``--packing`` on = ``trainer.packing`` (whole trajectories packed into one row per
+micro-batch, learner/microbatch.py), off = padded rows; ``--micro-tokens`` 0 = micro_batch_size
+trajectories per micro-batch, N = a token budget, auto = the trainer's (CPU: micro_batch_size x
+the longest; CUDA: the memory model's); ``--checkpointing`` = ``trainer.activation_checkpointing``
+(default: the size's own); ``--offload cpu`` = ZeRO's ``offload_optimizer`` on the host
+(``trainer.offload_optimizer``); ``--logprobs full`` = the counterfactual of the chunked LM head
+(the whole [N, V] logits with autograd, patched into the variant's process only).
+
+Columns: ``pad`` the share of the computed token slots (all forwards of the update) that are
+padding; ``micro`` micro-batches per update; ``cpu s`` the process's CPU time per update (steadier
+than wall time on a shared machine); ``peak GB`` the CUDA peak (GiB) on a GPU, the process's peak
+RSS on CPU (VmHWM reset after the models are built); ``model GB`` the memory model's prediction
+(``worldloop.learner.memory``, GiB) beside it. A variant the memory model says does not fit (the
+GPU's memory, or the machine's available memory) is skipped before any model is built.
 
 Models: randomly initialised from the architecture's config, built in memory on the device.
+``tiny``: the embedded tiny Qwen2.5-VL (with images), fp32 on CPU; ``0.5b``: Qwen2.5-0.5B shape,
+bilevel_gae with critic and reference; ``3b``: Qwen2.5-VL-3B shape (vision tower depth 32),
+text-only trajectories, GRPO (no critic), reference on, gradient checkpointing, the vision tower
+frozen unless ``--train-vision`` (then it carries optimizer state, as ``model.freeze_vision:
+false`` does); ``tiny-bigvocab``: the tiny body with Qwen's 151,936-token vocabulary.
+Engines: ``torch`` = the baseline, the same trainer on a plain-torch engine (bf16 parameters,
+fused torch AdamW, no DeepSpeed); ``zero2`` / ``zero3`` = DeepSpeed with a client torch AdamW,
+bf16 (fp32 master weights in the optimizer).
 
-* ``tiny``: the embedded tiny Qwen2.5-VL (with images), fp32 on CPU;
-* ``0.5b``: Qwen2.5-0.5B shape (Qwen2ForCausalLM: hidden 896, 24 layers, 14/2 heads, vocab
-  151936), bilevel_gae with critic and reference, micro-batch 4;
-* ``3b``: Qwen2.5-VL-3B shape (text hidden 2048, 36 layers, 16/2 heads; vision tower depth 32),
-  text-only trajectories, GRPO (no critic: policy and critic with full fp32 Adam states would not
-  fit next to each other on one GPU), reference on, gradient checkpointing, micro-batch 2, the
-  vision tower frozen (it gets no gradient from text; frozen it has no optimizer state: the
-  memory model puts ZeRO-2 at 72 GB so, 84 GB with the tower trained, where the H200 measured
-  a 87.9 GB peak; the tables below were measured with it trained).
-
-Engines, each in its own subprocess (clean memory, one failure does not end the table):
-``torch`` = the baseline, the same trainer with a plain-torch engine (bf16 parameters, fused
-torch AdamW, no DeepSpeed); ``zero2`` / ``zero3`` = DeepSpeed with a client torch AdamW, bf16
-(fp32 master weights in the optimizer).
-
-Model FLOPs (the MFU numerator, PaLM convention): a forward over a sequence of s tokens costs
-2*N*s + 4*n_layers*d_attn*s^2, a backward twice that; N counts the parameters the text path uses
-(embedding/LM head once, vision tower excluded: the trajectories have no images), the critic's
-N excludes the LM head. Per update: 3 forwards (proximal, reference, values) + ppo_epochs x
-(policy fwd+bwd + critic fwd+bwd). Gradient-checkpointing recompute is not counted. MFU = model
-FLOPs / step time / peak; the peak is --peak-tflops, else 989 TFLOP/s (bf16 dense spec) on an
-H100/H200; on CPU no MFU is printed. tokens/s counts the non-padding tokens of the batch.
-
-Measured on one NVIDIA H200 (PyTorch 2.11 + CUDA 13, transformers 5.17, DeepSpeed 0.19.8,
-``python3 bench/learner.py --size 3b --size 0.5b --engines torch,zero2,zero3 --steps 4``; 16
-trajectories of 3 turns, 17,728 tokens per update, median of 4 updates after one warm-up; MFU
-against 989 TFLOP/s; publish = gather + encode + hash of the full policy for the weight channel):
-
-| size | engine | s/update | tokens/s | vs torch | MFU | peak GB | publish s |
-|---|---|---|---|---|---|---|---|
-| 3b (GRPO, grad. ckpt) | torch (bf16 AdamW) | 2.87 | 6,182 | 1.00 | 0.203 | 36.4 | 8.72 |
-| 3b (GRPO, grad. ckpt) | ZeRO-2 | 3.42 | 5,183 | 0.84 | 0.170 | 87.9 | 7.39 |
-| 3b (GRPO, grad. ckpt) | ZeRO-3 | 7.94 | 2,233 | 0.36 | 0.073 | 74.1 | 10.53 |
-| 0.5b (critic + ref) | torch (bf16 AdamW) | 1.13 | 15,678 | 1.00 | 0.137 | 22.3 | 1.03 |
-| 0.5b (critic + ref) | ZeRO-2 | 1.46 | 12,119 | 0.77 | 0.106 | 29.6 | 0.95 |
-| 0.5b (critic + ref) | ZeRO-3 | 4.00 | 4,434 | 0.28 | 0.039 | 31.5 | 1.40 |
-
-(An earlier run, --steps 3, also had ZeRO-0 bf16 at 0.5b: 12,251 tokens/s, 0.93 x torch, MFU 0.107.)
-The torch baseline keeps bf16 parameters and bf16 Adam states; DeepSpeed keeps fp32 master
-weights and fp32 Adam states (hence its memory), which is what the learner needs for lr 1e-6.
-ZeRO-3 on one GPU only costs (parameter gathers per module, no memory to save on one device);
-it pays off across ranks. At 3B the weight publish takes longer than the update itself.
+Model FLOPs (the MFU numerator, PaLM convention): a forward over a sequence of s tokens with l
+loss tokens costs 2*(N - N_head)*s + 2*N_head*l + 4*n_layers*d_attn*s^2 (the LM head runs on the
+loss tokens only, common/contracts/logprobs.py), a backward twice that; N counts the parameters of the text
+path (embedding once, vision tower excluded), the critic's N excludes the LM head. Per update: 3
+forwards (proximal, reference, values) + ppo_epochs x (policy fwd+bwd + critic fwd+bwd).
+Recompute is not counted. MFU = model FLOPs / step time / peak (--peak-tflops, else 989 TFLOP/s
+on an H100/H200; none on CPU). tokens/s counts the non-padding tokens of the batch.
 """
 
 from __future__ import annotations
@@ -144,7 +92,7 @@ SIZES = {
     "0.5b": dict(trainer=dict(train_batch_size=16, ppo_mini_batch_size=8, micro_batch_size=4, estimator="bilevel_gae"),
                  turns=3, filler=220, response=110, images=False),
     # the trajectories are text-only, so the vision tower gets no gradient: frozen, its 0.67 B
-    # parameters carry no optimizer state (ZeRO-2: 10.7 GB less; model.freeze_vision)
+    # parameters carry no optimizer state (ZeRO-2: 12.5 GiB less; model.freeze_vision; --train-vision trains it)
     "3b": dict(trainer=dict(train_batch_size=16, ppo_mini_batch_size=8, micro_batch_size=2, estimator="grpo",
                             use_critic=False, gradient_checkpointing=True),
                turns=3, filler=220, response=110, images=False, model=dict(freeze_vision=True)),
@@ -252,6 +200,8 @@ def model_estimate(size: str, engine: str, cfg, tiny_dir: Path, lengths: list[in
     """The memory model's Estimate of a variant (learner/memory.py), from shapes on the meta device:
     its largest micro-batch is micro_batch_size rows of the longest trajectory (or the token budget)."""
     from worldloop.common.contracts.modeling import freeze_vision_tower
+    from worldloop.learner.kernels import checkpointing_mode, use_liger
+    from worldloop.common.contracts.modeling import freeze_vision_tower
     from worldloop.learner.kernels import use_liger
     from worldloop.learner.memory import estimate, shape_of
 
@@ -266,7 +216,8 @@ def model_estimate(size: str, engine: str, cfg, tiny_dir: Path, lengths: list[in
     tokens = min(slots, t.micro_batch_tokens) if isinstance(t.micro_batch_tokens, int) and t.micro_batch_tokens > 0 else slots
     loss_tokens = int(tokens * response / max(sum(lengths), 1))
     return estimate(shape_of(policy), "torch" if engine == "torch" else engine, bf16=cuda, tokens=tokens,
-                    loss_tokens=loss_tokens, checkpointing=t.gradient_checkpointing,
+                    loss_tokens=loss_tokens, checkpointing=checkpointing_mode(t),
+                    offload=getattr(t, "offload_optimizer", "none") == "cpu",
                     chunk=None if full else t.logprob_chunk_tokens, liger=use_liger(cfg, device),
                     reference=shape_of(reference) if reference is not None else None,
                     critic=shape_of(backbone) if backbone is not None else None)
@@ -302,8 +253,13 @@ def _text_params(model: torch.nn.Module) -> tuple[int, int, int, int]:
     return n, head, text.num_hidden_layers, heads * (text.hidden_size // heads)
 
 
-def update_flops(lengths: list[int], n_policy: int, n_head: int, layers: int, d_attn: int, critic: bool, epochs: int) -> float:
-    fwd_p = sum(2 * n_policy * s + 4 * layers * d_attn * s * s for s in lengths)
+def update_flops(lengths: list[int], n_policy: int, n_head: int, layers: int, d_attn: int, critic: bool, epochs: int,
+                 loss_tokens: list[int] | None = None) -> float:
+    """Model FLOPs of one update (module docstring); the LM head on ``loss_tokens`` only (all
+    tokens when None)."""
+    loss_tokens = lengths if loss_tokens is None else loss_tokens
+    fwd_p = sum(2 * (n_policy - n_head) * s + 2 * n_head * n + 4 * layers * d_attn * s * s
+                for s, n in zip(lengths, loss_tokens))
     fwd_c = sum(2 * (n_policy - n_head) * s + 4 * layers * d_attn * s * s for s in lengths) if critic else 0.0
     return 2 * fwd_p + fwd_c + epochs * 3 * (fwd_p + fwd_c)
 
@@ -341,8 +297,18 @@ def _shapes(size: str, lengths: str, step: int, n: int) -> list[tuple[int, int, 
             for _ in range(n)]
 
 
+def _trainer_overrides(v: dict) -> dict:
+    """The trainer keys of a variant's flags (``--packing``, ``--checkpointing``, ``--offload``)."""
+    out = {"packing": v.get("packing", "on") == "on"}
+    if v.get("checkpointing", "default") != "default":
+        out["activation_checkpointing"] = v["checkpointing"]
+    if v.get("offload", "none") != "none":
+        out["offload_optimizer"] = v["offload"]
+    return out
+
+
 def run_variant(size: str, engine: str, steps: int, out: Path, lengths: str = "fixed", micro_tokens: str = "0",
-                batch_sizes: str = "", logprobs: str = "chunked", chunk: int = 0) -> dict:
+                batch_sizes: str = "", logprobs: str = "chunked", chunk: int = 0, variant: dict | None = None) -> dict:
     from worldloop.common.contracts.config import config_from_dict
     from worldloop.common.contracts.modeling import ChatCodec
     from worldloop.bootstrap.tiny_model import make_tiny_model
@@ -374,17 +340,18 @@ def run_variant(size: str, engine: str, steps: int, out: Path, lengths: str = "f
     budget = micro_tokens if micro_tokens == "auto" else int(micro_tokens)
     trainer = dict(spec["trainer"], zero_stage=3 if engine == "zero3" else 2 if engine == "zero2" else 0,
                    total_steps=steps, kl_coef=0.001, device="cuda" if cuda else "cpu", micro_batch_tokens=budget,
-                   **({"logprob_chunk_tokens": chunk} if chunk else {}))
-    cfg = config_from_dict({"model": {"path": str(tiny_dir), "max_image_side": 112, "max_model_len": 8192,
-                                      **spec.get("model", {})},
+                   **({"logprob_chunk_tokens": chunk} if chunk else {}), **_trainer_overrides(variant or {}))
+    model = dict(spec.get("model", {}), **({"freeze_vision": False} if (variant or {}).get("train_vision") else {}))
+    cfg = config_from_dict({"model": {"path": str(tiny_dir), "max_image_side": 112, "max_model_len": 8192, **model},
                             "trainer": trainer})
     first = [sum(len(t.obs_ids) + len(t.response_ids) for t in x.turns) for x in batches[0]]
     est = model_estimate(size, engine, cfg, tiny_dir, first, sum(len(t.response_ids) for x in batches[0] for t in x.turns),
                          cuda, logprobs == "full")
     limit = _memory_limit(cuda)
-    head = {"size": size, "engine": engine, "budget": micro_tokens, "logprobs": logprobs, "model": est.rows()}
+    head = {"size": size, "engine": engine, "budget": micro_tokens, "logprobs": logprobs, "model": est.rows(),
+            **(variant or {})}
     if est.total > limit:  # before any model is built
-        row = dict(head, skipped=f"does not fit: model says {est.total / 1e9:.1f} GB > {limit / 1e9:.1f} GB")
+        row = dict(head, skipped=f"does not fit: model says {est.total / 2**30:.1f} GiB > {limit / 2**30:.1f} GiB")
         print(f"  {size} {engine} {logprobs} log-probs: {row['skipped']}", flush=True)
         out.write_text(json.dumps(row))
         return row
@@ -410,6 +377,7 @@ def run_variant(size: str, engine: str, steps: int, out: Path, lengths: str = "f
     for step in range(steps + 1):  # the first update warms up (allocator, kernels) and is not counted
         trajs = batches[step]
         lengths = [sum(len(t.obs_ids) + len(t.response_ids) for t in x.turns) for x in trajs]
+        loss_tokens = [sum(len(t.response_ids) for t in x.turns) for x in trajs]
         if cuda:
             torch.cuda.synchronize()
         t0, c0 = time.perf_counter(), time.process_time()
@@ -417,7 +385,8 @@ def run_variant(size: str, engine: str, steps: int, out: Path, lengths: str = "f
         if cuda:
             torch.cuda.synchronize()
         dt, cpu_s = time.perf_counter() - t0, time.process_time() - c0
-        flops = update_flops(lengths, n_policy, n_head, layers, d_attn, models.critic is not None, cfg.trainer.ppo_epochs)
+        flops = update_flops(lengths, n_policy, n_head, layers, d_attn, models.critic is not None, cfg.trainer.ppo_epochs,
+                             loss_tokens)
         results.append({"seconds": dt, "tokens": sum(lengths), "flops": flops, "forward": stats["forward_seconds"],
                         "backward": stats["backward_seconds"], "loss": stats.get("policy_loss"),
                         "pad": stats["padding_fraction"], "micro": stats["micro_batches"], "cpu": cpu_s})
@@ -470,49 +439,64 @@ def peak_flops(arg: float | None) -> float | None:
     return None
 
 
+_FLAGS = ("packing", "checkpointing", "offload")
+
+
 def _cells(r: dict, rows: list[dict], peak: float | None) -> str:
     """One measured row of the table."""
     def same(b, **kw):
         return (b.get("size") == r["size"] and "seconds" in b and b.get("logprobs") == r.get("logprobs")
                 and all(b.get(k) == v for k, v in kw.items()))
 
-    base = next((b for b in rows if same(b, engine="torch", micro_batch_tokens=r["micro_batch_tokens"])), None)
-    fixed = next((b for b in rows if same(b, engine=r["engine"], micro_batch_tokens=0)), None)
+    flags = {k: r.get(k) for k in _FLAGS}
+    base = next((b for b in rows if same(b, engine="torch", micro_batch_tokens=r["micro_batch_tokens"], **flags)), None)
+    padded = next((b for b in rows if same(b, engine=r["engine"], **dict(flags, packing="off"))
+                   and b.get("budget") == r.get("budget")), None)
     ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
-    vs_fixed = f"{r['tokens_per_s'] / fixed['tokens_per_s']:.2f}" if fixed else "-"
+    vs_padded = f"{r['tokens_per_s'] / padded['tokens_per_s']:.2f}" if padded else "-"
     mfu = f"{r['flops_per_s'] / peak:.3f}" if peak else "-"
     if r.get("peak_gb") is not None:
         peak_gb = f"{r['peak_gb']:.1f}"
         model = f"{r['model']['total']:.1f}"
     else:
-        peak_gb = f"{r['peak_rss_gb']:.2f} RSS (rss_growth_mb {r['rss_growth_mb']:,.0f})"
+        peak_gb = f"{r['peak_rss_gb']:.2f} RSS (+{r['rss_growth_mb']:,.0f} MB)"
         model = f"{r['model']['total']:.2f} (growth {r['model_growth_mb']:,.0f} MB)"
     how = f"<= {r['micro_batch_tokens']:,} tok" if r["micro_batch_tokens"] else f"{r['micro_batch_size']} rows"
     if r.get("budget") == "auto":
         how = f"auto: {how}"
     lp = r.get("logprobs", "chunked") + (f" ({r['logprob_chunk']})" if r.get("logprobs") != "full" else "")
-    return (f"| {r['size']} | {r['engine']} | {lp} | {how} | {r['micro_batches']:g} | {r['padding_fraction']:.3f} | "
+    return (f"| {r['size']} | {r['engine']} | {r.get('packing', 'on')} | {r.get('checkpointing', 'default')} | "
+            f"{r.get('offload', 'none')} | {lp} | {how} | {r['micro_batches']:g} | {r['padding_fraction']:.3f} | "
             f"{r['tokens_per_update']:,} | {r['seconds']:.2f} | {r['cpu_s']:.1f} | {r['tokens_per_s']:,.0f} | "
-            f"{ratio} | {vs_fixed} | {mfu} | {r['forward_s']:.2f} | {r['backward_s']:.2f} | {r['publish_s']:.2f} | "
+            f"{ratio} | {vs_padded} | {mfu} | {r['forward_s']:.2f} | {r['backward_s']:.2f} | {r['publish_s']:.2f} | "
             f"{peak_gb} | {model} |")
 
 
 def print_table(rows: list[dict], lengths: str, peak: float | None) -> None:
     print()
-    print(f"lengths: {lengths}; vs torch: against the torch engine with the same micro-batching; "
-          "vs fixed: against the same engine with micro_batch_tokens=0; model GB: the memory model's estimate "
-          "(learner/memory.py) beside the measured peak")
-    print("| size | engine | log-probs | micro-batches | micro | pad | tokens/update | s/update | cpu s | tokens/s "
-          "| vs torch | vs fixed | MFU | fwd s | bwd s | publish s | peak GB | model GB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"lengths: {lengths}; pad: the share of computed token slots that are padding; vs torch: against the torch "
+          "engine with the same flags; vs padded: against the same variant with --packing off; model GB: the memory "
+          "model's prediction (learner/memory.py, GiB) beside the measured peak")
+    print("| size | engine | packing | ckpt | offload | log-probs | micro-batches | micro | pad | tokens/update | s/update "
+          "| cpu s | tokens/s | vs torch | vs padded | MFU | fwd s | bwd s | publish s | peak GB | model GB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "failed" in r or "skipped" in r:
             why = f"failed (exit {r['failed']})" if "failed" in r else r["skipped"]
-            print(f"| {r['size']} | {r['engine']} | {r.get('logprobs', '')} | {r['budget']} | {why} ||||||||||||||")
+            print(f"| {r['size']} | {r['engine']} | {r.get('packing', '')} | {r.get('checkpointing', '')} | "
+                  f"{r.get('offload', '')} | {r.get('logprobs', '')} | {r['budget']} | {why} ||||||||||||||")
             continue
         print(_cells(r, rows, peak))
+    for r in rows:
+        if "padding_fraction" in r:
+            print(f"padding share of token slots: {r['size']} {r['engine']} packing {r.get('packing')} "
+                  f"ckpt {r.get('checkpointing')}: {100 * r['padding_fraction']:.1f} %")
     if peak:
         print(f"\nMFU against {peak / 1e12:.0f} TFLOP/s (bf16 dense peak); model FLOPs as in the module docstring.")
+
+
+def _split(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def main() -> int:
@@ -527,47 +511,64 @@ def main() -> int:
     ap.add_argument("--micro-tokens", default="0",
                     help="comma list of trainer.micro_batch_tokens values, one variant each: 0 = fixed count, "
                          "N = token budget, auto = the trainer's auto (CPU: micro_batch_size x longest; CUDA: memory model)")
+    ap.add_argument("--packing", default="on", help="comma list of on/off (trainer.packing), one variant each")
+    ap.add_argument("--checkpointing", default="default",
+                    help="comma list of default/full/selective/none (trainer.activation_checkpointing)")
+    ap.add_argument("--offload", default="none", help="comma list of none/cpu (trainer.offload_optimizer, ZeRO only)")
+    ap.add_argument("--train-vision", action="store_true", help="3b: train the vision tower (model.freeze_vision false)")
     ap.add_argument("--logprobs", default="chunked",
                     help="comma list, one variant each: chunked (the learner's) or full (all [N, V] logits with autograd)")
     ap.add_argument("--logprob-chunk", type=int, default=0, help="trainer.logprob_chunk_tokens (0: the config default)")
     ap.add_argument("--batch", default="", metavar="TRAIN,MINI,MICRO",
                     help="override train_batch_size, ppo_mini_batch_size, micro_batch_size of the size")
-    ap.add_argument("--one", nargs=6, metavar=("SIZE", "ENGINE", "OUT", "LENGTHS", "MICRO_TOKENS", "LOGPROBS"),
+    ap.add_argument("--timeout", type=float, default=0, help="seconds per variant before it is killed (0: none)")
+    ap.add_argument("--one", nargs=7, metavar=("SIZE", "ENGINE", "OUT", "LENGTHS", "MICRO_TOKENS", "LOGPROBS", "FLAGS"),
                     help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.batch and len(args.batch.split(",")) != 3:
         ap.error("--batch takes TRAIN,MINI,MICRO")
     if args.one:
         run_variant(args.one[0], args.one[1], args.steps, Path(args.one[2]), args.one[3], args.one[4], args.batch,
-                    args.one[5], args.logprob_chunk)
+                    args.one[5], args.logprob_chunk, json.loads(args.one[6]))
         return 0
-    variants = itertools.product(args.size or ["tiny"], [e.strip() for e in args.engines.split(",") if e.strip()],
-                                 [b.strip() for b in args.micro_tokens.split(",") if b.strip()],
-                                 [x.strip() for x in args.logprobs.split(",") if x.strip()])
+    variants = itertools.product(args.size or ["tiny"], _split(args.engines), _split(args.micro_tokens),
+                                 _split(args.logprobs), _split(args.packing), _split(args.checkpointing),
+                                 _split(args.offload))
     rows = []
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")}
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
     env.setdefault("PYTHONUNBUFFERED", "1")
     with tempfile.TemporaryDirectory() as d:
-        for size, engine, budget, logprobs in variants:
-            out = Path(d) / f"{size}-{engine}-{budget}-{logprobs}.json"
-            t0 = time.monotonic()
-            proc = subprocess.run([sys.executable, __file__, "--one", size, engine, str(out), args.lengths, budget, logprobs,
-                                   "--steps", str(args.steps), "--batch", args.batch,
-                                   "--logprob-chunk", str(args.logprob_chunk)], env=env, cwd=ROOT)
-            if proc.returncode != 0 or not out.exists():
-                print(f"{size} {engine} micro_batch_tokens={budget}: failed (exit {proc.returncode})", flush=True)
-                rows.append({"size": size, "engine": engine, "budget": budget, "logprobs": logprobs, "failed": proc.returncode})
-                continue
-            row = json.loads(out.read_text())
-            row["wall_s"] = time.monotonic() - t0
-            rows.append(row)
+        for size, engine, budget, logprobs, packing, ckpt, offload in variants:
+            if offload != "none" and engine in ("torch", "zero0"):
+                continue  # optimizer offload is ZeRO's
+            flags = {"packing": packing, "checkpointing": ckpt, "offload": offload, "train_vision": args.train_vision}
+            rows.append(_run_one(args, size, engine, budget, logprobs, flags, Path(d), env))
             if args.json:  # after every variant, so a run cut short keeps what it measured
                 Path(args.json).write_text(json.dumps(rows, indent=2))
     print_table(rows, args.lengths, peak_flops(args.peak_tflops))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
+
+
+def _run_one(args, size: str, engine: str, budget: str, logprobs: str, flags: dict, d: Path, env: dict) -> dict:
+    """One variant in its own subprocess; its row (or a failed row)."""
+    name = "-".join([size, engine, budget, logprobs, *(str(v) for v in flags.values())])
+    out = d / f"{name}.json"
+    t0 = time.monotonic()
+    cmd = [sys.executable, __file__, "--one", size, engine, str(out), args.lengths, budget, logprobs, json.dumps(flags),
+           "--steps", str(args.steps), "--batch", args.batch, "--logprob-chunk", str(args.logprob_chunk)]
+    try:
+        code = subprocess.run(cmd, env=env, cwd=ROOT, timeout=args.timeout or None).returncode
+    except subprocess.TimeoutExpired:
+        code = 124
+    if code != 0 or not out.exists():
+        print(f"{name}: failed (exit {code})", flush=True)
+        return {"size": size, "engine": engine, "budget": budget, "logprobs": logprobs, "failed": code, **flags}
+    row = json.loads(out.read_text())
+    row["wall_s"] = time.monotonic() - t0
+    return row
 
 
 if __name__ == "__main__":

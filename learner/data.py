@@ -13,7 +13,6 @@ Public API::
         .collect(n, should_stop) -> list[Item] | None
         .held_bytes, .held_count, .ack_held() -> int, .mark_trained(items, step)
     encode_batch(items) -> bytes / decode_batch(bytes) -> (stop, list[Trajectory])   # rank 0 -> other ranks
-    micro_slices(batch, rows, image_counts) -> dict        # rows of a collated batch, images kept
 
 Exactly-once with kill -9
 -------------------------
@@ -76,7 +75,6 @@ from typing import Callable
 
 import msgspec
 import redis
-import torch
 
 from worldloop.common.contracts.config import Config, ConfigError, held_group_size
 from worldloop.common.transport.control import read_stats
@@ -513,33 +511,3 @@ def decode_batch(data: bytes) -> tuple[bool, list[Trajectory]]:
     """Rank 0's payload, decoded into structs (rank 0 validated every trajectory already)."""
     msg = _BATCH.decode(data)
     return msg.stop, msg.trajectories
-
-
-def image_patch_rows(batch: dict[str, torch.Tensor], image_counts: list[int]) -> list[tuple[int, int]]:
-    """Per sequence, the (start, end) rows of ``pixel_values`` and image index range."""
-    grid = batch.get("image_grid_thw")
-    spans = []
-    img = patch = 0
-    patches = grid.prod(-1).tolist() if grid is not None else []
-    for n in image_counts:
-        p = int(sum(patches[img : img + n]))
-        spans.append((patch, patch + p, img, img + n))
-        img += n
-        patch += p
-    return spans
-
-
-def micro_slices(batch: dict[str, torch.Tensor], rows: list[int], image_counts: list[int], pad_to: int = 8) -> dict[str, torch.Tensor]:
-    """Rows ``rows`` of a collated batch, trimmed to their longest sequence, images kept with them."""
-    idx = torch.tensor(rows, dtype=torch.long)
-    length = int(batch["attention_mask"][idx].sum(1).max())
-    length = min(batch["attention_mask"].shape[1], -(-length // pad_to) * pad_to)
-    out = {k: v[idx, :length] for k, v in batch.items() if k not in ("pixel_values", "image_grid_thw") and v.dim() == 2}
-    if "pixel_values" in batch:
-        spans = image_patch_rows(batch, image_counts)
-        pix = [batch["pixel_values"][spans[r][0] : spans[r][1]] for r in rows]
-        grid = [batch["image_grid_thw"][spans[r][2] : spans[r][3]] for r in rows]
-        if sum(x.shape[0] for x in pix):
-            out["pixel_values"] = torch.cat(pix)
-            out["image_grid_thw"] = torch.cat(grid)
-    return out

@@ -53,7 +53,8 @@ import torch
 from worldloop.common.contracts.config import Config, ConfigError
 from worldloop.common.contracts.logprobs import model_inputs, token_logprobs
 from worldloop.common.contracts.modeling import ChatCodec, freeze_vision_tower, load_policy
-from worldloop.learner.kernels import apply_liger, configure_attention, use_liger
+from worldloop.learner.kernels import (apply_checkpointing, apply_liger, checkpointing_mode, configure_attention,
+                                       kernel_report, use_liger)
 
 log = logging.getLogger(__name__)
 
@@ -152,12 +153,21 @@ def ds_config(cfg: Config, dist: DistInfo, *, bf16: bool) -> dict:
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": per_rank_mini // t.micro_batch_size,
         "gradient_clipping": t.max_grad_norm,
-        "zero_optimization": {"stage": t.zero_stage},
+        "zero_optimization": {"stage": t.zero_stage, **_offload(t)},
         "bf16": {"enabled": bool(bf16)},
         "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+
+
+def _offload(t) -> dict:
+    """ZeRO's optimizer offload (``trainer.offload_optimizer``); the client torch AdamW then steps on
+    the host copies, so DeepSpeed must not insist on its compiled CPU Adam."""
+    if t.offload_optimizer == "none" or t.zero_stage == 0:
+        return {}
+    return {"offload_optimizer": {"device": "cpu", "pin_memory": True}}
 
 
 def check_batch_geometry(cfg: Config, world_size: int) -> None:
@@ -190,8 +200,10 @@ class PolicyModule(torch.nn.Module):
         self.fused = bool(fused)
 
     def forward(self, batch: dict[str, torch.Tensor], temperature: float = 1.0, return_entropy: bool = False):
+        at = (batch["logprob_rows"], batch["logprob_cols"]) if "logprob_rows" in batch else None
         return token_logprobs(self.hf, batch, temperature=temperature, chunk_size=self.chunk_size,
-                              return_entropy=return_entropy, only=batch.get("logprob_mask"), fused=self.fused)
+                              return_entropy=return_entropy, only=batch.get("logprob_mask"), fused=self.fused,
+                              positions=at)
 
 
 class CriticModule(torch.nn.Module):
@@ -209,7 +221,10 @@ class CriticModule(torch.nn.Module):
         p = next(self.backbone.parameters())
         out = self.backbone(**model_inputs(batch, p.device, p.dtype), use_cache=False)
         v = self.value_head(out.last_hidden_state).squeeze(-1).float()
-        return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
+        v = torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
+        if "seq_start" in batch:  # a packed row: no value from the previous sequence's last token
+            v = v * (1.0 - batch["seq_start"].to(v.device))
+        return v
 
 
 def load_backbone(model_dir: str | Path) -> torch.nn.Module:
@@ -284,14 +299,13 @@ def assemble_models(cfg: Config, dist: DistInfo, codec: ChatCodec, hf: torch.nn.
         if backbone is not None:
             freeze_vision_tower(backbone)
     vocab = hf.get_input_embeddings().num_embeddings
-    if t.gradient_checkpointing:
-        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ckpt = checkpointing_mode(t)
+    apply_checkpointing(hf, ckpt)
     policy = make(PolicyModule(hf, t.logprob_chunk_tokens, fused=liger), t.actor_lr, conf)
     critic = None
     if backbone is not None:
         backbone.train()
-        if t.gradient_checkpointing:
-            backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        apply_checkpointing(backbone, ckpt)
         critic = make(CriticModule(backbone), t.critic_lr, conf)
     ref = None
     if reference is not None:
@@ -302,6 +316,8 @@ def assemble_models(cfg: Config, dist: DistInfo, codec: ChatCodec, hf: torch.nn.
         " + critic" if critic is not None else "", " + reference" if ref is not None else "",
         t.zero_stage, "bf16" if bf16 else "fp32", dist.device, dist.world_size, ", Liger Kernel" if liger else "",
     )
+    if dist.is_main:
+        log.info("%s", kernel_report(cfg, dist.device, liger))
     return Models(policy, critic, ref, codec, dist, bf16, t.zero_stage, vocab, liger)
 
 

@@ -6,6 +6,9 @@ Public API::
     apply_liger(model) -> bool              # Liger's RMSNorm, RoPE, SwiGLU on a Qwen2 / Qwen2.5-VL instance
     configure_attention(device)             # SDPA without cuDNN attention on CUDA (no plan per shape)
     pad_multiple(cfg, device) -> int        # trainer.pad_to_multiple resolved (auto: 128 on CUDA, 8 on CPU)
+    checkpointing_mode(trainer_cfg) -> "full" | "selective" | "none"   # trainer.activation_checkpointing resolved
+    apply_checkpointing(model, mode) -> int  # recompute in the backward: every layer, or each layer's attention
+    kernel_report(cfg, device, liger) -> str   # the start-up line: which fused kernels are on, why any is off
     LIGER_MIN_VERSION
 
 Liger Kernel (``pip install 'worldloop[gpu]'``; Triton kernels, so CUDA only)
@@ -26,6 +29,16 @@ RoPE of Qwen2.5-VL: Liger 0.8.x replaces ``apply_multimodal_rotary_pos_emb``, a 
 transformers 5 no longer has: there the M-RoPE sections are folded into cos / sin by the rotary
 embedding and the attention calls the plain ``apply_rotary_pos_emb``, so that one is replaced by
 Liger's plain RoPE kernel (the same call as Qwen2's).
+
+Activation checkpointing (``trainer.activation_checkpointing``)
+---------------------------------------------------------------
+``full``: transformers' gradient checkpointing, every decoder layer recomputed in the backward
+(one more forward of the whole backbone per training pass; a layer keeps only its input).
+``selective``: only each text decoder layer's self-attention block (its q, k, v, the attention
+output and the o_proj input) is recomputed; the MLP and norms keep their activations, so the
+recompute costs the attention projections and the attention itself, about a third of a layer's
+FLOPs at Qwen2.5's shapes, and saves 5 x d x h bytes per token and layer (learner/memory.py).
+``none``: nothing recomputed. Unset, ``trainer.gradient_checkpointing`` picks full or none.
 
 Attention
 ---------
@@ -122,6 +135,65 @@ def apply_liger(model: torch.nn.Module) -> bool:
         return False
     log.info("Liger Kernel: RMSNorm, RoPE and SwiGLU of the %s model patched", kind)
     return True
+
+
+def checkpointing_mode(t) -> str:
+    """``trainer.activation_checkpointing`` resolved against ``trainer.gradient_checkpointing``."""
+    mode = getattr(t, "activation_checkpointing", None)
+    if mode is None:
+        return "full" if t.gradient_checkpointing else "none"
+    return mode
+
+
+def _checkpointed(forward):
+    def run(*args, **kwargs):
+        if torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return forward(*args, **kwargs)
+
+    return run
+
+
+def apply_checkpointing(model: torch.nn.Module, mode: str) -> int:
+    """Activation checkpointing on a Hugging Face model (policy or bare backbone); returns the
+    number of blocks recomputed: ``full`` every decoder layer (transformers' own), ``selective``
+    the ``self_attn`` of every text decoder layer (not the vision tower's), ``none`` nothing."""
+    if mode == "none":
+        return 0
+    if mode == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return int(model.config.get_text_config().num_hidden_layers)
+    if mode != "selective":
+        raise ValueError(f"activation checkpointing must be full, selective or none, got {mode!r}")
+    n = 0
+    for name, module in model.named_modules():
+        if name.endswith(".self_attn") and "visual" not in name:
+            module.forward = _checkpointed(module.forward)
+            n += 1
+    return n
+
+
+def kernel_report(cfg: Config, device: torch.device, liger: bool) -> str:
+    """One start-up line: the attention kernel and Liger's fused kernels, each on or off and why."""
+    want, found = cfg.trainer.liger, _liger_version()
+    if liger:
+        head = ("fused linear log-prob in every pass (entropy_coef 0: no full logits)" if not cfg.trainer.entropy_coef
+                else "fused linear log-prob in the proximal/reference passes; training asks for the entropy "
+                     f"(entropy_coef {cfg.trainer.entropy_coef}), which Liger has no fused kernel for: chunked head there")
+        kernels = f"Liger {'.'.join(map(str, found or ()))} on: RMSNorm, RoPE, SwiGLU, {head}"
+    elif want is False:
+        kernels = "Liger off: trainer.liger is false; chunked LM head (common/contracts/logprobs.py)"
+    elif device.type != "cuda":
+        kernels = f"Liger off: the learner runs on {device.type} (Triton kernels need CUDA); chunked LM head"
+    elif found is None:
+        kernels = "Liger off: liger_kernel does not import (pip install 'worldloop[gpu]'); chunked LM head"
+    else:
+        kernels = (f"Liger off: liger-kernel {'.'.join(map(str, found))} is older than "
+                   f"{'.'.join(map(str, LIGER_MIN_VERSION))}; chunked LM head")
+    attn = "sdpa without cuDNN" if device.type == "cuda" else "sdpa"
+    layout = "packed rows (varlen by position ids)" if cfg.trainer.packing else "padded rows"
+    return (f"kernels: {kernels}; attention {attn}, {layout}; activation checkpointing "
+            f"{checkpointing_mode(cfg.trainer)}")
 
 
 def configure_attention(device: torch.device) -> None:

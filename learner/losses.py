@@ -7,8 +7,9 @@ Public API::
     weighted_sum(x, weights, mask) -> sum of x * weights over the mask
     aggregation_weights(mask, mode) / aggregation_normaliser(mask, mode)   # trainer.loss_agg_mode
     policy_loss(logprobs, proximal_logprobs, behaviour_logprobs, advantages, mask, *,
-                clip_ratio=0.2, iw_cap=2.0, token_weights=None) -> (loss, stats)
-    value_loss(values, old_values, returns, mask, *, value_clip=0.2) -> (loss, stats)
+                clip_ratio=0.2, iw_cap=2.0, token_weights=None, as_tensors=False) -> (loss, stats)
+    value_loss(values, old_values, returns, mask, *, value_clip=0.2, as_tensors=False) -> (loss, stats)
+    stats_floats(*stats) -> list of dicts of floats     # as_tensors stats, one host sync for all
     kl_penalty(logprobs, ref_logprobs, kind="low_var_kl") -> per-token tensor
 
 Aggregation: every loss is a token mean over the mask of the tensors it is given (one
@@ -20,7 +21,7 @@ wants the exact mini-batch token mean. The policy loss also takes per-token weig
 (:func:`aggregation_weights`), where the caller divides the weighted sums of a mini-batch by
 :func:`aggregation_normaliser`. A mask with no token gives loss 0 (still attached to the
 graph) and stats 0. Nothing is read outside the mask: NaN/inf there changes neither the loss nor
-its gradient. Stats are Python floats (one host sync per call).
+its gradient. Stats are Python floats (one host sync per call), or 0-d tensors with ``as_tensors``.
 """
 
 from __future__ import annotations
@@ -109,12 +110,21 @@ def _stats(named: dict[str, torch.Tensor]) -> dict[str, float]:
     return dict(zip(named, values))
 
 
+def stats_floats(*named: dict[str, torch.Tensor]) -> list[dict[str, float]]:
+    """Several dicts of 0-d tensors (``as_tensors=True`` stats) as Python floats in ONE host sync."""
+    flat = [v for d in named for v in d.values()]
+    if not flat:
+        return [{} for _ in named]
+    values = iter(torch.stack([v.detach().float().reshape(()) for v in flat]).tolist())
+    return [{k: next(values) for k in d} for d in named]
+
+
 def _masked_extreme(x: torch.Tensor, m: torch.Tensor, largest: bool) -> torch.Tensor:
-    if not bool(m.any()):
-        return x.new_zeros(())
+    """Max (min) of x over the mask, 0 when the mask is empty; no host sync."""
     fill = torch.tensor(float("-inf") if largest else float("inf"), dtype=x.dtype, device=x.device)
     kept = torch.where(m, x, fill)
-    return kept.max() if largest else kept.min()
+    extreme = kept.max() if largest else kept.min()
+    return torch.where(m.any(), extreme, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def policy_loss(
@@ -127,6 +137,7 @@ def policy_loss(
     clip_ratio: float = 0.2,
     iw_cap: float | None = 2.0,
     token_weights: torch.Tensor | None = None,
+    as_tensors: bool = False,
 ):
     """Decoupled PPO clip loss (the negated objective, to minimise).
 
@@ -142,7 +153,8 @@ def policy_loss(
     stats: clip_fraction (tokens whose clipped term is the active one), approx_kl
     (mean of (r - 1) - log r, the k3 estimate of KL(proximal || new)), approx_kl_k1 (mean of
     proximal - new), ratio_mean/ratio_max/ratio_min, iw_mean/iw_max/iw_min (before truncation),
-    iw_truncated_fraction (tokens with w > iw_cap), loss, tokens.
+    iw_truncated_fraction (tokens with w > iw_cap), loss, tokens. ``as_tensors``: the stats as
+    0-d tensors, no host sync (:func:`stats_floats` reads several dicts in one).
     """
     _check_policy_args(logprobs, proximal_logprobs, behaviour_logprobs, advantages, clip_ratio, iw_cap)
     m = _bool(mask, logprobs)
@@ -160,7 +172,8 @@ def policy_loss(
     per_token = w * torch.maximum(unclipped, clipped)
     loss = masked_mean(per_token, m)
     weighted = loss if token_weights is None else weighted_sum(per_token, token_weights, m)
-    return weighted, _policy_stats(loss, m, clipped > unclipped, ratio, log_ratio, w_raw, iw_cap)
+    named = _policy_stats(loss, m, clipped > unclipped, ratio, log_ratio, w_raw, iw_cap)
+    return weighted, (named if as_tensors else _stats(named))
 
 
 def _check_policy_args(logprobs, proximal_logprobs, behaviour_logprobs, advantages, clip_ratio, iw_cap) -> None:
@@ -173,10 +186,10 @@ def _check_policy_args(logprobs, proximal_logprobs, behaviour_logprobs, advantag
 
 
 @torch.no_grad()
-def _policy_stats(loss, m, clip_active, ratio, log_ratio, w_raw, iw_cap) -> dict[str, float]:
-    """The statistics :func:`policy_loss` documents, in one host sync."""
+def _policy_stats(loss, m, clip_active, ratio, log_ratio, w_raw, iw_cap) -> dict[str, torch.Tensor]:
+    """The statistics :func:`policy_loss` documents, as 0-d tensors."""
     cap = iw_cap if iw_cap is not None else float("inf")
-    return _stats(
+    return (
         {
             "loss": loss,
             "clip_fraction": masked_mean(clip_active.float(), m),
@@ -194,7 +207,8 @@ def _policy_stats(loss, m, clip_active, ratio, log_ratio, w_raw, iw_cap) -> dict
     )
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, *, value_clip: float | None = 0.2):
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, *,
+               value_clip: float | None = 0.2, as_tensors: bool = False):
     """Clipped value loss (PPO): token mean of 0.5 * max((V - G)^2, (V_clip - G)^2).
 
     V_clip = old + clip(V - old, -value_clip, value_clip) with ``old_values`` the critic's values
@@ -202,7 +216,8 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     verl; VAGEN Alg. 1 writes (V - G)^2). Gradients flow only into ``values``.
 
     stats: loss, clip_fraction (tokens whose clipped error is the larger), value_mean,
-    return_mean, mse (mean (V - G)^2), explained_variance (1 - Var(G - V) / Var(G)), tokens.
+    return_mean, mse (mean (V - G)^2), explained_variance (1 - Var(G - V) / Var(G)), tokens;
+    ``as_tensors`` as in :func:`policy_loss`.
     """
     if value_clip is not None and not value_clip > 0:
         raise ValueError(f"value_clip: must be > 0 or None, got {value_clip!r}")
@@ -221,9 +236,9 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     loss = masked_mean(0.5 * torch.maximum(err, err_clipped), m)
     with torch.no_grad():
         var_ret = masked_var(ret, m)
-        stats = _stats(
+        stats = (
             {
-                "loss": loss,
+                "loss": loss.detach(),
                 "clip_fraction": masked_mean((err_clipped > err).float(), m),
                 "value_mean": masked_mean(v, m),
                 "return_mean": masked_mean(ret, m),
@@ -232,7 +247,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
                 "tokens": m.sum(),
             }
         )
-    return loss, stats
+    return loss, (stats if as_tensors else _stats(stats))
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:

@@ -6,31 +6,39 @@ Public API::
     ModelShape(params, trainable, hidden, layers, heads, kv_heads, intermediate, vocab)
     shape_of(model) -> ModelShape                       # a built model (the meta device works: no memory)
     ENGINES                                             # "torch", "zero0" .. "zero3"
-    state_bytes(shape, engine, *, bf16, world_size=1) -> {"params", "grads", "optimizer"}
-    activation_bytes_per_token(shape, *, bf16, checkpointing, liger=False) -> float
+    state_bytes(shape, engine, *, bf16, world_size=1, offload=False) -> {"params", "grads", "grad_fp32", "optimizer", "host"}
+    activation_bytes_per_token(shape, *, bf16, checkpointing, liger=False) -> float   # checkpointing full/selective/none
     logits_bytes(tokens, vocab, *, bf16, chunk=None) -> float   # chunk None: the full N x V computation
     Estimate; estimate(policy, engine, *, bf16, tokens, loss_tokens, ...) -> Estimate (.total, .rows())
     token_budget(free_bytes, per_token, fixed_bytes, *, headroom=0.85, multiple=8) -> int
     pending_state_bytes(engine) -> int                  # lazily allocated state not there yet (Adam moments, grads)
     auto_micro_batch_tokens(models, chunk, *, checkpointing, multiple, device) -> int   # trainer.micro_batch_tokens auto on CUDA
+    zero_settings_that_fit(policy, gpu_bytes, *, bf16, tokens, loss_tokens, ...) -> (settings, Estimate)
+        # the first ZeRO-2 setting (no offload, then offload_optimizer cpu) whose prediction fits
+
+Every figure is in bytes; ``Estimate.rows()`` and everything printed are GiB (2**30 bytes).
 
 Bytes per parameter by engine (P all parameters, T the trainable ones, w ranks, d = 2 in bf16, 4 in fp32):
 
-============  =====================  ================================  ===========================
-engine        parameters             gradients                         optimizer (AdamW)
-============  =====================  ================================  ===========================
-torch         d P                    d T                               2 d T (moments in the params' dtype)
-zero0         d P                    d T (+ 4 T fp32 accumulators      8 T (+ 4 T fp32 master in bf16)
-                                     in bf16)
-zero1         d P                    d T + 4 T / w (fp32 partition)    12 T / w (fp32 master + moments)
-zero2         d P                    (d + 4) T / w                     12 T / w
-zero3         d P / w                (d + 4) T / w                     12 T / w
-============  =====================  ================================  ===========================
+============  =====================  ===============  ====================  ===========================
+engine        parameters             gradients        fp32 gradient copy    optimizer (AdamW)
+============  =====================  ===============  ====================  ===========================
+torch         d P                    d T              -                     2 d T (moments in the params' dtype)
+zero0         d P                    d T              4 T in bf16           8 T (+ 4 T fp32 master in bf16)
+zero1         d P                    d T              4 T / w               12 T / w (fp32 master + moments)
+zero2         d P                    d T / w          4 T / w               12 T / w
+zero3         d P / w                d T / w          4 T / w               12 T / w
+============  =====================  ===============  ====================  ===========================
+
+The fp32 gradient copy is what DeepSpeed's ZeRO optimizer makes of its gradient partition at
+each step (``single_partition_of_fp32_groups[i].grad``; ZeRO-0 bf16: its fp32 accumulators).
+With ``offload=True`` (``trainer.offload_optimizer: cpu``, ZeRO 1-3) that copy, the fp32 master
+and the moments live on the host: they leave the GPU's count and appear as ``host``.
 
 (``torch`` is bench/learner.py's baseline engine; DeepSpeed's ZeRO-1/2 optimizer keeps an fp32
 copy of its partition even when the parameters are fp32.) So on one GPU ZeRO-2 in bf16 costs
 20 bytes per trainable parameter against the torch baseline's 8: Qwen2.5-VL-3B's 3.75 B (vision
-tower included) need 75 GB before any activation, and with a bf16 reference 83 GB, which is the
+tower included) need 69.9 GiB before any activation, and with a bf16 reference 76.9 GiB, which is the
 out-of-memory of issue 30 (its 14 GiB allocation is the fp32 gradient partition, 4 x 3.75 B).
 
 Activations per token and layer (what autograd keeps for the backward, HF's Qwen2 modules; h
@@ -55,7 +63,8 @@ from dataclasses import dataclass
 import torch
 
 ENGINES = ("torch", "zero0", "zero1", "zero2", "zero3")
-GB = 1e9
+GIB = float(2**30)
+CHECKPOINTING = ("full", "selective", "none")
 
 
 @dataclass(frozen=True)
@@ -87,30 +96,49 @@ def shape_of(model: torch.nn.Module) -> ModelShape:
     )
 
 
-def state_bytes(shape: ModelShape, engine: str, *, bf16: bool, world_size: int = 1) -> dict[str, float]:
-    """Bytes of parameters, gradients and AdamW state of one trainable model on one rank (module table)."""
+def state_bytes(shape: ModelShape, engine: str, *, bf16: bool, world_size: int = 1,
+                offload: bool = False) -> dict[str, float]:
+    """Bytes of parameters, gradients, DeepSpeed's fp32 gradient copy and AdamW state of one
+    trainable model on one rank (module table); ``host``: what ``offload`` moves off the GPU."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     p, t, w = float(shape.params), float(shape.trainable), float(world_size)
     d = 2.0 if bf16 else 4.0
     if engine == "torch":
-        return {"params": d * p, "grads": d * t, "optimizer": 2 * d * t}
+        return {"params": d * p, "grads": d * t, "grad_fp32": 0.0, "optimizer": 2 * d * t, "host": 0.0}
     if engine == "zero0":
         extra = 4.0 * t if bf16 else 0.0
-        return {"params": d * p, "grads": d * t + extra, "optimizer": 8.0 * t + extra}
-    grads = d * t + 4.0 * t / w if engine == "zero1" else (d + 4.0) * t / w
-    return {"params": d * p / (w if engine == "zero3" else 1.0), "grads": grads, "optimizer": 12.0 * t / w}
+        return {"params": d * p, "grads": d * t, "grad_fp32": extra, "optimizer": 8.0 * t + extra, "host": 0.0}
+    out = {"params": d * p / (w if engine == "zero3" else 1.0), "grads": d * t / (1.0 if engine == "zero1" else w),
+           "grad_fp32": 4.0 * t / w, "optimizer": 12.0 * t / w, "host": 0.0}
+    if offload:
+        out["host"] = out["grad_fp32"] + out["optimizer"]
+        out["grad_fp32"] = out["optimizer"] = 0.0
+    return out
 
 
-def activation_bytes_per_token(shape: ModelShape, *, bf16: bool, checkpointing: bool, liger: bool = False) -> float:
+def _mode(checkpointing: bool | str) -> str:
+    mode = {True: "full", False: "none"}.get(checkpointing, checkpointing)
+    if mode not in CHECKPOINTING:
+        raise ValueError(f"checkpointing must be one of {', '.join(CHECKPOINTING)} (or a bool), got {checkpointing!r}")
+    return mode
+
+
+def activation_bytes_per_token(shape: ModelShape, *, bf16: bool, checkpointing: bool | str, liger: bool = False) -> float:
     """Bytes the backbone keeps per token of a micro-batch for the backward (module docstring),
-    gradient checkpointing's recomputed layer included."""
+    the recomputed block included. ``checkpointing``: ``full`` (or True) keeps each layer's input
+    and recomputes one layer at a time; ``selective`` recomputes each layer's self-attention, which
+    then keeps only its input (d h instead of 6 d h) plus one attention block alive in the
+    backward; ``none`` (or False) keeps everything."""
+    mode = _mode(checkpointing)
     h, i, d = float(shape.hidden), float(shape.intermediate), 2.0 if bf16 else 4.0
     norm = d * h if liger else 8.0 * h + (d * h if bf16 else 0.0)
     mlp = d * h + (3.0 if liger else 4.0) * d * i
     layer = 2 * norm + 6.0 * d * h + mlp
-    if checkpointing:
+    if mode == "full":
         return 1.1 * (shape.layers * d * h + layer)
+    if mode == "selective":
+        return 1.1 * (shape.layers * (layer - 5.0 * d * h) + 6.0 * d * h + d * h)
     return 1.1 * (shape.layers * layer + d * h)
 
 
@@ -130,32 +158,53 @@ class Estimate:
     activations: float
     logits: float
     others: float  # the reference's weights, the critic's state
+    grad_fp32: float = 0.0  # DeepSpeed's fp32 gradient copy
+    host: float = 0.0  # offloaded to the host (not in total)
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.logits + self.others
+        """Bytes on the device."""
+        return self.params + self.grads + self.grad_fp32 + self.optimizer + self.activations + self.logits + self.others
 
     def rows(self) -> dict[str, float]:
-        """Each part and the total, in GB."""
-        parts = ("params", "grads", "optimizer", "activations", "logits", "others")
-        return {**{k: getattr(self, k) / GB for k in parts}, "total": self.total / GB}
+        """Each part and the total, in GiB."""
+        parts = ("params", "grads", "grad_fp32", "optimizer", "activations", "logits", "others", "host")
+        return {**{k: getattr(self, k) / GIB for k in parts}, "total": self.total / GIB}
 
 
-def estimate(policy: ModelShape, engine: str, *, bf16: bool, tokens: int, loss_tokens: int, checkpointing: bool,
+def estimate(policy: ModelShape, engine: str, *, bf16: bool, tokens: int, loss_tokens: int, checkpointing: bool | str,
              chunk: int | None, world_size: int = 1, liger: bool = False, reference: ModelShape | None = None,
-             critic: ModelShape | None = None) -> Estimate:
+             critic: ModelShape | None = None, offload: bool = False) -> Estimate:
     """Peak bytes on one rank of an update whose largest micro-batch has ``tokens`` token slots and
     ``loss_tokens`` loss tokens. The critic's backward runs after the policy's, so only the larger of
     their activations counts; the reference keeps its weights (bf16 on a GPU, fp32 on CPU)."""
-    s = state_bytes(policy, engine, bf16=bf16, world_size=world_size)
+    s = state_bytes(policy, engine, bf16=bf16, world_size=world_size, offload=offload)
     act = activation_bytes_per_token(policy, bf16=bf16, checkpointing=checkpointing, liger=liger) * tokens
     others = 0.0
     if reference is not None:
         others += (2.0 if bf16 else 4.0) * reference.params
+    host = s["host"]
     if critic is not None:
-        others += sum(state_bytes(critic, engine, bf16=bf16, world_size=world_size).values())
+        c = state_bytes(critic, engine, bf16=bf16, world_size=world_size, offload=offload)
+        others += sum(c.values()) - c["host"]
+        host += c["host"]
     return Estimate(s["params"], s["grads"], s["optimizer"], act,
-                    logits_bytes(loss_tokens, policy.vocab, bf16=bf16, chunk=chunk), others)
+                    logits_bytes(loss_tokens, policy.vocab, bf16=bf16, chunk=chunk), others, s["grad_fp32"], host)
+
+
+def zero_settings_that_fit(policy: ModelShape, gpu_bytes: float, *, bf16: bool, tokens: int, loss_tokens: int,
+                           checkpointing: bool | str, chunk: int | None, reference: ModelShape | None = None,
+                           critic: ModelShape | None = None, headroom: float = 0.9) -> tuple[dict, Estimate]:
+    """The first ZeRO-2 setting whose predicted peak fits ``headroom`` of ``gpu_bytes``: as is,
+    then ``offload_optimizer: cpu`` (fp32 master, moments and gradient copy on the host); the
+    last one tried when none fits (``settings["fits"]`` False)."""
+    for offload in (False, True):
+        e = estimate(policy, "zero2", bf16=bf16, tokens=tokens, loss_tokens=loss_tokens, checkpointing=checkpointing,
+                     chunk=chunk, reference=reference, critic=critic, offload=offload)
+        if e.total <= headroom * gpu_bytes:
+            break
+    return {"zero_stage": 2, "offload_optimizer": "cpu" if offload else "none",
+            "fits": e.total <= headroom * gpu_bytes}, e
 
 
 def token_budget(free_bytes: float, per_token: float, fixed_bytes: float, *, headroom: float = 0.85,
@@ -201,5 +250,5 @@ def auto_micro_batch_tokens(models, chunk: int, *, checkpointing: bool, multiple
     return token_budget(free, per_token, fixed, multiple=multiple)
 
 
-__all__ = ["ENGINES", "Estimate", "ModelShape", "activation_bytes_per_token", "auto_micro_batch_tokens", "estimate",
+__all__ = ["CHECKPOINTING", "ENGINES", "Estimate", "GIB", "zero_settings_that_fit", "ModelShape", "activation_bytes_per_token", "auto_micro_batch_tokens", "estimate",
            "logits_bytes", "pending_state_bytes", "shape_of", "state_bytes", "token_budget"]

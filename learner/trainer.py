@@ -5,9 +5,6 @@ Public API::
     PPOTrainer(cfg, models, seed=0)
         .update(trajectories, step) -> dict     # every rank calls it with the SAME global batch
     micro_loss_scale(n_micro, n_global, world_size, accumulation) -> float
-    token_budget_micro_batches(rows, lengths, budget, pad_to=8) -> list[list[int]]
-    split_micro_batches(micro_batches, lengths, n, pad_to=8) -> list[list[int]]
-    auto_budget(lengths, micro_batch_size, pad_to) -> int   # micro_batch_tokens auto on CPU
 
 An iteration, for this rank's contiguous slice of the global batch:
 
@@ -35,28 +32,30 @@ An iteration, for this rank's contiguous slice of the global batch:
    weighted sum divided by the mini-batch's normaliser, so the gradient is exactly the mini-batch's
    aggregate whatever the padding or rank split. The critic's loss is always the token mean.
 
-Micro-batches (step 2 and 4): ``trainer.micro_batch_tokens`` = 0 takes ``micro_batch_size``
-trajectories at a time in mini-batch order (each micro-batch padded to its longest); > 0 forms
-them by a token budget: the rows of the mini-batch (or, for step 2, of the local batch) sorted
-longest first and filled while rows x longest (rounded up to ``trainer.pad_to_multiple``, the
-padding ``micro_slices`` applies) stays within the budget; a row longer than the budget goes
+Micro-batches (step 2 and 4; planned and laid out by ``worldloop.learner.microbatch``):
+``trainer.packing`` true (the default) packs whole trajectories end to end into one row per
+micro-batch, position ids restarting at each trajectory (Qwen2.5-VL's M-RoPE ids computed per
+trajectory), no padding but the last ``pad_to_multiple`` rounding, attention kept within each
+trajectory (transformers' packed-sequence masks: block-diagonal under SDPA, ``cu_seqlens`` under
+flash-attention-2); false keeps padded rows, each micro-batch padded to its longest.
+``trainer.micro_batch_tokens`` = 0 takes ``micro_batch_size`` trajectories at a time in
+mini-batch order; > 0 forms micro-batches by a token budget over the rows of the mini-batch (or,
+for step 2, of the local batch), longest first: packed, first-fit decreasing on real tokens;
+padded, filled while rows x longest stays within the budget; a row longer than the budget goes
 alone. ``auto``: on CUDA the budget that the GPU's free memory holds after the state the first
 step still allocates, by the memory model of ``worldloop.learner.memory`` (computed once, at the
-first update, the smallest over ranks); on CPU ``micro_batch_size`` x the update's longest row,
-i.e. no micro-batch larger than the fixed count's worst case. Every micro-batch's length is a
-multiple of ``trainer.pad_to_multiple`` (auto: 128 on CUDA, 8 on CPU), so the shapes that reach
-the kernels repeat from update to update; padding changes no loss (every term is masked).
-Sorting keeps rows of similar length together, so little of each forward/backward is padding.
-The mini-batches themselves (which trajectories share an optimizer step) do not change, nor does
-the loss: the share weighting above makes the accumulated gradient the same token mean whatever
-the split.
+first update, the smallest over ranks); on CPU ``micro_batch_size`` x the update's longest row.
+Every micro-batch's length is a multiple of ``trainer.pad_to_multiple`` (auto: 128 on CUDA, 8 on
+CPU), so the shapes that reach the kernels repeat from update to update; padding changes no loss
+(every term is masked). The mini-batches themselves (which trajectories share an optimizer step)
+do not change, nor does the loss: the share weighting above makes the accumulated gradient the
+same token mean whatever the split or layout.
 The number of micro-batches then varies per mini-batch, so the trainer marks DeepSpeed's
 accumulation boundary itself (``set_gradient_accumulation_boundary`` on the last micro-batch;
 the loss scaling keeps the engine's nominal accumulation steps, which it divides by), and with
 several ranks every rank runs the same number of micro-batches per mini-batch (the most any rank
 planned; a rank with fewer splits its largest ones), since ZeRO-2/3 communicate on every
-backward and ZeRO-3 on every forward. No packing of several sequences into one row: Qwen2.5-VL's
-M-RoPE positions and images would need per-sequence position ids and attention masks.
+backward and ZeRO-3 on every forward.
 
 Loss mask: 1 on generated tokens, 0 on prompt/observation/image tokens (``loss_mask_for``; only
 ``vanilla_ppo`` widens it, as that baseline is defined).
@@ -77,12 +76,13 @@ from worldloop.common.contracts.modeling import build_sequence, collate
 from worldloop.common.contracts.schemas import Trajectory
 from worldloop.learner import advantages as adv_mod
 from worldloop.learner.credit import observation_advantages, step_group_stats, trajectory_anchors
-from worldloop.learner.data import micro_slices
 from worldloop.learner.engine import Models, all_reduce_max, all_reduce_sum
-from worldloop.learner.kernels import pad_multiple
+from worldloop.learner.kernels import checkpointing_mode, pad_multiple
 from worldloop.learner.memory import auto_micro_batch_tokens
+from worldloop.learner.microbatch import (auto_budget, micro_slices, packed_micro_batches, packed_slices, place,
+                                          rope_positions, split_micro_batches, token_budget_micro_batches)
 from worldloop.learner.losses import (aggregation_normaliser, aggregation_weights, kl_penalty, masked_mean, policy_loss,
-                                      value_loss, weighted_sum)
+                                      stats_floats, value_loss, weighted_sum)
 from worldloop.learner.rewards import assemble_token_rewards, place_turn_rewards, turn_rewards
 
 log = logging.getLogger(__name__)
@@ -92,55 +92,6 @@ _MAX_STATS = ("iw_max", "ratio_max")
 _MIN_STATS = ("iw_min", "ratio_min")
 
 
-PAD_TO = 8  # the default multiple micro-batch lengths are rounded up to (trainer.pad_to_multiple)
-
-
-def _padded(n: int, pad_to: int) -> int:
-    return -(-int(n) // pad_to) * pad_to
-
-
-def _cost(rows: list[int], lengths, pad_to: int) -> int:
-    """Token slots a micro-batch of ``rows`` computes: rows x longest, rounded up to ``pad_to``."""
-    return len(rows) * _padded(max(int(lengths[r]) for r in rows), pad_to) if rows else 0
-
-
-def token_budget_micro_batches(rows: list[int], lengths, budget: int, pad_to: int = PAD_TO) -> list[list[int]]:
-    """``rows`` (indices into ``lengths``) split into micro-batches of at most ``budget`` token slots
-    (rows x longest, rounded up to ``pad_to``), longest rows first; ties keep the order of ``rows``.
-    A row longer than the budget forms a micro-batch of its own."""
-    order = sorted(rows, key=lambda r: -int(lengths[r]))  # stable: ties in the given order
-    out: list[list[int]] = []
-    cur: list[int] = []
-    width = 0
-    for r in order:
-        if cur and (len(cur) + 1) * width > budget:
-            out.append(cur)
-            cur = []
-        if not cur:
-            width = _padded(lengths[r], pad_to)  # the longest of this micro-batch (sorted)
-        cur.append(r)
-    if cur:
-        out.append(cur)
-    return out
-
-
-def auto_budget(lengths, micro_batch_size: int, pad_to: int) -> int:
-    """``micro_batch_tokens: auto`` on CPU: ``micro_batch_size`` rows of the longest length (padded)."""
-    return int(micro_batch_size) * _padded(max(int(n) for n in lengths), pad_to)
-
-
-def split_micro_batches(micro_batches: list[list[int]], lengths, n: int, pad_to: int = PAD_TO) -> list[list[int]]:
-    """``micro_batches`` split until there are ``n`` of them (every rank must run as many as the
-    rank with the most): the one with the most token slots among those of 2+ rows is halved
-    (longer half first), repeatedly. ValueError when ``n`` exceeds the number of rows."""
-    out = [list(m) for m in micro_batches]
-    if n > sum(len(m) for m in out):
-        raise ValueError(f"cannot make {n} micro-batches of {sum(len(m) for m in out)} rows")
-    while len(out) < n:
-        i = max((j for j in range(len(out)) if len(out[j]) > 1), key=lambda j: (_cost(out[j], lengths, pad_to), -j))
-        m = out[i]
-        out[i : i + 1] = [m[: (len(m) + 1) // 2], m[(len(m) + 1) // 2 :]]
-    return out
 
 
 def micro_loss_scale(n_micro: float, n_global: float, world_size: int, accumulation: int) -> float:
@@ -183,6 +134,33 @@ class _Acc:
         return out
 
 
+class _Clock:
+    """Phase times without a host sync per phase: CUDA events on a GPU, summed once at the end
+    (:meth:`seconds` synchronises), ``perf_counter`` on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spans: dict[str, list] = defaultdict(list)
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def add(self, name: str, start, end) -> None:
+        self.spans[name].append((start, end))
+
+    def seconds(self, name: str) -> float:
+        spans = self.spans.pop(name, [])
+        if not self.cuda:
+            return sum(b - a for a, b in spans)
+        if spans:
+            torch.cuda.synchronize()
+        return sum(a.elapsed_time(b) for a, b in spans) / 1000.0
+
+
 class PPOTrainer:
     def __init__(self, cfg: Config, models: Models, seed: int = 0):
         self.cfg = cfg
@@ -197,6 +175,7 @@ class PPOTrainer:
         self.micro_tokens = self.t.micro_batch_tokens
         self.device = models.dist.device
         self.pad = pad_multiple(cfg, self.device)
+        self.packing = bool(self.t.packing)
         self._cuda_budget: int | None = None  # micro_batch_tokens auto on CUDA, set at the first update
         self._grad_norm_now: dict[str, float] = {}
         self.spec = estimator_spec(self.t.estimator)  # what the estimator needs (common/contracts/algorithms.py)
@@ -226,7 +205,7 @@ class PPOTrainer:
         if self.device.type != "cuda":
             return auto_budget(lengths, self.micro, self.pad)
         if self._cuda_budget is None:
-            mine = auto_micro_batch_tokens(self.models, self.t.logprob_chunk_tokens, checkpointing=self.t.gradient_checkpointing,
+            mine = auto_micro_batch_tokens(self.models, self.t.logprob_chunk_tokens, checkpointing=checkpointing_mode(self.t),
                                            multiple=self.pad, device=self.device)
             self._cuda_budget = int(-all_reduce_max([-float(mine)], self.models.dist)[0])
             log.info("trainer.micro_batch_tokens auto: %d token slots per micro-batch", self._cuda_budget)
@@ -234,13 +213,20 @@ class PPOTrainer:
 
     def _plan(self, groups: list[list[int]], lengths: list[int]) -> list[list[list[int]]]:
         """The micro-batches of each group of rows (a mini-batch, or the local batch): fixed count
-        or token budget (module docstring); the same number per group on every rank."""
+        or token budget, packed or padded (module docstring); the same number per group on every rank."""
         budget = self._budget(lengths)
         if budget <= 0:
             return [self._chunks(g, self.micro) for g in groups]
-        plans = [token_budget_micro_batches(g, lengths, budget, self.pad) for g in groups]
+        plan = packed_micro_batches if self.packing else token_budget_micro_batches
+        plans = [plan(g, lengths, budget, self.pad) for g in groups]
         most = all_reduce_max([float(len(p)) for p in plans], self.models.dist)
-        return [split_micro_batches(p, lengths, int(n), self.pad) for p, n in zip(plans, most)]
+        return [split_micro_batches(p, lengths, int(n), self.pad, self.packing) for p, n in zip(plans, most)]
+
+    def _slices(self, batch: dict, rows: list[int], image_counts: list[int], lengths: list[int]) -> dict:
+        """One micro-batch of ``rows``: one packed row, or padded rows (``trainer.packing``)."""
+        if self.packing:
+            return packed_slices(batch, rows, image_counts, lengths, self.pad)
+        return micro_slices(batch, rows, image_counts, self.pad)
 
     @staticmethod
     def _count_slots(mb: dict, timing: dict) -> None:
@@ -259,16 +245,15 @@ class PPOTrainer:
         out = {"old_logprobs": torch.zeros(shape), "ref_logprobs": torch.zeros(shape), "old_values": torch.zeros(shape)}
         policy = self.models.policy.module
         for rows in self._plan([list(range(shape[0]))], lengths)[0]:
-            mb = micro_slices(batch, rows, image_counts, self.pad)
+            mb = self._slices(batch, rows, image_counts, lengths)
             self._count_slots(mb, timing)
-            length = mb["input_ids"].shape[1]
             lp, _ = policy(mb, temperature=self.temperature)
-            out["old_logprobs"][rows, :length] = lp.float().cpu()
+            place(out["old_logprobs"], mb, rows, lp)
             if self.models.reference is not None:
                 ref, _ = self.models.reference(mb, temperature=self.temperature)
-                out["ref_logprobs"][rows, :length] = ref.float().cpu()
+                place(out["ref_logprobs"], mb, rows, ref)
             if self.models.critic is not None:
-                out["old_values"][rows, :length] = self.models.critic.module(mb).float().cpu()
+                place(out["old_values"], mb, rows, self.models.critic.module(mb))
         return out
 
     def _kl(self, logprobs: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -320,7 +305,10 @@ class PPOTrainer:
         raw_adv, kl_tok, credit = self._advantages(batch, pre, trajectories, local)
         acc = _Acc()
         grad_norms: dict[str, list[float]] = defaultdict(list)
-        n_micro_batches = self._ppo_epochs(batch, image_counts, lengths, step, acc, grad_norms, timing)
+        clock = _Clock(self.device)
+        n_micro_batches = self._ppo_epochs(batch, image_counts, lengths, step, acc, grad_norms, timing, clock)
+        timing["forward"] += clock.seconds("forward")  # one sync on CUDA, after the training passes
+        timing["backward"] += clock.seconds("backward")
         stats = acc.reduce(self.models)
         self._add_batch_stats(stats, raw_adv, batch["returns"], batch["loss_mask"], kl_tok, pre, grad_norms)
         tokens = all_reduce_sum([float(batch["attention_mask"].sum()), float(batch["response_mask"].sum())], self.models.dist)
@@ -340,6 +328,10 @@ class PPOTrainer:
         lengths = [int(n) for n in batch["attention_mask"].sum(1).tolist()]
         mask = adv_mod.loss_mask_for(self.t.estimator, batch["response_mask"], batch["attention_mask"]).float()
         batch["loss_mask"] = batch["logprob_mask"] = mask
+        if self.packing:  # M-RoPE ids per trajectory, from the padded rows (learner/microbatch.py)
+            rope = rope_positions(self.models.policy_hf, batch)
+            if rope is not None:
+                batch["rope_positions"] = rope
         return batch, [len(x.images) for x in layouts], lengths
 
     def _advantages(self, batch: dict, pre: dict, trajectories: list[Trajectory], local: list[Trajectory]):
@@ -374,7 +366,7 @@ class PPOTrainer:
         return advantages, kl_tok, credit
 
     def _ppo_epochs(self, batch: dict, image_counts: list[int], lengths: list[int], step: int, acc: _Acc,
-                    grad_norms: dict[str, list[float]], timing: dict) -> int:
+                    grad_norms: dict[str, list[float]], timing: dict, clock: "_Clock") -> int:
         """``ppo_epochs`` passes over shuffled mini-batches, one optimizer step each; returns the
         number of micro-batches trained."""
         t, models = self.t, self.models
@@ -388,9 +380,10 @@ class PPOTrainer:
                 n_global, n_tokens = all_reduce_sum([aggregation_normaliser(mask[mini], t.loss_agg_mode),
                                                      float(mask[mini].sum())], models.dist)
                 for i, micro in enumerate(micros):
-                    mb = micro_slices(batch, micro, image_counts, self.pad)
+                    mb = self._slices(batch, micro, image_counts, lengths)
                     self._count_slots(mb, timing)
-                    self._train_micro(mb, n_global, n_tokens, acc, timing, last=i == len(micros) - 1)
+                    n_micro = float(mb["loss_mask"].sum())  # a host tensor: no device sync
+                    self._train_micro(mb, n_micro, n_global, n_tokens, acc, clock, last=i == len(micros) - 1)
                 n_micro_batches += len(micros)
                 self._boundary(grad_norms)
         return n_micro_batches
@@ -417,54 +410,59 @@ class PPOTrainer:
             out["observation"] = {"turns": st["turns"], "tokens": all_reduce_sum([float(on.sum())], self.models.dist)[0]}
         return raw_adv, advantages, out
 
-    def _train_micro(self, mb: dict, n_global: float, n_tokens: float, acc: _Acc, timing: dict, last: bool) -> None:
+    def _train_micro(self, mb: dict, n_micro: float, n_global: float, n_tokens: float, acc: _Acc, clock: "_Clock",
+                     last: bool) -> None:
         """One micro-batch. The policy terms are weighted sums over ``loss_weight`` divided by the
         mini-batch's normaliser ``n_global`` (``trainer.loss_agg_mode``); the critic's is its token
-        mean weighted by the micro-batch's share of the mini-batch's ``n_tokens``."""
+        mean weighted by the micro-batch's share ``n_micro`` of the mini-batch's ``n_tokens``. One
+        host sync of its own (the stats, read together at the end); tensors reach the device
+        through pinned memory without waiting."""
         t, models = self.t, self.models
-        dev = self.device
-        m = mb["loss_mask"].to(dev)
-        w = mb["loss_weight"].to(dev)
-        n_micro = float(mb["loss_mask"].sum())
+        on = self._on_device
+        m, w = on(mb["loss_mask"]), on(mb["loss_weight"])
         ranks_acc = models.dist.world_size * models.policy.gradient_accumulation_steps()
-        self._sync()
-        t0 = time.perf_counter()
+        t0 = clock.mark()
         self._set_boundary(models.policy, last)
-        lp, ent = models.policy(mb, temperature=self.temperature, return_entropy=True)
-        pl, pst = policy_loss(lp, mb["old_logprobs"].to(dev), mb["behaviour_logprobs"].to(dev), mb["advantages"].to(dev), m,
-                              clip_ratio=t.clip_ratio, iw_cap=t.importance_weight_cap, token_weights=w)
-        entropy = masked_mean(ent, m)
+        # entropy_coef 0 with Liger: the fused head, no entropy and no full logits (learner/kernels.py)
+        want_entropy = bool(t.entropy_coef) or not models.liger
+        lp, ent = models.policy(mb, temperature=self.temperature, return_entropy=want_entropy)
+        pl, pst = policy_loss(lp, on(mb["old_logprobs"]), on(mb["behaviour_logprobs"]), on(mb["advantages"]), m,
+                              clip_ratio=t.clip_ratio, iw_cap=t.importance_weight_cap, token_weights=w, as_tensors=True)
+        if ent is not None:
+            pst["entropy"] = masked_mean(ent.detach(), m)
         loss = pl - t.entropy_coef * weighted_sum(ent, w, m) if t.entropy_coef else pl
-        kl_loss = None
         if not t.kl_in_reward and models.reference is not None and t.kl_coef > 0:
-            kl = self._kl(lp, mb["ref_logprobs"].to(dev))
-            kl_loss = masked_mean(kl, m)
+            kl = self._kl(lp, on(mb["ref_logprobs"]))
+            pst["kl_loss"] = masked_mean(kl.detach(), m)
             loss = loss + t.kl_coef * weighted_sum(kl, w, m)
-        self._optimise("policy", models.policy, loss * (ranks_acc / max(n_global, 1.0)), t0, timing)
-        pst["entropy"] = float(entropy.detach())
-        if kl_loss is not None:
-            pst["kl_loss"] = float(kl_loss.detach())
+        self._optimise("policy", models.policy, loss * (ranks_acc / max(n_global, 1.0)), t0, clock)
+        vst: dict = {}
+        if models.critic is not None:
+            t0 = clock.mark()
+            self._set_boundary(models.critic, last)
+            values = models.critic(mb)
+            vl, vst = value_loss(values, on(mb["old_values"]), on(mb["returns"]), m, value_clip=t.value_clip,
+                                 as_tensors=True)
+            share = micro_loss_scale(n_micro, n_tokens, models.dist.world_size, models.critic.gradient_accumulation_steps())
+            self._optimise("critic", models.critic, vl * share, t0, clock)
+        pst, vst = stats_floats(pst, vst)  # the one host sync
         acc.add("policy_", pst, n_micro)
-        if models.critic is None:
-            return
-        t0 = time.perf_counter()
-        self._set_boundary(models.critic, last)
-        values = models.critic(mb)
-        vl, vst = value_loss(values, mb["old_values"].to(dev), mb["returns"].to(dev), m, value_clip=t.value_clip)
-        share = micro_loss_scale(n_micro, n_tokens, models.dist.world_size, models.critic.gradient_accumulation_steps())
-        self._optimise("critic", models.critic, vl * share, t0, timing)
-        acc.add("value_", vst, n_micro)
+        if vst:
+            acc.add("value_", vst, n_micro)
 
-    def _optimise(self, name: str, engine, loss: torch.Tensor, t0: float, timing: dict) -> None:
+    def _on_device(self, x: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda" and x.device.type == "cpu":
+            return x.pin_memory().to(self.device, non_blocking=True)
+        return x.to(self.device)
+
+    def _optimise(self, name: str, engine, loss: torch.Tensor, t0, clock: "_Clock") -> None:
         """Backward + (accumulating) optimizer step; forward time is counted from ``t0``."""
-        self._sync()
-        t1 = time.perf_counter()
+        t1 = clock.mark()
         engine.backward(loss)
         self._own_grad_norm(name, engine)
         engine.step()
-        self._sync()
-        timing["forward"] += t1 - t0
-        timing["backward"] += time.perf_counter() - t1
+        clock.add("forward", t0, t1)
+        clock.add("backward", t1, clock.mark())
 
     def _own_grad_norm(self, name: str, engine) -> None:
         """ZeRO stage 0 in fp32 clips without keeping the norm: measure it before the step."""

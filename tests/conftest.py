@@ -50,7 +50,7 @@ def redis_url(redis_server) -> str:
 SERIAL_MODULES = frozenset({
     "test_up", "test_chaos", "test_scaling", "test_server_run", "test_netns", "test_prometheus", "test_deploy",
     "test_admission_runs", "test_resource_faults", "test_redis_faults", "test_learner_resume", "test_show",
-    "test_server_backend", "test_vllm_backend",
+    "test_server_backend", "test_vllm_backend", "test_server_auth", "test_redis_cluster",
 })
 SERIAL_GROUP = "serial"
 

@@ -62,7 +62,7 @@ def test_what_is_there_is_returned(monkeypatch) -> None:
 
 
 def test_the_readme_runs_the_tests_as_ci_does() -> None:
-    """README's "Run the tests" command is the pytest line of .ci/run, word for word."""
+    """The README's test command (the paragraph **Run the tests**) is the pytest line of .ci/run, word for word."""
     import re
     from pathlib import Path
 

@@ -159,3 +159,46 @@ def test_fused_linear_log_probs_match_the_chunked_function(dtype):
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     for a, b in zip(*out):
         assert torch.allclose(a, b, atol=tol, rtol=tol), float((a - b).abs().max())
+
+
+def test_the_start_up_line_says_why_liger_is_off_and_which_checkpointing():
+    from worldloop.learner.kernels import kernel_report
+
+    cfg = config_from_dict({"trainer": {"liger": "auto", "activation_checkpointing": "selective"}})
+    line = kernel_report(cfg, torch.device("cpu"), False)
+    assert "Liger off: the learner runs on cpu" in line and "activation checkpointing selective" in line
+    assert "packed rows" in line
+    off = kernel_report(config_from_dict({"trainer": {"liger": False, "gradient_checkpointing": True, "packing": False}}),
+                        torch.device("cuda"), False)
+    assert "trainer.liger is false" in off and "activation checkpointing full" in off and "padded rows" in off
+
+
+def test_selective_checkpointing_recomputes_attention_with_the_same_gradients(tmp_path):
+    """Each text layer's self-attention under torch.utils.checkpoint: 2 blocks on the tiny model
+    (not the vision tower's), the same loss and gradients as no checkpointing."""
+    from worldloop.bootstrap.tiny_model import make_tiny_model
+    from worldloop.common.contracts.modeling import load_policy
+    from worldloop.learner.kernels import apply_checkpointing
+
+    path = make_tiny_model(tmp_path / "tiny", arch="qwen2_5_vl", max_image_side=56)
+    ids = torch.randint(10, 200, (2, 24))
+    grads = []
+    for mode in ("none", "selective"):
+        model = load_policy(path).train()
+        calls = []
+        n = apply_checkpointing(model, mode)
+        if mode == "selective":
+            assert n == 2
+            orig = torch.utils.checkpoint.checkpoint
+            torch.utils.checkpoint.checkpoint = lambda *a, **k: (calls.append(1), orig(*a, **k))[1]
+        try:
+            model(input_ids=ids, labels=ids).loss.backward()
+        finally:
+            if mode == "selective":
+                torch.utils.checkpoint.checkpoint = orig
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        if mode == "selective":
+            assert len(calls) == 2
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+    with pytest.raises(ValueError, match="full, selective or none"):
+        apply_checkpointing(load_policy(path), "some")

@@ -32,9 +32,10 @@ from worldloop.learner.data import (
     check_usable,
     decode_batch,
     encode_batch,
-    micro_slices,
     whole_group_fraction,
 )
+from worldloop.learner.microbatch import micro_slices
+from worldloop.testing.trajectories import synthetic_trajectory
 from worldloop.testing.trajectories import synthetic_trajectory
 
 NS = "ld"

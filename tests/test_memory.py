@@ -15,14 +15,23 @@ SHAPE = ModelShape(params=1000, trainable=800, hidden=4, layers=2, heads=2, kv_h
 
 
 def test_state_bytes_per_engine_by_hand():
-    assert state_bytes(SHAPE, "torch", bf16=True) == {"params": 2000, "grads": 1600, "optimizer": 3200}
-    assert state_bytes(SHAPE, "torch", bf16=False) == {"params": 4000, "grads": 3200, "optimizer": 6400}
+    z = {"grad_fp32": 0.0, "host": 0.0}
+    assert state_bytes(SHAPE, "torch", bf16=True) == {"params": 2000, "grads": 1600, "optimizer": 3200, **z}
+    assert state_bytes(SHAPE, "torch", bf16=False) == {"params": 4000, "grads": 3200, "optimizer": 6400, **z}
     # bf16 ZeRO-0: bf16 grads + fp32 accumulators; fp32 master + two fp32 moments
-    assert state_bytes(SHAPE, "zero0", bf16=True) == {"params": 2000, "grads": 1600 + 3200, "optimizer": 6400 + 3200}
-    assert state_bytes(SHAPE, "zero0", bf16=False) == {"params": 4000, "grads": 3200, "optimizer": 6400}
-    assert state_bytes(SHAPE, "zero1", bf16=True, world_size=2) == {"params": 2000, "grads": 1600 + 1600, "optimizer": 4800}
-    assert state_bytes(SHAPE, "zero2", bf16=True, world_size=2) == {"params": 2000, "grads": 2400, "optimizer": 4800}
-    assert state_bytes(SHAPE, "zero3", bf16=True, world_size=2) == {"params": 1000, "grads": 2400, "optimizer": 4800}
+    assert state_bytes(SHAPE, "zero0", bf16=True) == {"params": 2000, "grads": 1600, "grad_fp32": 3200,
+                                                      "optimizer": 6400 + 3200, "host": 0.0}
+    assert state_bytes(SHAPE, "zero0", bf16=False) == {"params": 4000, "grads": 3200, "optimizer": 6400, **z}
+    # ZeRO-1/2/3: DeepSpeed's fp32 copy of the gradient partition at the step (4 x 800 / 2 ranks)
+    assert state_bytes(SHAPE, "zero1", bf16=True, world_size=2) == {"params": 2000, "grads": 1600, "grad_fp32": 1600,
+                                                                    "optimizer": 4800, "host": 0.0}
+    assert state_bytes(SHAPE, "zero2", bf16=True, world_size=2) == {"params": 2000, "grads": 800, "grad_fp32": 1600,
+                                                                    "optimizer": 4800, "host": 0.0}
+    assert state_bytes(SHAPE, "zero3", bf16=True, world_size=2) == {"params": 1000, "grads": 800, "grad_fp32": 1600,
+                                                                    "optimizer": 4800, "host": 0.0}
+    # offload_optimizer cpu: the fp32 copy (3200), master and moments (9600) on the host
+    assert state_bytes(SHAPE, "zero2", bf16=True, offload=True) == {"params": 2000, "grads": 1600, "grad_fp32": 0.0,
+                                                                    "optimizer": 0.0, "host": 12800}
     with pytest.raises(ValueError, match="engine"):
         state_bytes(SHAPE, "zero4", bf16=True)
 
@@ -46,7 +55,7 @@ def test_estimate_adds_the_parts_and_the_reference():
     act = activation_bytes_per_token(SHAPE, bf16=True, checkpointing=False) * 10
     assert (e.params, e.grads, e.optimizer, e.logits, e.others) == (2000, 1600, 3200, 10 * 2 * 50, 2000)
     assert e.activations == pytest.approx(act) and e.total == pytest.approx(2000 + 1600 + 3200 + act + 1000 + 2000)
-    assert e.rows()["total"] == pytest.approx(e.total / 1e9)
+    assert e.rows()["total"] == pytest.approx(e.total / 2**30)  # GiB
 
 
 def test_issue_30s_zero2_out_of_memory_is_what_the_model_says():
@@ -61,6 +70,36 @@ def test_issue_30s_zero2_out_of_memory_is_what_the_model_says():
     e = estimate(shape, "zero2", bf16=True, tokens=2048, loss_tokens=512, checkpointing=True, chunk=512, reference=shape)
     assert e.total > 80e9 > estimate(shape, "torch", bf16=True, tokens=2048, loss_tokens=512, checkpointing=True,
                                      chunk=512, reference=shape).total
+    assert e.grad_fp32 == 4 * p and e.rows()["grad_fp32"] == pytest.approx(13.99, abs=0.01)
+
+
+def test_zero2_fits_3b_with_the_vision_tower_trained_by_offloading_the_optimizer():
+    """freeze_vision false: 3.75 B trainable parameters. ZeRO-2 as is needs 20 x 3.75 B = 69.9 GiB
+    of state + the bf16 reference (7.0 GiB) + activations: more than 90 % of 80 GB (67.1 GiB);
+    with offload_optimizer cpu the device keeps the bf16 parameters and gradients (4 bytes per
+    parameter, 14.0 GiB) + the reference: about 21 GiB + activations, which fits."""
+    from worldloop.learner.memory import zero_settings_that_fit
+
+    p = 3_754_622_976
+    shape = ModelShape(params=p, trainable=p, hidden=2048, layers=36, heads=16, kv_heads=2, intermediate=11008,
+                       vocab=151936)
+    settings, e = zero_settings_that_fit(shape, 80e9, bf16=True, tokens=8192, loss_tokens=2048, checkpointing="full",
+                                         chunk=512, reference=shape)
+    assert settings == {"zero_stage": 2, "offload_optimizer": "cpu", "fits": True}
+    assert e.params + e.grads == 4 * p and e.optimizer == e.grad_fp32 == 0 and e.host == 16 * p
+    assert e.total < 0.9 * 80e9
+
+
+def test_selective_checkpointing_keeps_less_than_none_and_more_than_full():
+    # SHAPE: h 4, I 8, bf16 (d 2), 2 layers: layer = 2 x (8 x 4 + 2 x 4) + 6 x 2 x 4 + (2 x 4 + 4 x 2 x 8) = 200
+    # selective: each layer keeps 200 - 5 x 2 x 4 = 160, plus one attention block alive (6 x 2 x 4) and
+    # its input (2 x 4): 2 x 160 + 56 = 376
+    assert activation_bytes_per_token(SHAPE, bf16=True, checkpointing="selective") == pytest.approx(1.1 * 376)
+    none = activation_bytes_per_token(SHAPE, bf16=True, checkpointing="none")
+    full = activation_bytes_per_token(SHAPE, bf16=True, checkpointing="full")
+    assert full < 1.1 * 376 < none
+    with pytest.raises(ValueError, match="checkpointing must be one of"):
+        activation_bytes_per_token(SHAPE, bf16=True, checkpointing="some")
 
 
 def test_token_budget_by_hand():

@@ -1,4 +1,4 @@
-"""Micro-batches by token budget (``trainer.micro_batch_tokens``, learner/trainer.py).
+"""Micro-batches by token budget (``trainer.micro_batch_tokens``, learner/microbatch.py), padded rows.
 
 * the planning functions against hand-computed splits;
 * with real DeepSpeed engines (CPU, gloo) on the tiny Qwen2.5-VL and trajectories of several-fold
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from worldloop.learner.trainer import split_micro_batches, token_budget_micro_batches  # noqa: E402
+from worldloop.learner.microbatch import split_micro_batches, token_budget_micro_batches  # noqa: E402
 from procs import run_to_end  # noqa: E402
 
 # --------------------------------------------------------------------------- planning, by hand
@@ -106,9 +106,10 @@ def _recording_engine(optimizers: dict):
 
 def run_update(model_dir: Path, *, micro_batch_tokens: int | str, zero_stage: int, train_batch_size: int = 8,
                mini: int = 4, micro: int = 2, redis_url: str = "redis://127.0.0.1:1",
-               loss_agg_mode: str = "token-mean", **trainer) -> tuple[dict, dict, dict]:
+               loss_agg_mode: str = "token-mean", packing: bool = False, **trainer) -> tuple[dict, dict, dict]:
     """One PPOTrainer.update on fresh models from ``model_dir``: (stats, {engine: [grads per step]},
-    {engine: [final parameters]})."""
+    {engine: [final parameters]}). Padded rows unless ``packing`` (this file tests the padded plans;
+    tests/test_packing.py the packed layout)."""
     from worldloop.common.contracts.modeling import ChatCodec, load_policy
     from worldloop.learner.engine import assemble_models, init_distributed, load_backbone
     from worldloop.testing.learner import tiny_learner_config
@@ -117,7 +118,7 @@ def run_update(model_dir: Path, *, micro_batch_tokens: int | str, zero_stage: in
     cfg = tiny_learner_config(model_dir, redis_url, model_dir.parent / "run", train_batch_size=train_batch_size,
                               ppo_mini_batch_size=mini, micro_batch_size=micro, micro_batch_tokens=micro_batch_tokens,
                               zero_stage=zero_stage, kl_coef=0.01, estimator="bilevel_gae", loss_agg_mode=loss_agg_mode,
-                              **trainer)
+                              packing=packing, **trainer)
     dist = init_distributed(cfg)
     codec = ChatCodec(model_dir, max_image_side=112)
     optimizers: dict = {}
@@ -182,7 +183,7 @@ def test_length_buckets_give_the_same_loss_and_gradient(model_dir, stage, micro_
 def test_auto_budget_on_cpu_is_the_fixed_counts_worst_case(model_dir):
     """micro_batch_tokens: auto on CPU = micro_batch_size rows of the update's longest (padded)
     trajectory: by the token budget, so fewer micro-batches than the fixed count, same update."""
-    from worldloop.learner.trainer import auto_budget
+    from worldloop.learner.microbatch import auto_budget
 
     assert auto_budget([53, 231, 90], 2, 8) == 2 * 232 and auto_budget([53, 231, 90], 3, 128) == 3 * 256
     fixed = run_update(model_dir, micro_batch_tokens=0, zero_stage=0, micro=1)

@@ -30,7 +30,8 @@ from worldloop.common.contracts.config_checks import (  # noqa: F401  (re-export
 )
 from worldloop.common.contracts.config_fields import ConfigError, Float, Rule, Section, config_error
 from worldloop.common.contracts.config_load import (  # noqa: F401  (re-exported)
-    get_key, parse_override, preset_names, read_config_file, resolve_config_path, run_dir_of, to_dict, with_overrides,
+    env_label, get_key, parse_override, preset_names, read_config_file, resolve_config_path, run_dir_of, to_dict,
+    with_overrides,
 )
 
 SCORERS = ("rule", "llm", "hybrid")
@@ -332,6 +333,10 @@ class TrainerConfig(Section):
                        "sorted by length within each mini-batch, learner/trainer.py); 0 = micro_batch_size rows; auto: "
                        "on CUDA the budget the GPU's free memory holds by the memory model (learner/memory.py), on CPU "
                        "micro_batch_size x the update's longest trajectory")
+    packing: bool = Field(True, description="pack whole trajectories end to end into one row per micro-batch (position "
+                                            "ids restart per trajectory, M-RoPE ids per trajectory, attention kept "
+                                            "within each; no padding but the pad_to_multiple rounding); false = padded "
+                                            "rows (learner/microbatch.py)")
     pad_to_multiple: Annotated[int | Literal["auto"], Rule("must be auto or an integer in [1, 4096]",
                                                         lambda v: v == "auto" or 1 <= v <= 4096)] = Field(
         "auto", description="every micro-batch is right-padded to a multiple of this many tokens so that its shapes "
@@ -407,8 +412,17 @@ class TrainerConfig(Section):
                                                       "max turns of the recent episodes) / 2), never raised")
     anneal_every: int = Field(10, ge=1, description="WMAct's tau: updates between max-turn annealings")
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage")
+    offload_optimizer: Literal["none", "cpu"] = Field(
+        "none", description="ZeRO 1-3: keep the fp32 master weights, AdamW moments and fp32 gradient copy in host "
+                            "memory (DeepSpeed offload_optimizer; the client torch AdamW steps on the CPU). What lets "
+                            "ZeRO-2 fit Qwen2.5-VL-3B with the vision tower trained on 80 GB (learner/memory.py)")
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto = bf16 on GPU, fp32 on CPU")
-    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass (less memory)")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass (less memory); "
+                                                            "activation_checkpointing, when set, takes precedence")
+    activation_checkpointing: Literal["full", "selective", "none"] | None = Field(
+        None, description="full: every decoder layer recomputed in the backward (one more forward); selective: only "
+                          "each layer's self-attention block (its q/k/v/output activations; the MLP's are kept); none; "
+                          "unset: full when gradient_checkpointing, else none (learner/kernels.py)")
     checkpoint_every: int = Field(10, ge=1, description="updates between checkpoints")
     keep_checkpoints: int = Field(3, ge=1, description="the newest checkpoints kept on disk")
     resume: bool = Field(False, description="continue from the newest complete checkpoint in the run directory")
@@ -578,11 +592,3 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     cfg = config_from_dict(data, overrides)
     cfg.source = str(p) if p is not None else None
     return cfg
-
-
-def env_label(spec: EnvSpec) -> str:
-    """Short env name used in metrics labels: worldloop/Sokoban-v0 -> sokoban."""
-    if spec.name:
-        return spec.name
-    base = spec.id.split("/")[-1]
-    return base.split("-v")[0].lower()

@@ -115,3 +115,11 @@ def get_key(cfg: Any, dotted: str) -> Any:
 def to_dict(cfg: Any) -> dict:
     """The config (or a section) as plain data, for logs, the run directory and child processes."""
     return cfg.model_dump()
+
+
+def env_label(spec: Any) -> str:
+    """Short env name used in metrics labels: worldloop/Sokoban-v0 -> sokoban."""
+    if spec.name:
+        return spec.name
+    base = spec.id.split("/")[-1]
+    return base.split("-v")[0].lower()

@@ -3,8 +3,8 @@
 Public API::
 
     MODEL_KEYS; model_inputs(batch, device, dtype) -> the model's keyword inputs of a collated batch
-    token_logprobs(model, batch, temperature=1.0, chunk_size=512, return_entropy=False, only=None, fused=False)
-        -> (logprobs [B, L], entropy [B, L] | None)
+    token_logprobs(model, batch, temperature=1.0, chunk_size=512, return_entropy=False, only=None, fused=False,
+                   positions=None) -> (logprobs [B, L], entropy [B, L] | None)
     linear_logprobs(hidden, head, targets, temperature=1.0, chunk_size=512, return_entropy=False, fused=False)
         -> (logprobs [N], entropy [N] | None)          # hidden [N, H] -> head -> log-softmax at targets
     full_linear_logprobs(hidden, head, targets, temperature=1.0) -> (logprobs [N], entropy [N])
@@ -47,15 +47,26 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-MODEL_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+MODEL_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids", "position_ids")
 
 
 def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The model's keyword inputs of a collated batch on ``device`` (pixel values in ``dtype``)."""
-    kwargs = {k: batch[k].to(device) for k in MODEL_KEYS if k in batch}
+    """The model's keyword inputs of a collated batch on ``device`` (pixel values in ``dtype``). A
+    packed batch (``position_ids`` restarting at each sequence, learner/microbatch.py) goes without
+    its attention mask: transformers then keeps attention within each sequence."""
+    keys = [k for k in MODEL_KEYS if k in batch and not (k == "attention_mask" and "position_ids" in batch)]
+    non_blocking = torch.device(device).type == "cuda"
+    kwargs = {k: _to(batch[k], device, non_blocking) for k in keys}
     if "pixel_values" in kwargs:
         kwargs["pixel_values"] = kwargs["pixel_values"].to(dtype)
     return kwargs
+
+
+def _to(x: torch.Tensor, device: torch.device, non_blocking: bool) -> torch.Tensor:
+    """``x`` on ``device``; from the CPU to CUDA through pinned memory without waiting for the copy."""
+    if non_blocking and x.device.type == "cpu":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
 
 
 # --------------------------------------------------------------------------- the chunked function
@@ -217,6 +228,7 @@ def token_logprobs(
     return_entropy: bool = False,
     only: torch.Tensor | None = None,
     fused: bool = False,
+    positions: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-position log p(token_i | tokens < i) under ``logits / temperature`` (position 0 -> 0).
 
@@ -229,7 +241,9 @@ def token_logprobs(
     episode's tokens, and the head and log-softmax over the vocabulary are the larger part of a
     small model's forward. ``fused``: Liger's fused linear cross entropy for the log-probs when no
     entropy is asked for (a GPU with liger-kernel). Values at padded positions are meaningless;
-    mask them with the batch's masks.
+    mask them with the batch's masks. ``positions``: ``(rows, cols)`` of ``only[:, 1:]``'s nonzero
+    entries, computed ahead on the host (learner/microbatch.py), so that no device ``nonzero``
+    waits for the GPU.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -243,7 +257,9 @@ def token_logprobs(
     if only is None:  # every position: the hidden states as they are (a view, no copy)
         flat_h, flat_t = hidden[:, :-1].reshape(-1, hidden.shape[-1]), ids[:, 1:].reshape(-1)
     else:  # position i is predicted by the hidden state at i - 1
-        rows, cols = (only.to(hidden.device)[:, 1:] != 0).nonzero(as_tuple=True)
+        if positions is None:  # on only's device: the host for a CPU mask
+            positions = (only[:, 1:] != 0).nonzero(as_tuple=True)
+        rows, cols = (x.to(hidden.device, non_blocking=True) for x in positions)
         flat_h, flat_t = hidden[rows, cols], ids[rows, cols + 1]
     lp, ent = linear_logprobs(flat_h, head, flat_t, temperature, chunk_size, return_entropy, fused)
 
