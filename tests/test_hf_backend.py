@@ -121,9 +121,9 @@ def test_keyed_gumbel_scores_sample_the_tempered_distribution() -> None:
     one = keyed_gumbel_scores(logits, [42], 0, 1.0, 1.0)
     assert torch.equal(one, keyed_gumbel_scores(logits, [42], 0, 1.0, 1.0))
     assert not torch.equal(one, keyed_gumbel_scores(logits, [42], 1, 1.0, 1.0))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="keyed sampling needs temperature > 0, got 0.0"):
         keyed_gumbel_scores(logits, [1], 0, 0.0, 1.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="2 keys for 1 rows"):
         keyed_gumbel_scores(logits, [1, 2], 0, 1.0, 1.0)
 
 

@@ -308,7 +308,7 @@ def test_a_server_of_another_model_is_refused_at_start(served, tmp_path, kind, w
     from worldloop.actor.server.client import ServerBackend
 
     local = _model_variant(served, tmp_path, kind)
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError, match=re.escape(words)) as e:
         ServerBackend([served.url], local, max_image_side=SIDE, max_model_len=MAX_LEN)
     assert e.value.key == "actor.servers" and served.url in e.value.reason and words in e.value.reason
 
