@@ -130,7 +130,7 @@ def trajectory_id_of(data: bytes) -> str | None:
     or lacks), else None: what a dead-lettered entry's admission refund needs."""
     try:
         return _ID_ONLY.decode(data).trajectory_id
-    except (msgspec.DecodeError, msgspec.ValidationError, TypeError):
+    except (msgspec.DecodeError, msgspec.ValidationError, TypeError, UnicodeDecodeError):
         return None
 
 
@@ -183,7 +183,7 @@ def decode_trajectory(data: bytes) -> Trajectory:
     """Decode, type-check and check one trajectory message (one pass over the bytes)."""
     try:
         traj = _TRAJECTORY.decode(data)
-    except msgspec.MsgspecError as e:
+    except (msgspec.MsgspecError, UnicodeDecodeError) as e:
         raise _schema_error(e, TRAJECTORY_SCHEMA) from None
     return check_trajectory(traj)
 
@@ -210,7 +210,7 @@ def deadletter_message(reason: str, source_stream: str, source_id: str, consumer
 def decode_deadletter(data: bytes) -> DeadLetter:
     try:
         return _DEADLETTER.decode(data)
-    except msgspec.MsgspecError as e:
+    except (msgspec.MsgspecError, UnicodeDecodeError) as e:
         raise _schema_error(e, DEADLETTER_SCHEMA) from None
 
 
