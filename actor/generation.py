@@ -33,6 +33,10 @@ Conventions every backend follows (see also ``worldloop.common.contracts.modelin
 * ``logprobs[i]`` = ``log_softmax(logits / temperature)[response_ids[i]]`` over the full
   vocabulary, *before* top-p filtering (no renormalisation). ``temperature == 0`` means greedy
   decoding, and its log-probs are taken at temperature 1.
+* **Prompt-only tokens** (``ChatCodec.prompt_only_ids``: ``<|im_start|>`` and the image tokens)
+  are never sampled: their logits are -inf before temperature, top-p and keyed sampling, and
+  ``logits`` above means the logits under that mask, which the learner applies too
+  (``token_logprobs(masked_ids=...)``).
 * **Keyed sampling.** When every request of a call has a ``sample_key``, each request's tokens are
   drawn from its own random stream, seeded by (key, token position) alone: a request's response
   depends on its key, the model and its prompt, never on which other requests share the batch or

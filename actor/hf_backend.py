@@ -1,5 +1,8 @@
 """The Hugging Face transformers generation backend (CPU or one GPU); the contract is
-``worldloop.actor.generation``.
+``worldloop.actor.generation``. The codec's prompt-only tokens (``ChatCodec.prompt_only_ids``) are
+never sampled: ``generate``'s ``bad_words_ids`` sets their logits to -inf before every other
+processor (temperature, top-p, keyed sampling), and the reported log-probs are taken from the
+logits under the same mask.
 
     HFBackend(model_dir, device="cpu", dtype="auto", codec=None, max_image_side=224)
 """
@@ -34,6 +37,7 @@ class HFBackend:
         self.model = load_policy(model_dir, dtype=dtype, device=self.device)
         self.version = 0
         self._vocab = self.model.get_input_embeddings().num_embeddings
+        self._masked = list(self.codec.prompt_only_ids)
 
     # -- generation
     def _batch(self, requests: list[GenRequest]) -> dict[str, torch.Tensor]:
@@ -106,12 +110,14 @@ class HFBackend:
                 max_new_tokens=int(max_new_tokens),
                 eos_token_id=self.codec.eos_token_ids,
                 pad_token_id=self.codec.pad_token_id,
+                bad_words_ids=[[i] for i in self._masked] or None,  # prompt-only tokens: -inf, first
                 output_logits=True,
                 return_dict_in_generate=True,
                 use_cache=True,
             )
         new = out.sequences[:, batch["input_ids"].shape[1] :].cpu()
         logits = torch.stack(out.logits, dim=1).float().cpu()  # [B, T, V], raw (pre-processing)
+        logits[..., self._masked] = float("-inf")  # the distribution sampled from: prompt-only tokens masked
         logp = torch.log_softmax(logits / (temperature if sample else 1.0), dim=-1)
         token_lp = logp.gather(-1, new[:, : logits.shape[1]].unsqueeze(-1)).squeeze(-1)
         return [self._result(new[i], token_lp[i]) for i in range(len(requests))]

@@ -58,10 +58,11 @@ turn would not fit (context so far + the next ``obs_ids`` + ``max_new_tokens`` >
 ``max_model_len``) ends before generating, with ``end_reason = "context"``.
 
 An episode ends when the env terminates or truncates (``"done"``), after its ``max_turns`` turns
-(``"max_turns"``), when the context is full (``"context"``), when a response of a vision model
-contains an image placeholder token (``<|image_pad|>``, ``<|vision_start|>``, ``<|vision_end|>``:
+(``"max_turns"``), when the context is full (``"context"``), when a response contains a
+prompt-only token (``ChatCodec.prompt_only_ids``: ``<|image_pad|>``, ``<|vision_start|>``, ...:
 ``"vision_token"``; that turn is discarded, since the learner locates images by those tokens and
-would reject the whole sequence, and the env is not stepped with it), or when the env raises
+would reject the whole sequence, and the env is not stepped with it; every backend forbids
+sampling them, so this is a guard against a backend that does not), or when the env raises
 during ``reset``/``step`` or returns an observation the codec refuses (``"env_error"``: an env bug;
 the error is logged with its traceback and the episode is dropped, the engine goes on), or when
 its generation failed for good (``"server_error"``: the server backend found no usable server
@@ -200,7 +201,7 @@ class RolloutEngine:
         self.keyed_sampling = bool(keyed_sampling)
         self.make_env = make_env
         # image-placeholder tokens a response must not contain (see the module docstring)
-        self._vision_ids = {codec.image_token_id, codec.vision_start_id, codec.vision_end_id} if codec.is_vision else set()
+        self._vision_ids = set(codec.prompt_only_ids)  # never sampled by a backend: a guard
         self._episodes: list[_Episode] = []
         self._done: list[Trajectory] = []  # ended outside step() (at start): reported by the next step()
         self._calls = 0

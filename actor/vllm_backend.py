@@ -15,7 +15,7 @@ Public API::
     install_no_torchvision_compat() -> bool     wrap_sampler(sampler)
     reference_params(model_dir) -> (names -> shapes, groups of tied aliases)
     load_weights_in_place(model_runner, tensors, shapes, groups)   # validated, all-or-nothing
-    sampling_kwargs(temperature, top_p, max_new_tokens, eos_token_ids, seed) -> dict   # SamplingParams fields
+    sampling_kwargs(temperature, top_p, max_new_tokens, eos_token_ids, seed, forbidden=()) -> dict  # SamplingParams
     request_seeds(requests, seed) -> list[int | None]                                   # per-request seeds
 
 It follows every convention of :mod:`worldloop.actor.generation` (read that first). How each one is met:
@@ -42,7 +42,12 @@ It follows every convention of :mod:`worldloop.actor.generation` (read that firs
   sampler is wrapped: it receives the logits already divided by the temperature, and the wrapper
   returns their full log_softmax as the "processed" log-probs, which the sampler then reports
   for the sampled token (``SamplingParams(logprobs=0)``). Greedy requests (temperature 0) never
-  reach that sampler and report ``raw_logprobs``: temperature 1, as the convention says.
+  reach that sampler; the engine's ``logprobs_mode="processed_logprobs"`` makes them report
+  ``log_softmax`` of their logits: temperature 1, as the convention says.
+* **Prompt-only tokens.** ``SamplingParams.bad_words`` holds the codec's prompt-only tokens
+  (:func:`sampling_kwargs`): vLLM sets their logits to -inf before the temperature, top-p and
+  both log-prob paths above, so they are never sampled and the log-probs are those of the masked
+  distribution, which the learner computes too (``ChatCodec.prompt_only_ids``).
 * **Keyed sampling.** When every request has a ``sample_key``, it becomes that request's
   ``SamplingParams.seed``: vLLM then draws the request's tokens from its own generator, whatever else
   is in the batch. Otherwise request ``i`` gets ``seed + i``.
@@ -162,6 +167,11 @@ def install_no_torchvision_compat() -> bool:
     return True
 
 
+# the engine's log-prob mode: sampled requests report what the wrapped sampler returns (below), greedy
+# ones log_softmax(logits) after the prompt-only mask ("raw_logprobs" would take them before it)
+LOGPROBS_MODE = "processed_logprobs"
+
+
 def wrap_sampler(sampler: Any) -> None:
     """Make the sampler report log_softmax(logits / T) of the full vocabulary (before top-p)."""
     inner = sampler.topk_topp_sampler
@@ -255,14 +265,19 @@ def load_weights_in_place(runner: Any, tensors: dict[str, torch.Tensor], shapes:
 
 
 def sampling_kwargs(temperature: float, top_p: float, max_new_tokens: int, eos_token_ids: list[int],
-                    seed: int | None) -> dict[str, Any]:
+                    seed: int | None, forbidden: tuple[str, ...] | list[str] = ()) -> dict[str, Any]:
     """vLLM ``SamplingParams`` fields of one request (the in-process engine's and, as JSON, the
     inference servers'): ``temperature`` 0 is greedy, generation stops at an EOS, the sampled
-    token's log-prob is reported (``logprobs=0``) and nothing is detokenised."""
+    token's log-prob is reported (``logprobs=0``) and nothing is detokenised. ``forbidden``: the
+    codec's prompt-only tokens (``ChatCodec.prompt_only_tokens``), never sampled: vLLM's
+    ``bad_words`` (each a single special token) sets their logits to -inf before the temperature,
+    top-p and the log-prob wrapper (:func:`wrap_sampler`), so the reported log-probs are those of
+    the masked distribution, as the learner computes them. (Greedy requests report the
+    log-probs of the masked logits too, by the engine's :data:`LOGPROBS_MODE`.)"""
     sample = temperature > 0
     return dict(temperature=float(temperature) if sample else 0.0, top_p=float(top_p) if sample else 1.0, top_k=0,
                 max_tokens=int(max_new_tokens), stop_token_ids=list(eos_token_ids), ignore_eos=False, logprobs=0,
-                detokenize=False, skip_special_tokens=True, seed=seed)
+                detokenize=False, skip_special_tokens=True, seed=seed, bad_words=list(forbidden))
 
 
 def request_seeds(requests: list[GenRequest], seed: int | None) -> list[int | None]:
@@ -317,6 +332,7 @@ class VLLMBackend:
             gpu_memory_utilization=gpu_memory_utilization,
             seed=seed,
             skip_tokenizer_init=False,
+            logprobs_mode=LOGPROBS_MODE,
         )
         if kv_cache_gib is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * (1 << 30))
@@ -396,7 +412,8 @@ class VLLMBackend:
         self._validate(requests, max_new_tokens)
         prompts = [self._prompt(i, r) for i, r in enumerate(requests)]
         params = [
-            SamplingParams(**sampling_kwargs(temperature, top_p, max_new_tokens, self.codec.eos_token_ids, request_seed))
+            SamplingParams(**sampling_kwargs(temperature, top_p, max_new_tokens, self.codec.eos_token_ids, request_seed,
+                                             self.codec.prompt_only_tokens))
             for request_seed in request_seeds(requests, seed)
         ]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)

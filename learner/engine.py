@@ -5,7 +5,7 @@ Public API::
     DistInfo(rank, world_size, local_rank, device, backend)
     init_distributed(cfg) -> DistInfo          # env defaults for one process; gloo on CPU, nccl on GPU
     ds_config(cfg, dist, *, bf16) -> dict      # the DeepSpeed config of one engine (policy or critic)
-    PolicyModule(hf_model, chunk_size=512, fused=False)  # forward(batch, temperature, return_entropy) -> (logprobs, entropy)
+    PolicyModule(hf_model, chunk_size=512, fused=False, masked_ids=())  # forward(batch, temperature, return_entropy) -> (logprobs, entropy)
     CriticModule(backbone)                     # forward(batch) -> values [B, L] (fp32)
     Models                                     # .policy, .critic (engines or None), .reference, .codec, ...
     build_models(cfg, dist) -> Models          # from cfg.model.path
@@ -191,19 +191,21 @@ class PolicyModule(torch.nn.Module):
     """The HF policy; ``forward`` returns per-position log-probs (and entropies): at every position,
     or, when the batch holds a ``logprob_mask``, at its nonzero positions only (0 elsewhere). The LM
     head runs ``chunk_size`` tokens at a time; ``fused``: Liger's fused linear log-prob when no
-    entropy is asked for."""
+    entropy is asked for; ``masked_ids``: the prompt-only tokens the actors never sample
+    (``ChatCodec.prompt_only_ids``), masked out of every distribution here too."""
 
-    def __init__(self, hf: torch.nn.Module, chunk_size: int = 512, fused: bool = False):
+    def __init__(self, hf: torch.nn.Module, chunk_size: int = 512, fused: bool = False, masked_ids=()):
         super().__init__()
         self.hf = hf
         self.chunk_size = int(chunk_size)
         self.fused = bool(fused)
+        self.masked_ids = tuple(int(i) for i in masked_ids)
 
     def forward(self, batch: dict[str, torch.Tensor], temperature: float = 1.0, return_entropy: bool = False):
         at = (batch["logprob_rows"], batch["logprob_cols"]) if "logprob_rows" in batch else None
         return token_logprobs(self.hf, batch, temperature=temperature, chunk_size=self.chunk_size,
                               return_entropy=return_entropy, only=batch.get("logprob_mask"), fused=self.fused,
-                              positions=at)
+                              positions=at, masked_ids=self.masked_ids)
 
 
 class CriticModule(torch.nn.Module):
@@ -301,7 +303,7 @@ def assemble_models(cfg: Config, dist: DistInfo, codec: ChatCodec, hf: torch.nn.
     vocab = hf.get_input_embeddings().num_embeddings
     ckpt = checkpointing_mode(t)
     apply_checkpointing(hf, ckpt)
-    policy = make(PolicyModule(hf, t.logprob_chunk_tokens, fused=liger), t.actor_lr, conf)
+    policy = make(PolicyModule(hf, t.logprob_chunk_tokens, fused=liger, masked_ids=codec.prompt_only_ids), t.actor_lr, conf)
     critic = None
     if backbone is not None:
         backbone.train()
@@ -309,7 +311,7 @@ def assemble_models(cfg: Config, dist: DistInfo, codec: ChatCodec, hf: torch.nn.
         critic = make(CriticModule(backbone), t.critic_lr, conf)
     ref = None
     if reference is not None:
-        ref = PolicyModule(reference, t.logprob_chunk_tokens, fused=liger).eval()
+        ref = PolicyModule(reference, t.logprob_chunk_tokens, fused=liger, masked_ids=codec.prompt_only_ids).eval()
         ref.requires_grad_(False)
     log.info(
         "models ready: policy%s%s, zero stage %d, %s, %s, %d rank(s)%s",

@@ -178,12 +178,16 @@ class PPOTrainer:
         self.packing = bool(self.t.packing)
         self._cuda_budget: int | None = None  # micro_batch_tokens auto on CUDA, set at the first update
         self._grad_norm_now: dict[str, float] = {}
-        self.spec = estimator_spec(self.t.estimator)  # what the estimator needs (common/contracts/algorithms.py)
         if not self.spec.reads_values and models.critic is not None:
             log.warning("trainer.estimator=%s does not read values: the critic (trainer.use_critic) is trained for nothing",
                         self.t.estimator)
         if self.spec.reads_values and models.critic is None:
             log.warning("trainer.use_critic=false with %s: values are 0, advantages are Monte-Carlo returns", self.t.estimator)
+
+    @property
+    def spec(self):
+        """What the configured estimator needs (common/contracts/algorithms.py), asked at each use."""
+        return estimator_spec(self.t.estimator)
 
     # ------------------------------------------------------------------ helpers
 

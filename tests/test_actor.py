@@ -184,7 +184,7 @@ def _logprob_gap(model, codec: ChatCodec, traj: dict, turns: set[int] | None = N
     layout = build_sequence(traj)
     batch = collate([layout], codec)
     with torch.no_grad():
-        lp, _ = token_logprobs(model, batch, temperature=TEMPERATURE)
+        lp, _ = token_logprobs(model, batch, temperature=TEMPERATURE, masked_ids=codec.prompt_only_ids)
     gaps = [(lp[0, s:e] - layout.behaviour_logprobs[s:e]).abs().max().item()
             for t, (s, e) in enumerate(layout.turn_spans) if turns is None or t in turns]
     return max(gaps)

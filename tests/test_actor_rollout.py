@@ -210,10 +210,26 @@ def test_a_response_ending_on_endoftext_is_closed_by_the_next_observation(backen
     assert ended[0] != codec.im_end_id
 
 
+class _Unmasked:
+    """A backend that does not forbid prompt-only tokens (every real one does): the HF backend's
+    responses with their first token replaced by ``<|image_pad|>``."""
+
+    def __init__(self, inner: HFBackend):
+        self.inner, self.codec, self.version = inner, inner.codec, inner.version
+
+    def generate(self, requests, **kw):
+        import dataclasses
+
+        return [dataclasses.replace(r, response_ids=[self.codec.image_token_id, *r.response_ids[1:]])
+                for r in self.inner.generate(requests, **kw)]
+
+
 def test_a_response_with_image_tokens_ends_the_episode_without_that_turn(backend) -> None:
-    """Weights under which greedy decoding emits an image placeholder token: final norm = C * e_0
+    """Weights under which greedy decoding would emit an image placeholder token: final norm = C * e_0
     makes every logit C' * x_0 * E[j, 0] for the normalised hidden x; E[<|image_pad|>, 0] = +1000
-    and E[<|vision_start|>, 0] = -1000 put a vision token on top whatever the sign of x_0."""
+    and E[<|vision_start|>, 0] = -1000 put a vision token on top whatever the sign of x_0. The HF
+    backend masks them (prompt-only tokens are never sampled), so the episode plays on; a backend
+    that let one through would have the episode end without that turn."""
     bad = HFBackend(backend.codec.model_dir, max_image_side=SIDE)
     codec = bad.codec
     state = {k: v.clone() for k, v in bad.model.state_dict().items()}
@@ -225,6 +241,9 @@ def test_a_response_with_image_tokens_ends_the_episode_without_that_turn(backend
     state.pop("lm_head.weight")
     bad.update_weights(state, version=1)
     [traj] = play_episodes(bad, [EpisodeSpec(LAKE, 1, KW, max_turns=2)], sampling=Sampling(0.0, 1.0, 4))
+    assert traj.end_reason != "vision_token" and traj.turns
+    assert not {i for t in traj.turns for i in t.response_ids} & set(codec.prompt_only_ids)
+    [traj] = play_episodes(_Unmasked(backend), [EpisodeSpec(LAKE, 1, KW, max_turns=2)], sampling=Sampling(0.0, 1.0, 4))
     assert traj.end_reason == "vision_token" and traj.turns == []
 
 

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _error(data: dict | None = None, overrides: tuple[str, ...] = ()) -> ConfigError:
-    with pytest.raises(ConfigError) as ei:
+    with pytest.raises(ConfigError, match="^config key '") as ei:
         config_from_dict(data or {}, list(overrides))
     return ei.value
 
@@ -114,9 +114,9 @@ def test_override_parsing() -> None:
     assert parse_override("a.b=[1, 2]") == ("a.b", [1, 2])
     with pytest.raises(ConfigError, match="key.sub=value"):
         parse_override("novalue")
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="an override must name a key before '='"):
         parse_override("=3")
-    with pytest.raises(ConfigError) as ei:
+    with pytest.raises(ConfigError, match="value '\\[unclosed' is not valid YAML") as ei:
         parse_override("a.b=[unclosed")
     assert ei.value.key == "a.b"
 

@@ -70,7 +70,7 @@ def test_every_rule_across_fields_is_described_in_prose() -> None:
 
 def test_the_reference_states_the_bound_that_the_error_names() -> None:
     # the bound text of the reference and of the error come from one place
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError, match="judge.cache_size") as e:
         load_config(None, ["judge.cache_size=-1"])
     row = next(line for line in (ROOT / "docs" / "configuration.md").read_text().splitlines()
                if line.startswith("| `judge.cache_size` |"))

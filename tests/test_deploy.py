@@ -380,7 +380,7 @@ for g in o.process_group_configs:
 
         # Redis demands the password, and every process authenticated with it (their heartbeats)
         url = values["WORLDLOOP_REDIS_URL"]
-        with pytest.raises(redis.AuthenticationError):
+        with pytest.raises(redis.AuthenticationError, match="(?i)auth"):
             redis.Redis.from_url(url, socket_timeout=5).ping()
         r = redis.Redis.from_url(url, password=password, socket_timeout=5)
         roles = sorted(json.loads(v)["role"] for v in r.hvals(Keys("deploy-test").procs))

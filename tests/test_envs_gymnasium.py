@@ -74,7 +74,7 @@ def test_spaces_declare_what_reset_and_step_return(env_id: str) -> None:
     obs, _ = txt.reset(seed=7)
     assert isinstance(obs, Observation) and set(obs) == {"text"} and obs in txt.observation_space
     assert obs["image"] is None and obs.get("image") is None  # callers written for {"text", "image": None}
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match="imagee"):
         obs["imagee"]
     rendered = txt.render()
     assert isinstance(rendered, str) and rendered and rendered in obs["text"]

@@ -120,7 +120,7 @@ def test_action_limit_and_unknown_words() -> None:
     assert VOCAB.parse("Up,Down,Left,Fly", 3).ok
     assert not VOCAB.parse("", 3).ok and not VOCAB.parse(" , ;", 3).ok
     assert parse_actions("right", ["Left", "Right"], 1).actions == ["Right"]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="alias 'jump' maps to 'Fly', which is not an action"):
         ActionVocab(["Up"], {"jump": "Fly"})
 
 

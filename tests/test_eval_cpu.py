@@ -71,7 +71,7 @@ def test_over_a_simulated_run_the_in_run_share_stays_within_the_budget() -> None
 
 
 def test_a_share_out_of_range_is_refused() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"share must be in \(0, 1\], got 0.0"):
         CpuBudget(0.0)
 
 

@@ -40,7 +40,7 @@ def test_sign_test_by_hand() -> None:
     assert sign_test_p(0, 0) == 1.0
     # 8 / 0: 2 / 256
     assert sign_test_p(8, 0) == pytest.approx(2 / 256)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="counts must be >= 0, got -1, 2"):
         sign_test_p(-1, 2)
 
 
@@ -59,7 +59,7 @@ def test_sign_test_power_by_hand() -> None:
     # more seeds, more power; no effect: power near alpha at most (the exact test is conservative)
     assert sign_test_power(512, 0.13, 0.085) < sign_test_power(2048, 0.13, 0.085)
     assert sign_test_power(2048, 0.1, 0.1, alpha=0.01) <= 0.01
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="summing to <= 1, got 10, 0.7, 0.5"):
         sign_test_power(10, 0.7, 0.5)
 
 
@@ -69,7 +69,7 @@ def test_t_quantiles_and_mean_interval_by_hand() -> None:
     # beyond the table: Cornish-Fisher; t(0.975, 60) = 2.0003, t(0.975, 120) = 1.9799
     assert t_quantile_975(60) == pytest.approx(2.0003, abs=2e-4)
     assert t_quantile_975(120) == pytest.approx(1.9799, abs=2e-4)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="degrees of freedom must be >= 1, got 0"):
         t_quantile_975(0)
     # values 0.2, 0.4, 0.6, 0.8, 1.0: mean 0.6, s^2 = (0.16+0.04+0+0.04+0.16)/4 = 0.1, s = 0.316228
     # half = 2.7764 * 0.316228 / sqrt(5) = 2.7764 * 0.141421 = 0.392642

@@ -128,9 +128,9 @@ def test_grounding_seeds_must_not_overlap_rl_eval_or_demonstrations() -> None:
     for over, what in ((["model.tiny_grounding_seed_start=0"], "RL seeds"),
                        (["model.tiny_grounding_seed_start=10000000"], "held-out eval seeds"),
                        (["model.tiny_grounding_seed_start=5000000"], "SFT demonstration seeds")):
-        with pytest.raises(ConfigError) as e:
+        with pytest.raises(ConfigError, match=f"overlap the {what}") as e:
             load_config(preset, ["model.tiny_grounding_steps=10", *over])
         assert e.value.key == "model.tiny_grounding_seed_start" and what in str(e.value)
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError, match="must be >= 0 \\(0 = never\\), got -1") as e:
         load_config(preset, ["model.tiny_grounding_agent_every=-1"])
     assert e.value.key == "model.tiny_grounding_agent_every"

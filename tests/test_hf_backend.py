@@ -17,6 +17,9 @@ from worldloop.common.contracts.modeling import ChatCodec, build_sequence, colla
 from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.common.contracts.config import Config
 from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate, load_policy, token_logprobs
+from worldloop.testing.prompt_only import favour_prompt_only
+from worldloop.common.contracts.config import Config
+from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate, load_policy, token_logprobs
 from worldloop.testing.trajectories import one_turn_trajectory
 
 ANSWER = "<answer>Up</answer>"
@@ -60,7 +63,7 @@ def _requests(codec: ChatCodec) -> list[GenRequest]:
 def _recomputed(model, codec: ChatCodec, req: GenRequest, response: list[int], temperature: float) -> torch.Tensor:
     batch = collate([build_sequence(one_turn_trajectory(req.prompt_ids, response, req.images))], codec)
     with torch.no_grad():
-        lp, _ = token_logprobs(model, batch, temperature=temperature)
+        lp, _ = token_logprobs(model, batch, temperature=temperature, masked_ids=codec.prompt_only_ids)
     return lp[0, len(req.prompt_ids) : len(req.prompt_ids) + len(response)]
 
 
@@ -123,9 +126,9 @@ def test_keyed_gumbel_scores_sample_the_tempered_distribution() -> None:
     one = keyed_gumbel_scores(logits, [42], 0, 1.0, 1.0)
     assert torch.equal(one, keyed_gumbel_scores(logits, [42], 0, 1.0, 1.0))
     assert not torch.equal(one, keyed_gumbel_scores(logits, [42], 1, 1.0, 1.0))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="keyed sampling needs temperature > 0, got 0.0"):
         keyed_gumbel_scores(logits, [1], 0, 0.0, 1.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="2 keys for 1 rows"):
         keyed_gumbel_scores(logits, [1, 2], 0, 1.0, 1.0)
 
 
@@ -200,3 +203,30 @@ def test_make_backend_from_config(vl_dir: Path) -> None:
     be = make_backend(cfg)
     assert isinstance(be, HFBackend) and be.codec.max_image_side == 112 and be.version == 0
     be.close()
+
+
+def test_prompt_only_tokens_are_never_sampled_and_logprobs_are_the_masked_distributions(vl_dir, tmp_path) -> None:
+    # a model that, unmasked, puts almost all its mass on <|vision_pad|> / <|video_pad|> at every step
+    fav_dir, favoured = favour_prompt_only(vl_dir, tmp_path / "fav")
+    be = HFBackend(fav_dir, max_image_side=112)
+    codec = be.codec
+    assert set(favoured) < set(codec.prompt_only_ids)
+    reqs = _requests(codec)
+    with torch.no_grad():  # the premise: unmasked, the next token is a prompt-only one with p > 0.99
+        batch = be._batch(reqs[1:2])
+        p = torch.softmax(be.model(**batch).logits[0, -1].float(), -1)
+    assert float(p[list(codec.prompt_only_ids)].sum()) > 0.99
+    for mode in ({"seed": 5}, {"keyed": True}, {"greedy": True}):
+        rq = [GenRequest(r.prompt_ids, r.images, sample_key=11 + i) for i, r in enumerate(reqs)] if "keyed" in mode else reqs
+        t = 0.0 if "greedy" in mode else 0.9
+        results = be.generate(rq, temperature=t, top_p=0.95, max_new_tokens=12, seed=mode.get("seed"))
+        for req, res in zip(rq, results):
+            assert res.response_ids and not set(res.response_ids) & set(codec.prompt_only_ids), (mode, res.response_ids)
+            # the reported log-probs are the learner's under the same mask (token_logprobs(masked_ids=...))
+            ref = _recomputed(be.model, codec, req, res.response_ids, t or 1.0)
+            assert torch.allclose(torch.tensor(res.logprobs), ref, atol=1e-4), (mode, res.logprobs, ref)
+    # unmasked, the learner would see the first token as about 100 times less likely: log(1 - 0.99) < -4.6
+    batch = collate([build_sequence(one_turn_trajectory(reqs[1].prompt_ids, results[1].response_ids))], codec)
+    with torch.no_grad():
+        plain, _ = token_logprobs(be.model, batch)
+    assert float(plain[0, len(reqs[1].prompt_ids)]) < results[1].logprobs[0] - 4.6

@@ -361,10 +361,12 @@ def test_prompt_parsers() -> None:
     assert parse_verdict("<answer> no </answer>") == 0.0
     assert parse_verdict("YES.") == 1.0
     assert parse_verdict("<answer>YES</answer> wait <answer>NO</answer>") == 0.0  # the last verdict counts
-    for bad in ("maybe", "", "YES or NO", None):
-        with pytest.raises(ValueError):
+    for bad, why in (("maybe", "no YES/NO verdict in reply 'maybe'"), ("", "no YES/NO verdict in reply ''"),
+                     ("YES or NO", "no YES/NO verdict in reply 'YES or NO'"), (None, "empty reply")):
+        with pytest.raises(ValueError, match=re.escape(why)):
             parse_verdict(bad)
     assert parse_extraction('```json\n[{"subject": "box0", "relation": "above", "object": "player"}]\n```')[0]["object"] == "player"
-    for bad in ("YES", "[1, 2]", "{not json"):
-        with pytest.raises(ValueError):
+    for bad, why in (("YES", "no JSON array in reply 'YES'"), ("[1, 2]", "reply is not a JSON array of objects"),
+                     ("{not json", "no JSON array in reply '{not json'")):
+        with pytest.raises(ValueError, match=re.escape(why)):
             parse_extraction(bad)

@@ -182,7 +182,12 @@ def test_garbage_and_huge_text_are_safe() -> None:
     s = sokoban_state((3, 3), [(2, 2)], [(1, 3)])
     assert rule_score(None, s).score == 0.0
     assert rule_score("\x00\ufffd<>{}[]" * 100, s).score == 0.0
-    assert rule_score("box0 above player " * 60000, s).score >= 0.0  # 1 MB: truncated, no crash
+    # 1 MB saying one true fact 60,000 times: no crash, and the fact counts once. The truth has 6 facts
+    # (3 relations x 2 axes); "box0 above player" is one of them, so P = 1/1, R = 1/6 and
+    # F1 = 2 * 1 * (1/6) / (1 + 1/6) = (1/3) / (7/6) = 2/7
+    huge = rule_score("box0 above player " * 60000, s)
+    assert (huge.matched, huge.predicted, huge.truth) == (1, 1, 6)
+    assert huge.score == pytest.approx(2 / 7)
 
 
 # ----------------------------------------------------------------------------- other representations and envs

@@ -23,14 +23,14 @@ def _cfg(**trainer):
 def test_liger_resolves_per_device_and_on_without_cuda_names_the_key():
     assert use_liger(_cfg(liger="auto"), CPU) is False
     assert use_liger(_cfg(liger=False), CUDA) is False
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError, match="is on but the learner runs on cpu") as e:
         use_liger(_cfg(liger=True), CPU)
     assert e.value.key == "trainer.liger" and "runs on cpu" in e.value.reason
 
 
 @pytest.mark.skipif(HAS_LIGER, reason="checks the error without liger_kernel")
 def test_liger_on_without_the_package_names_the_key_and_auto_stays_off():
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError, match="liger_kernel does not import") as e:
         use_liger(_cfg(liger=True), CUDA)  # the device object only: no CUDA needed to decide
     assert e.value.key == "trainer.liger" and "worldloop[gpu]" in e.value.reason
     assert use_liger(_cfg(liger="auto"), CUDA) is False
@@ -44,7 +44,7 @@ def test_a_learner_with_liger_on_a_cpu_fails_before_loading_models(tmp_path: Pat
 
     model_dir = shared_tiny_model(arch="qwen2", max_image_side=112)
     cfg = tiny_learner_config(model_dir, "redis://127.0.0.1:1", tmp_path / "run", liger=True)
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError, match="is on but the learner runs on cpu") as e:
         build_models(cfg, DistInfo(0, 1, 0, CPU, "gloo"))
     assert e.value.key == "trainer.liger"
 

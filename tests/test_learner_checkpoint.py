@@ -10,6 +10,7 @@ Every expected number is worked out by hand in the comments from the formulas in
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -126,7 +127,7 @@ def test_annealing_and_weights_survive_a_checkpoint_and_resume(model_dir, redis_
             bad = tmp_path / f"bad-{field}"
             bad.mkdir()
             (bad / "state.json").write_text(json.dumps(dict(checkpoint.read_state(ckpt), **{field: value})))
-            with pytest.raises(ConfigError) as err:
+            with pytest.raises(ConfigError, match=re.escape(says)) as err:
                 checkpoint.load(second.models, bad)
             assert err.value.key == key and says in err.value.reason, err.value
         assert _differs(_params(second.models.policy), at_ckpt_policy) == []

@@ -312,7 +312,7 @@ def test_maxmemory_is_unknown_where_config_is_forbidden_but_an_outage_is_raised(
         limited = connect(f"redis://noconfig:pw@{host_port}")
         assert limited.ping() and redis_maxmemory(limited) is None
         assert redis_maxmemory(admin) is not None
-        with pytest.raises(redis.ConnectionError):
+        with pytest.raises(redis.ConnectionError, match="Connection refused"):
             redis_maxmemory(connect(f"redis://127.0.0.1:{free_port()}/0", 1.0))
     finally:
         admin.acl_deluser("noconfig")

@@ -41,7 +41,7 @@ def test_a_second_learner_is_refused_naming_the_holder_and_a_dead_ones_lease_is_
     keys = Keys("lease1")
     child = _hold_in_child(redis_url, keys.ns, tmp_path / "holder.log")
     try:
-        with pytest.raises(LeaseHeld) as e:
+        with pytest.raises(LeaseHeld, match="namespace 'lease1' already has a learner") as e:
             LearnerLease(redis_url, keys, 30.0, holder="a second learner").acquire()
         assert "the first learner" in str(e.value) and f"pid {child.pid}" in str(e.value)
         assert "lease1" in str(e.value)
@@ -71,15 +71,15 @@ def test_a_learner_whose_lease_was_taken_over_writes_nothing_more(redis_url) -> 
     r.delete(keys.learner_lease)  # A's lease ran out (A was stopped, or cut off from Redis)
     a.info["host"] = "elsewhere"  # (B must not see A's pid as a dead same-host holder)
     b = LearnerLease(redis_url, keys, 30.0, holder="B").acquire()
-    with pytest.raises(Fenced):
+    with pytest.raises(Fenced, match="another learner holds this namespace now"):
         cons_a.ack([m1.id])
-    with pytest.raises(Fenced):
+    with pytest.raises(Fenced, match="another learner holds this namespace now"):
         cons_a.deadletter(m2, "x")
-    with pytest.raises(Fenced):
+    with pytest.raises(Fenced, match="another learner holds this namespace now"):
         a.hset(keys.control, {"policy_version": 99})
     assert r.xpending(keys.scored, "learner")["pending"] == 2 and not r.exists(keys.control)
     assert a.renew() is False and a.lost.is_set() and lost == [1]
-    with pytest.raises(LeaseLost):
+    with pytest.raises(LeaseLost, match="another learner took namespace 'lease2'"):
         a.check()
     b.check()  # B is the owner
     a.close()

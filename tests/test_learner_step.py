@@ -84,9 +84,10 @@ def _trajectories(model_dir: Path, n: int, prefix: str) -> list[dict]:
 
 
 def _logprobs(model, model_dir: Path, traj: dict) -> torch.Tensor:
-    batch = collate([build_sequence(traj)], ChatCodec(model_dir, max_image_side=112))
-    with torch.no_grad():
-        return token_logprobs(model, batch, temperature=TEMPERATURE)[0][0]
+    codec = ChatCodec(model_dir, max_image_side=112)
+    batch = collate([build_sequence(traj)], codec)
+    with torch.no_grad():  # the learner's distribution: prompt-only tokens masked, as the actors sample
+        return token_logprobs(model, batch, temperature=TEMPERATURE, masked_ids=codec.prompt_only_ids)[0][0]
 
 
 @pytest.mark.slow
@@ -130,6 +131,9 @@ def test_step_trains_publishes_and_an_actor_loads_the_weights(fresh_learner, mod
     initial_lp = _logprobs(load_policy(model_dir), model_dir, probe)
     assert torch.allclose(actor_lp, learner_lp, atol=1e-5)
     assert not torch.allclose(actor_lp, initial_lp, atol=1e-3)
+    # the module the learner trains through masks the prompt-only tokens, as the actors' backends do
+    policy_module = getattr(learner.models.policy, "module", learner.models.policy)
+    assert policy_module.masked_ids == ChatCodec(model_dir, max_image_side=112).prompt_only_ids == (1, 9, 10, 11, 12, 13)
     sub.close()
 
     r = connect(redis_srv.url)

@@ -4,6 +4,7 @@ values and gradients, and hold nothing of the vocabulary's size beyond one chunk
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -231,3 +232,42 @@ def test_the_learners_policy_module_and_critic_on_the_tiny_model(tiny):
         hidden = critic.backbone(**model_inputs(batch, torch.device("cpu"), torch.float32)).last_hidden_state
     expected = (hidden @ critic.value_head.weight[0] + critic.value_head.bias[0])[:, :-1]
     assert (values[:, 0] == 0).all() and torch.allclose(values[:, 1:], expected, atol=1e-5)
+
+
+class _Partitioned(torch.nn.Linear):
+    """A head whose weight carries ``ds_id``, as ZeRO-3 marks a partitioned parameter: the
+    checkpointed path that calls the head."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__(weight.shape[1], weight.shape[0], bias=False)
+        self.weight.data.copy_(weight)
+        self.weight.ds_id = 0
+
+
+def test_masked_ids_give_the_masked_distribution_by_hand():
+    # 4 tokens, logits z = (0, 5, 0, ln 2) from hidden h = (1) through a 4 x 1 head; token 1 masked.
+    # Left: exp = (1, -, 1, 2), sum 4, so p = (1/4, 0, 1/4, 1/2):
+    #   log p(0) = ln(1/4) = -1.3862944, log p(3) = ln(1/2) = -0.6931472
+    #   H = -(1/4 ln 1/4 + 1/4 ln 1/4 + 1/2 ln 1/2) = 1/2 ln 4 + 1/2 ln 2 = 3/2 ln 2 = 1.0397208
+    #   d log p(0) / dz = onehot(0) - p = (3/4, 0, -1/4, -1/2): z_1 gets no gradient
+    # Unmasked, log p(0) = -ln(1 + e^5 + 1 + 2) = -ln(152.413159) = -5.0266
+    weight = torch.tensor([[0.0], [5.0], [0.0], [math.log(2.0)]])
+    targets = torch.tensor([0, 3])
+    want_lp, want_h = torch.tensor([-math.log(4.0), -math.log(2.0)]), torch.tensor([1.5 * math.log(2.0)] * 2)
+    plain = torch.nn.Linear(1, 4, bias=False)
+    plain.weight.data.copy_(weight)
+    for head in (plain, _Partitioned(weight)):
+        head.zero_grad()
+        hidden = torch.ones(2, 1, requires_grad=True)
+        lp, ent = linear_logprobs(hidden, head, targets, chunk_size=1, return_entropy=True, masked_ids=[1])
+        assert torch.allclose(lp, want_lp, atol=1e-6) and torch.allclose(ent, want_h, atol=1e-6), (type(head), lp, ent)
+        lp[0].backward()  # d log p(0) / dW = (onehot(0) - p) * h
+        assert torch.allclose(head.weight.grad[:, 0], torch.tensor([0.75, 0.0, -0.25, -0.5]), atol=1e-6)
+    full_lp, full_h = full_linear_logprobs(torch.ones(2, 1), plain, targets, masked_ids=[1])
+    assert torch.allclose(full_lp, want_lp, atol=1e-6) and torch.allclose(full_h, want_h, atol=1e-6)
+    unmasked, _ = linear_logprobs(torch.ones(2, 1), plain, targets)
+    assert float(unmasked[0]) == pytest.approx(-math.log(4 + math.exp(5.0)), abs=1e-5)
+    # at temperature 2 the masked logits stay masked: z / 2 = (0, -, 0, ln 2 / 2), exp = (1, 1, sqrt 2),
+    # log p(0) = -ln(2 + sqrt 2) = -1.2279471
+    lp2, _ = linear_logprobs(torch.ones(1, 1), plain, targets[:1], temperature=2.0, masked_ids=[1])
+    assert float(lp2[0]) == pytest.approx(-math.log(2 + math.sqrt(2.0)), abs=1e-6)

@@ -278,5 +278,5 @@ def test_token_logprobs_hand_computed() -> None:
     assert ent[0].tolist() == pytest.approx(
         [0.0, math.log(e + 2) - e / (e + 2), math.log(3), math.log(1 + 2 * r) - r / (1 + 2 * r)], abs=1e-6
     )
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="temperature must be > 0, got 0.0"):
         token_logprobs(_HandModel(), batch, temperature=0.0)

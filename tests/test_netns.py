@@ -192,6 +192,14 @@ class Hosts:
         self.relay: Relay | None = None
 
     def up(self) -> "Hosts":
+        """Everything up, or (when any step fails) everything made so far taken down again."""
+        try:
+            return self._up()
+        except BaseException:
+            self.down()
+            raise
+
+    def _up(self) -> "Hosts":
         root_fd = _open_tun_in(None, self.root_dev)
         self._fds.append(root_fd)
         _sh("ip", "addr", "add", f"{self.server}/24", "dev", self.root_dev)
@@ -298,7 +306,7 @@ def test_actors_in_their_own_network_namespaces_over_a_lossy_link_and_a_partitio
     why = _netns_unavailable()
     if why:
         unavailable(f"{why}; CI must allow network namespaces (.ci/run runs as root)")
-    hosts = Hosts(2).up()
+    hosts = Hosts(2)
     redis_srv = None
     procs: dict[str, Proc] = {}
 
@@ -318,6 +326,7 @@ def test_actors_in_their_own_network_namespaces_over_a_lossy_link_and_a_partitio
                              f"{[(l.passed, l.dropped) for l in hosts.links]}{logs()}")
 
     try:
+        hosts.up()  # inside the try: a failure half-way still takes down what it made
         # a password, as for any Redis that other hosts reach (docs/operations.md
         # "Security"): without one, Redis 7's protected mode answers only loopback clients, and the
         # test subnet's address is not loopback
@@ -466,4 +475,30 @@ def test_actors_in_their_own_network_namespaces_over_a_lossy_link_and_a_partitio
                 p.proc.wait(30)
         if redis_srv is not None:
             redis_srv.close()
+        hosts.down()
+
+
+def _netns_names() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def test_hosts_up_failing_half_way_leaves_no_namespace_or_device():
+    why = _netns_unavailable()
+    if why:
+        unavailable(f"{why}; CI must allow network namespaces (.ci/run runs as root)")
+    hosts = Hosts(2)
+    hosts.tag = f"f{os.getpid() % 10000}"  # not the names the system test's Hosts use
+    hosts.root_dev = f"wlr{hosts.tag}"
+    hosts.names = [f"wl{hosts.tag}{c}" for c in "ab"]
+    _sh("ip", "netns", "add", hosts.names[1])  # the second host's namespace is taken: up() fails there
+    try:
+        with pytest.raises(RuntimeError, match=f"ip netns add {hosts.names[1]}"):
+            hosts.up()
+        # the first namespace and the root TUN device it had made are gone again
+        assert not _netns_names() & set(hosts.names), _netns_names()
+        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        assert f" {hosts.root_dev}:" not in links, links
+        assert hosts.relay is None
+    finally:
         hosts.down()

@@ -97,7 +97,7 @@ def test_a_record_appended_to_a_full_disk_fails_naming_the_file_and_leaves_no_to
         append_lines(path, ['{"step": 1}\n'])
         filler = _fill(fs, leave=0)
         big = json.dumps({"step": 2, "pad": "x" * (256 << 10)}) + "\n"  # more than any page left over
-        with pytest.raises(OSError) as info:
+        with pytest.raises(OSError, match=r"no space left on device \(ENOSPC\)") as info:
             append_lines(path, [big, '{"step": 3}\n'])
         err = info.value
         assert err.errno == errno.ENOSPC and err.filename == str(path)

@@ -35,6 +35,8 @@ from worldloop.actor.generation import GenRequest
 from worldloop.common.contracts.config import ConfigError
 from worldloop.common.metrics import free_port
 from worldloop.common.contracts.modeling import load_policy
+from worldloop.testing.prompt_only import favour_prompt_only
+from worldloop.common.contracts.modeling import load_policy
 
 # one scenario on one server (a vLLM start takes minutes): the tests publish v1..v5 in turn and each
 # expects the versions before it, so they declare their order (kept under random order: conftest)
@@ -310,7 +312,7 @@ def test_a_server_of_another_model_is_refused_at_start(served, tmp_path, kind, w
     from worldloop.actor.server.client import ServerBackend
 
     local = _model_variant(served, tmp_path, kind)
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError, match=re.escape(words)) as e:
         ServerBackend([served.url], local, max_image_side=SIDE, max_model_len=MAX_LEN)
     assert e.value.key == "actor.servers" and served.url in e.value.reason and words in e.value.reason
 
@@ -424,3 +426,25 @@ def test_a_server_behind_on_versions_is_skipped(served) -> None:
     finally:
         behind.shutdown()
         close.shutdown()
+
+
+def test_prompt_only_tokens_are_never_sampled(served, backend, tmp_path) -> None:
+    """The server loads the weights of a model that, unmasked, samples <|vision_pad|> or
+    <|video_pad|> almost every time (test_hf_backend.py): it never does, and its log-probs are the
+    masked distribution's, as the learner computes them."""
+    fav_dir, favoured = favour_prompt_only(served.model, tmp_path / "fav")
+    model = load_policy(fav_dir, dtype="float32")
+    v = max(served.info()["version"], 5) + 1  # above every version published so far (5 was rejected)
+    served.publisher.publish({k: t for k, t in model.state_dict().items() if k != "lm_head.weight"}, v, wait=True)
+    served.wait_version(v)
+    codec = backend.codec
+    assert set(favoured) < set(codec.prompt_only_ids)
+    reqs = _requests(codec)
+    keyed = [GenRequest(r.prompt_ids, r.images, sample_key=21 + i) for i, r in enumerate(reqs)]
+    for rq, t, seed in ((reqs, 0.9, 5), (keyed, 0.9, None), (reqs, 0.0, None)):
+        results = backend.generate(rq, temperature=t, top_p=0.95, max_new_tokens=12, seed=seed)
+        assert [r.version for r in results] == [v] * len(rq)
+        for req, res in zip(rq, results):
+            assert res.response_ids and not set(res.response_ids) & set(codec.prompt_only_ids), res.response_ids
+            ref = _recomputed(model, codec, req, res.response_ids, t or 1.0)  # masked_ids: the learner's
+            assert torch.allclose(torch.tensor(res.logprobs), ref, atol=2e-4), (t, res.logprobs, ref)

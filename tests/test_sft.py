@@ -115,7 +115,7 @@ def test_demonstrations_follow_the_actor_layout(codec: ChatCodec) -> None:
         assert all(len(t.images) == 1 for t in d.turns)
     batch = collate([build_sequence(d) for d in demos], codec)  # consistent image tokens, or it raises
     assert int(batch["response_mask"].sum()) == sum(len(t.response_ids) for d in demos for t in d.turns)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="needs at least one env spec"):
         make_demonstrations([], 1, 0, codec, 1)
 
 
@@ -145,9 +145,9 @@ def test_sft_in_place_and_bad_arguments(tmp_path: Path, codec: ChatCodec) -> Non
     stats = run_sft(path, demos, epochs=1, lr=1e-3, batch_size=2)
     assert stats["loss_after"] < stats["loss_before"]
     assert _sha(path / "model.safetensors") != first
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="needs at least one demonstration"):
         run_sft(path, [], epochs=1, lr=1e-3, batch_size=1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="lr > 0"):
         run_sft(path, demos, epochs=1, lr=0.0, batch_size=1)
 
 
@@ -205,7 +205,7 @@ def test_concise_demonstrations_are_shorter_and_still_solve(codec: ChatCodec, wo
         assert p.success == f.success and [t.actions for t in p.turns] == [t.actions for t in f.turns]
         for t in p.turns:
             assert t.format_ok and t.reasoning == ",".join(t.actions)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="style must be 'expert' or 'concise', got 'terse'"):
         make_demonstrations([spec], 1, 0, codec, 1, style="terse")
 
 
@@ -215,10 +215,10 @@ def test_demonstration_seeds_must_not_overlap_rl_or_eval_seeds() -> None:
     cfg = load_config("configs/tiny-sokoban.yaml")
     demo = range(cfg.sft.seed_start, cfg.sft.seed_start + cfg.sft.episodes + 8)
     assert not set(demo) & set(range(cfg.actor.seed_start, min(cfg.actor.seed_end, cfg.actor.seed_start + 10**6)))
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError, match="overlap the RL seeds") as e:
         load_config("configs/tiny-sokoban.yaml", ["sft.seed_start=0"])
     assert e.value.key == "sft.seed_start" and "RL seeds" in e.value.reason
-    with pytest.raises(ConfigError) as e:  # the last probe seed touches the first held-out seed
+    with pytest.raises(ConfigError, match="overlap the held-out eval seeds") as e:  # the last probe seed touches the first held-out seed
         load_config("configs/tiny-sokoban.yaml", [f"sft.seed_start={cfg.eval.seed_start - cfg.sft.episodes - 7}"])
     assert e.value.key == "sft.seed_start" and "eval seeds" in e.value.reason
     load_config("configs/tiny-sokoban.yaml", [f"sft.seed_start={cfg.eval.seed_start - cfg.sft.episodes - 8}"])

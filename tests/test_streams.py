@@ -188,7 +188,7 @@ def test_producer_blocks_at_backlog_and_resumes_when_drained(redis_url: str) -> 
     wait_for(blocked, "the producer to block at the backlog limit", 120, extra=lambda: f"added {added}")
     assert added == list(range(limit)) and t.is_alive()
     assert connect(redis_url).xlen(stream) == limit
-    with pytest.raises(TimeoutError):  # a second producer with a timeout gives up, adding nothing
+    with pytest.raises(TimeoutError, match="stayed at its backlog limit 5"):  # a second producer with a timeout gives up, adding nothing
         StreamProducer(redis_url, stream, max_backlog=limit).add(b"late", timeout=0.05)
 
     first = cons.read(3)  # delivered entries no longer count: the producer resumes
@@ -248,9 +248,9 @@ def test_redis_restart_mid_stream(persist: bool) -> None:
 
 def test_password_and_acl_urls() -> None:
     with LocalRedis(password="s3cret") as srv:
-        with pytest.raises(redis.AuthenticationError):
+        with pytest.raises(redis.AuthenticationError, match="(?i)authenticat"):
             connect(f"redis://127.0.0.1:{srv.port}/0").ping()
-        with pytest.raises(redis.AuthenticationError):
+        with pytest.raises(redis.AuthenticationError, match="invalid username-password pair"):
             connect(f"redis://:wrong@127.0.0.1:{srv.port}/0").ping()
         acl_url = f"redis://default:s3cret@127.0.0.1:{srv.port}/0"
         assert connect(acl_url).ping()
@@ -270,10 +270,10 @@ def test_password_from_the_environment_for_a_url_without_one(monkeypatch) -> Non
         prod = StreamProducer(plain, "t:envauth", max_backlog=10)  # through the reconnecting link too
         prod.add(b"hi")
         assert [m.payload for m in StreamConsumer(plain, "t:envauth", "g", "c", block_ms=100).read(1)] == [b"hi"]
-        with pytest.raises(redis.AuthenticationError):  # a password in the URL wins over the environment
+        with pytest.raises(redis.AuthenticationError, match="invalid username-password pair"):  # a password in the URL wins over the environment
             connect(f"redis://:wrong@127.0.0.1:{srv.port}/0").ping()
         monkeypatch.setenv("WORLDLOOP_REDIS_PASSWORD", "")  # empty: no password
-        with pytest.raises(redis.AuthenticationError):
+        with pytest.raises(redis.AuthenticationError, match="(?i)authenticat"):
             connect(plain).ping()
 
 
@@ -309,10 +309,10 @@ def test_rediss_url_uses_tls_and_bad_scheme_is_rejected() -> None:
 
 
 def test_bad_arguments_are_refused(redis_url: str) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="max_backlog must be >= 1, got 0"):
         StreamProducer(redis_url, "t:x", max_backlog=0)
     prod = StreamProducer(redis_url, "t:x", max_backlog=10)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="payload must be bytes, got str"):
         prod.add("text, not bytes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="data"):
         prod.add(b"x", fields={"data": b"y"})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -129,12 +130,15 @@ def test_custom_corpus_shapes_the_vocabulary(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs",
-    [{"arch": "llama"}, {"vocab_size": 100}, {"max_image_side": 100}, {"max_image_side": 0},
-     {"copy_pretrain_steps": -1}],
+    "kwargs,why",
+    [({"arch": "llama"}, "arch must be 'qwen2_5_vl' or 'qwen2', got 'llama'"),
+     ({"vocab_size": 100}, "vocab_size must be >= 270 (bytes + special tokens), got 100"),
+     ({"max_image_side": 100}, "max_image_side must be a positive multiple of 28, got 100"),
+     ({"max_image_side": 0}, "max_image_side must be a positive multiple of 28, got 0"),
+     ({"copy_pretrain_steps": -1}, "copy_pretrain_steps must be an int >= 0, got -1")],
 )
-def test_bad_arguments_raise(tmp_path: Path, kwargs: dict) -> None:
-    with pytest.raises(ValueError):
+def test_bad_arguments_raise(tmp_path: Path, kwargs: dict, why: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(why)):
         make_tiny_model(tmp_path / "bad", **kwargs)
     assert not (tmp_path / "bad").exists()
 

@@ -20,6 +20,7 @@ from worldloop.actor.generation import GenerationBackend, GenRequest, WeightUpda
 from worldloop.common.contracts.config import Config
 from worldloop.common.contracts.modeling import load_policy
 from test_hf_backend import _recomputed, _requests  # the same requests and reference
+from worldloop.testing.prompt_only import favour_prompt_only
 from ci import require_import
 
 # one in-process engine shared by the module (vLLM allows one per process): the tests declare their
@@ -156,15 +157,16 @@ def test_weight_reload_changes_output_and_version(backend, vl_dir, policy) -> No
 
     # final norm weight 0 -> hidden state 0 -> every logit 0: greedy takes the first id, which is
     # <|endoftext|> (an EOS), so the response is that one token, not truncated, with log-prob
-    # log(1 / V) = -ln(V) for the V-row (padded) embedding table, e.g. -ln(2048) = -7.62462
+    # log(1 / (V - m)) for the V-row (padded) embedding table less the m = 6 prompt-only tokens that
+    # are masked, e.g. -ln(2048 - 6) = -ln(2042) = -7.62168
     flat = dict(noisy, **{"model.language_model.norm.weight": torch.zeros_like(original["model.language_model.norm.weight"])})
     backend.update_weights(flat, version=6)
     eot = backend.codec.tokenizer.convert_tokens_to_ids("<|endoftext|>")
     vocab = original["model.language_model.embed_tokens.weight"].shape[0]
-    assert eot == 0 and vocab % 64 == 0
+    assert eot == 0 and vocab % 64 == 0 and len(backend.codec.prompt_only_ids) == 6
     for res in backend.generate(reqs, temperature=0.0, top_p=1.0, max_new_tokens=8):
         assert res.response_ids == [eot] and not res.truncated and res.text == ""
-        assert res.logprobs == pytest.approx([-math.log(vocab)], abs=1e-4)
+        assert res.logprobs == pytest.approx([-math.log(vocab - 6)], abs=1e-4)
 
     # back to the original weights: the original outputs come back
     backend.update_weights(original, version=7)
@@ -195,5 +197,30 @@ def test_make_backend_builds_vllm_from_config(backend, tmp_path_factory) -> None
         for r in res:
             ref = _recomputed(model, be.codec, req, r.response_ids, 1.0)
             assert torch.allclose(torch.tensor(r.logprobs), ref, atol=2e-4)
+    finally:
+        be.close()
+
+
+def test_prompt_only_tokens_are_never_sampled(backend, vl_dir, tmp_path) -> None:
+    """A model that, unmasked, samples <|vision_pad|> or <|video_pad|> almost every time (the same
+    as in test_hf_backend.py): the engine never does, and its log-probs are the masked
+    distribution's, as the learner computes them. Runs after the test above (one engine per
+    process): it closes the module's engine if that one is still open."""
+    from worldloop.actor.vllm_backend import VLLMBackend
+
+    backend.close()
+    fav_dir, favoured = favour_prompt_only(vl_dir, tmp_path / "fav")
+    be = VLLMBackend(fav_dir, max_model_len=1024, max_image_side=SIDE, dtype="float32")
+    try:
+        codec = be.codec
+        assert set(favoured) < set(codec.prompt_only_ids)
+        model = load_policy(fav_dir, dtype="float32")
+        reqs = _requests(codec)
+        keyed = [GenRequest(r.prompt_ids, r.images, sample_key=21 + i) for i, r in enumerate(reqs)]
+        for rq, t, seed in ((reqs, 0.9, 5), (keyed, 0.9, None), (reqs, 0.0, None)):
+            for req, res in zip(rq, be.generate(rq, temperature=t, top_p=0.95, max_new_tokens=12, seed=seed)):
+                assert res.response_ids and not set(res.response_ids) & set(codec.prompt_only_ids), res.response_ids
+                ref = _recomputed(model, codec, req, res.response_ids, t or 1.0)  # masked_ids: the learner's
+                assert torch.allclose(torch.tensor(res.logprobs), ref, atol=2e-4), (t, res.logprobs, ref)
     finally:
         be.close()

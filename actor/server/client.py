@@ -274,7 +274,8 @@ class ServerBackend:
                 raise ValueError(f"request {i}: prompt of {len(req.prompt_ids)} tokens leaves no room under "
                                  f"max_model_len {self.max_model_len}")
             bodies.append(self._body(i, req, sampling_kwargs(temperature, top_p, max_new_tokens,
-                                                              self.codec.eos_token_ids, req_seed)))
+                                                              self.codec.eos_token_ids, req_seed,
+                                                              self.codec.prompt_only_tokens)))
         return self._call(self._generate_all(requests, bodies))
 
     async def _generate_all(self, requests: list[GenRequest], bodies: list[dict]) -> list[GenResult]:

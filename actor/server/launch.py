@@ -18,7 +18,8 @@ engine: ``model.path``, ``model.dtype`` (``auto``: float32 on CPU, bfloat16 on G
 ``model.max_model_len``, ``actor.vllm_enforce_eager``, ``actor.vllm_gpu_memory_utilization``,
 ``actor.vllm_kv_cache_gib`` (1 GiB on CPU when null), ``run.seed``, the image limits and pixel
 bounds of a vision model, ``serve.tensor_parallel_size``, then ``serve.extra_args`` as they are;
-``--generation-config vllm`` keeps the model's ``generation_config.json`` out of sampling (every
+``--logprobs-mode processed_logprobs`` as the in-process engine (greedy log-probs after the
+prompt-only mask); ``--generation-config vllm`` keeps the model's ``generation_config.json`` out of sampling (every
 request sends all its sampling fields anyway). The worker extension
 (:mod:`worldloop.actor.server.extension`) and the middleware (:mod:`worldloop.actor.server.app`)
 are always added. The resolved config travels to the server's processes as JSON in
@@ -81,6 +82,7 @@ def serve_args(cfg: "Config", *, host: str, port: int, on_gpu: bool | None = Non
             "--gpu-memory-utilization", str(a.vllm_gpu_memory_utilization),
             "--tensor-parallel-size", str(cfg.serve.tensor_parallel_size),
             "--generation-config", "vllm", "--disable-uvicorn-access-log", "--enable-scale-out",
+            "--logprobs-mode", "processed_logprobs",  # as the in-process engine (vllm_backend.LOGPROBS_MODE)
             "--worker-extension-cls", EXTENSION, "--middleware", MIDDLEWARE]
     if a.vllm_enforce_eager:
         args.append("--enforce-eager")

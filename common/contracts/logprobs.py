@@ -4,11 +4,18 @@ Public API::
 
     MODEL_KEYS; model_inputs(batch, device, dtype) -> the model's keyword inputs of a collated batch
     token_logprobs(model, batch, temperature=1.0, chunk_size=512, return_entropy=False, only=None, fused=False,
-                   positions=None) -> (logprobs [B, L], entropy [B, L] | None)
-    linear_logprobs(hidden, head, targets, temperature=1.0, chunk_size=512, return_entropy=False, fused=False)
-        -> (logprobs [N], entropy [N] | None)          # hidden [N, H] -> head -> log-softmax at targets
-    full_linear_logprobs(hidden, head, targets, temperature=1.0) -> (logprobs [N], entropy [N])
+                   positions=None, masked_ids=None) -> (logprobs [B, L], entropy [B, L] | None)
+    linear_logprobs(hidden, head, targets, temperature=1.0, chunk_size=512, return_entropy=False, fused=False,
+                    masked_ids=None) -> (logprobs [N], entropy [N] | None)   # hidden [N, H] -> head -> log-softmax
+    full_linear_logprobs(hidden, head, targets, temperature=1.0, masked_ids=None) -> (logprobs [N], entropy [N])
         # the whole [N, V] logits at once: the reference the chunked path must equal (tests, bench)
+    mask_logits(logits, masked_ids) -> logits with MASKED_LOGIT at those token ids
+
+``masked_ids``: token ids no response may hold (``ChatCodec.prompt_only_ids``): the actors' backends
+never sample them (their logits are -inf there), so the log-probs and entropies here are those of
+the same masked distribution. A masked logit is :data:`MASKED_LOGIT` (-1e30), not -inf: its exp is
+exactly 0 in fp32 and bf16 as -inf's is, so every log-prob is the same, but ``0 * log 0`` in the
+entropy and its gradient stays 0 where ``0 * -inf`` is NaN.
 
 Why chunks
 ----------
@@ -48,6 +55,19 @@ import torch
 import torch.nn.functional as F
 
 MODEL_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids", "position_ids")
+MASKED_LOGIT = -1e30  # a masked token's logit (module docstring)
+
+
+def mask_logits(logits: torch.Tensor, masked_ids: torch.Tensor | None, inplace: bool = False) -> torch.Tensor:
+    """``logits`` [..., V] with :data:`MASKED_LOGIT` at the token ids ``masked_ids`` (a long tensor on
+    their device; None: unchanged), before any log-softmax: the one place the learner masks."""
+    if masked_ids is None or masked_ids.numel() == 0:
+        return logits
+    return logits.index_fill_(-1, masked_ids, MASKED_LOGIT) if inplace else logits.index_fill(-1, masked_ids, MASKED_LOGIT)
+
+
+def _ids(masked_ids, device) -> torch.Tensor | None:
+    return None if not masked_ids else torch.as_tensor(list(masked_ids), dtype=torch.long, device=device)
 
 
 def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -72,10 +92,11 @@ def _to(x: torch.Tensor, device: torch.device, non_blocking: bool) -> torch.Tens
 # --------------------------------------------------------------------------- the chunked function
 
 
-def _chunk_logp(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float):
+def _chunk_logp(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
+                masked: torch.Tensor | None = None):
     """fp32 log-softmax of one chunk's logits / T and its softmax: two [chunk, V] tensors, the logits
     reused in place (``torch.logsumexp`` would allocate a third, its exp, for the sum)."""
-    logp = F.linear(hidden, weight, bias).float()
+    logp = mask_logits(F.linear(hidden, weight, bias).float(), masked, inplace=True)
     if temperature != 1.0:
         logp.div_(temperature)
     logp.sub_(logp.amax(dim=-1, keepdim=True))
@@ -90,18 +111,19 @@ class ChunkedLinearLogprob(torch.autograd.Function):
     ``chunk`` rows at a time in both passes (module docstring). Entropy is 0 unless ``entropy``."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk: int, entropy: bool):
+    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk: int, entropy: bool, masked=None):
         n = hidden.shape[0]
         lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         ent = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         for s in range(0, n, chunk):
-            logp, p = _chunk_logp(hidden[s : s + chunk], weight, bias, temperature)
+            logp, p = _chunk_logp(hidden[s : s + chunk], weight, bias, temperature, masked)
             lp[s : s + chunk] = logp.gather(-1, targets[s : s + chunk, None]).squeeze(-1)
             if entropy:
                 ent[s : s + chunk] = -p.mul_(logp).sum(-1)  # in place: no third [chunk, V] tensor
             del logp, p
         ctx.save_for_backward(hidden, weight, bias, targets, ent)
         ctx.temperature, ctx.chunk, ctx.entropy = float(temperature), int(chunk), bool(entropy)
+        ctx.masked = masked
         return lp, ent
 
     @staticmethod
@@ -116,7 +138,7 @@ class ChunkedLinearLogprob(torch.autograd.Function):
         for s in range(0, hidden.shape[0], ctx.chunk):
             sl = slice(s, s + ctx.chunk)
             g = _chunk_grad_logits(hidden[sl], weight, bias, targets[sl], ent[sl], g_lp[sl],
-                                   g_ent[sl] if g_ent is not None else None, ctx.temperature)
+                                   g_ent[sl] if g_ent is not None else None, ctx.temperature, ctx.masked)
             if grad_h is not None:
                 grad_h[sl] = (g @ weight).to(hidden.dtype)
             if grad_w is not None:
@@ -124,13 +146,13 @@ class ChunkedLinearLogprob(torch.autograd.Function):
             if grad_b is not None:
                 grad_b += g.sum(0).to(bias.dtype)
             del g  # before the next chunk's logits: one chunk's tensors alive at a time
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
-def _chunk_grad_logits(hidden, weight, bias, targets, ent, g_lp, g_ent, temperature: float) -> torch.Tensor:
+def _chunk_grad_logits(hidden, weight, bias, targets, ent, g_lp, g_ent, temperature: float, masked=None) -> torch.Tensor:
     """d loss / d logits of one chunk, in the weight's dtype: ``g_lp * (onehot - p) / T`` plus
     ``g_ent * (-p * (log p + H)) / T``, built in place in the recomputed log-softmax and softmax."""
-    logp, p = _chunk_logp(hidden, weight, bias, temperature)
+    logp, p = _chunk_logp(hidden, weight, bias, temperature, masked)
     gl = g_lp[:, None]
     if g_ent is not None:
         grad_z = p.mul_(logp.add_(ent[:, None]).mul_(-g_ent[:, None]).sub_(gl))
@@ -151,19 +173,20 @@ def _partitioned(head: torch.nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in head.parameters())
 
 
-def _stats_of_call(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool):
-    logp = torch.log_softmax(head(hidden).float() / temperature, dim=-1)
+def _stats_of_call(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool,
+                   masked: torch.Tensor | None = None):
+    logp = torch.log_softmax(mask_logits(head(hidden).float(), masked) / temperature, dim=-1)
     lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     ent = -(logp.exp() * logp).sum(-1) if entropy else torch.zeros_like(lp)
     return lp, ent
 
 
-def _checkpointed_calls(head, hidden, targets, temperature: float, chunk: int, entropy: bool):
+def _checkpointed_calls(head, hidden, targets, temperature: float, chunk: int, entropy: bool, masked=None):
     """The ZeRO-3 path: ``head(chunk)`` under activation checkpointing, chunk by chunk."""
     grad = torch.is_grad_enabled() and hidden.requires_grad
     lps, ents = [], []
     for s in range(0, hidden.shape[0], chunk):
-        args = (head, hidden[s : s + chunk], targets[s : s + chunk], temperature, entropy)
+        args = (head, hidden[s : s + chunk], targets[s : s + chunk], temperature, entropy, masked)
         lp, ent = (torch.utils.checkpoint.checkpoint(_stats_of_call, *args, use_reentrant=False) if grad
                    else _stats_of_call(*args))
         lps.append(lp)
@@ -171,19 +194,25 @@ def _checkpointed_calls(head, hidden, targets, temperature: float, chunk: int, e
     return torch.cat(lps), torch.cat(ents)
 
 
-def _liger_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+def _liger_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float,
+                    masked: torch.Tensor | None = None) -> torch.Tensor:
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     scaled = hidden / temperature if temperature != 1.0 else hidden  # (h / T) W^T = (h W^T) / T
-    nll = liger_fused_linear_cross_entropy(scaled, head.weight, targets, bias=getattr(head, "bias", None), reduction="none")
+    bias = getattr(head, "bias", None)
+    if masked is not None:  # the mask as a bias: the fused kernel never shows us its logits
+        zeros = torch.zeros(head.weight.shape[0], dtype=head.weight.dtype, device=head.weight.device)
+        bias = mask_logits(zeros if bias is None else bias, masked)
+    nll = liger_fused_linear_cross_entropy(scaled, head.weight, targets, bias=bias, reduction="none")
     return -nll.float()
 
 
 def linear_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float = 1.0,
-                    chunk_size: int = 512, return_entropy: bool = False, fused: bool = False):
+                    chunk_size: int = 512, return_entropy: bool = False, fused: bool = False, masked_ids=None):
     """Log-probs (fp32, [N]) at ``targets`` [N] of ``log_softmax(head(hidden) / temperature)`` for
     ``hidden`` [N, H], and the entropies [N] when ``return_entropy`` (else None), never holding more
-    than ``chunk_size`` rows of logits (module docstring for the paths)."""
+    than ``chunk_size`` rows of logits (module docstring for the paths); ``masked_ids``: token ids
+    whose logits are masked first (module docstring)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size < 1:
@@ -191,20 +220,22 @@ def linear_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.
     if hidden.shape[0] == 0:
         zeros = hidden.new_zeros(0, dtype=torch.float32)
         return zeros, (zeros.clone() if return_entropy else None)
+    masked = _ids(masked_ids, hidden.device)
     if _partitioned(head):
-        lp, ent = _checkpointed_calls(head, hidden, targets, float(temperature), chunk_size, return_entropy)
+        lp, ent = _checkpointed_calls(head, hidden, targets, float(temperature), chunk_size, return_entropy, masked)
         return lp, (ent if return_entropy else None)
     if fused and not return_entropy:
-        return _liger_logprobs(hidden, head, targets, float(temperature)), None
+        return _liger_logprobs(hidden, head, targets, float(temperature), masked), None
     lp, ent = ChunkedLinearLogprob.apply(hidden, head.weight, getattr(head, "bias", None), targets, float(temperature),
-                                         int(chunk_size), bool(return_entropy))
+                                         int(chunk_size), bool(return_entropy), masked)
     return lp, (ent if return_entropy else None)
 
 
 def full_linear_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor,
-                         temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                         temperature: float = 1.0, masked_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The unchunked computation: the whole [N, V] fp32 logits, log-softmax and entropy at once."""
-    logp = torch.log_softmax(head(hidden).float() / temperature, dim=-1)
+    logits = mask_logits(head(hidden).float(), _ids(masked_ids, hidden.device))
+    logp = torch.log_softmax(logits / temperature, dim=-1)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
 
@@ -229,6 +260,7 @@ def token_logprobs(
     only: torch.Tensor | None = None,
     fused: bool = False,
     positions: tuple[torch.Tensor, torch.Tensor] | None = None,
+    masked_ids=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-position log p(token_i | tokens < i) under ``logits / temperature`` (position 0 -> 0).
 
@@ -240,10 +272,11 @@ def token_logprobs(
     position comes out 0. The learner wants the generated tokens only, a tenth of a multi-turn
     episode's tokens, and the head and log-softmax over the vocabulary are the larger part of a
     small model's forward. ``fused``: Liger's fused linear cross entropy for the log-probs when no
-    entropy is asked for (a GPU with liger-kernel). Values at padded positions are meaningless;
-    mask them with the batch's masks. ``positions``: ``(rows, cols)`` of ``only[:, 1:]``'s nonzero
-    entries, computed ahead on the host (learner/microbatch.py), so that no device ``nonzero``
-    waits for the GPU.
+    entropy is asked for (a GPU with liger-kernel). ``masked_ids``: token ids no response may hold
+    (``ChatCodec.prompt_only_ids``), masked out of every distribution as the actors mask them.
+    Values at padded positions are meaningless; mask them with the batch's masks. ``positions``:
+    ``(rows, cols)`` of ``only[:, 1:]``'s nonzero entries, computed ahead on the host
+    (learner/microbatch.py), so that no device ``nonzero`` waits for the GPU.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -261,7 +294,7 @@ def token_logprobs(
             positions = (only[:, 1:] != 0).nonzero(as_tuple=True)
         rows, cols = (x.to(hidden.device, non_blocking=True) for x in positions)
         flat_h, flat_t = hidden[rows, cols], ids[rows, cols + 1]
-    lp, ent = linear_logprobs(flat_h, head, flat_t, temperature, chunk_size, return_entropy, fused)
+    lp, ent = linear_logprobs(flat_h, head, flat_t, temperature, chunk_size, return_entropy, fused, masked_ids)
 
     def place(values: torch.Tensor) -> torch.Tensor:
         if only is None:

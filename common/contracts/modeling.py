@@ -11,11 +11,13 @@ Public API::
         .vision_inputs(images: list[bytes]) -> dict             # pixel_values, image_grid_thw
         .decode(ids, skip_special_tokens=True) -> str
         .eos_token_ids, .pad_token_id, .image_token_id, .im_end_id, .is_vision, .tokenizer
+        .prompt_only_tokens, .prompt_only_ids                   # special tokens no response may hold
     load_policy(model_dir, dtype="auto", device="cpu") -> torch.nn.Module
     freeze_vision_tower(model) -> int                          # requires_grad False on the vision tower
     build_sequence(traj: dict) -> SequenceLayout
     collate(layouts, codec, pad_to_multiple=8) -> dict[str, Tensor]
-    token_logprobs(model, batch, temperature=1.0, chunk_size=512, return_entropy=False, only=None, fused=False)
+    token_logprobs(model, batch, temperature=1.0, chunk_size=512, return_entropy=False, only=None, fused=False,
+                   masked_ids=None)
         -> (logprobs [B, L], entropy [B, L] | None)     # from worldloop.common.contracts.logprobs (chunked LM head)
     model_inputs(batch, device, dtype) -> dict          # from worldloop.common.contracts.logprobs
 
@@ -48,6 +50,19 @@ Log-prob convention (shared with the actors' backends)
 The behaviour log-prob of a sampled token is ``log_softmax(logits / temperature)[token]`` of the
 full distribution, *without* top-p renormalisation; ``token_logprobs`` computes the same quantity
 for every position (position i: log p(token_i | tokens < i); position 0 gets 0).
+
+Prompt-only tokens
+------------------
+``ChatCodec.prompt_only_ids`` are the special tokens that only the prompt may carry
+(:data:`PROMPT_ONLY_TOKENS` that the tokenizer has): ``<|im_start|>``, which the chat template
+writes, and the image tokens an ``<image>`` placeholder becomes (``<|vision_start|>``,
+``<|image_pad|>``, ``<|vision_end|>``, and Qwen's ``<|vision_pad|>``, ``<|video_pad|>``). A response
+holding one cannot be trained (the learner places images by these tokens) or forges a turn, and
+an untrained model samples them often: its tied embeddings make the hidden state after a prompt
+that is mostly ``<|image_pad|>`` lean towards ``<|image_pad|>`` itself. So every backend forbids
+them (their logits are -inf before sampling and in the reported log-probs), and the learner
+computes its log-probs and entropies under the same mask (``token_logprobs(masked_ids=...)``):
+the behaviour and the training distributions are the same distribution.
 """
 
 from __future__ import annotations
@@ -74,6 +89,10 @@ TEMPORAL_PATCH = 2
 DEFAULT_SYSTEM = "You are a helpful assistant."  # the chat template's system turn when none is given
 
 IMAGE_PLACEHOLDER = "<image>"
+# special tokens only a prompt may carry (module docstring, "Prompt-only tokens"); those the
+# tokenizer lacks are left out, except the three image tokens, which every ChatCodec needs
+PROMPT_ONLY_TOKENS = ("<|im_start|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
+                      "<|video_pad|>")
 _FACTOR = PATCH * MERGE  # 28: image sides are multiples of this
 MAX_DECODED_PIXELS = 4096 * 4096  # a PNG from the network larger than this is refused
 
@@ -165,6 +184,9 @@ class ChatCodec:
         self.vision_end_id = self._special_id("<|vision_end|>")
         self.eos_token_ids: list[int] = [self.im_end_id, self.endoftext_id]
         self.pad_token_id: int = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.endoftext_id
+        vocab = self.tokenizer.get_vocab()
+        self.prompt_only_tokens: tuple[str, ...] = tuple(t for t in PROMPT_ONLY_TOKENS if t in vocab)
+        self.prompt_only_ids: tuple[int, ...] = tuple(sorted(self._special_id(t) for t in self.prompt_only_tokens))
         self._processor = None
 
     def _special_id(self, token: str) -> int:

@@ -195,7 +195,7 @@ def _decode(decoder: msgspec.msgpack.Decoder, data: bytes, expected_tag: str) ->
     skips an unknown field's value) and for a payload that is not bytes."""
     try:
         return decoder.decode(data)
-    except msgspec.MsgspecError as e:
+    except (msgspec.MsgspecError, UnicodeDecodeError) as e:
         raise _schema_error(e, expected_tag) from None
     except RecursionError:
         raise SchemaError(f"payload is not a {expected_tag} message: nested deeper than the decoder allows "

@@ -190,7 +190,7 @@ def _batches(demos: Sequence[Trajectory], batch_size: int, order: Iterable[int])
 def _batch_loss(model: torch.nn.Module, demos: list[Trajectory], codec: ChatCodec) -> tuple[torch.Tensor, int]:
     """Mean negative log-likelihood of the response tokens of ``demos``, and their count."""
     batch = collate([build_sequence(d) for d in demos], codec)
-    lp, _ = token_logprobs(model, batch, only=batch["response_mask"])
+    lp, _ = token_logprobs(model, batch, only=batch["response_mask"], masked_ids=codec.prompt_only_ids)
     mask = batch["response_mask"].to(lp.device)
     n = int(mask.sum())
     return -(lp * mask).sum() / max(n, 1), n

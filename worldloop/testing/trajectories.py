@@ -69,7 +69,8 @@ def synthetic_trajectory(
     if len(versions) != turns:
         raise ValueError(f"{len(versions)} policy versions for {turns} turns")
     rng = np.random.default_rng(seed)
-    vocab, first_plain = len(codec.tokenizer), max(codec.image_token_id, codec.vision_end_id, codec.im_end_id) + 1
+    # plain tokens come after every special one (prompt-only tokens are never sampled by an actor)
+    vocab, first_plain = len(codec.tokenizer), max(*codec.prompt_only_ids, codec.im_end_id) + 1
     context: list[int] = []
     images_so_far: list[bytes] = []
     out_turns: list[Turn] = []
@@ -147,7 +148,8 @@ def behaviour_logprobs_from(model, codec: ChatCodec, temperature: float) -> Call
         layout = SequenceLayout(ids, zeros, zeros, torch.full((len(ids),), -1), zeros, torch.full((len(ids),), -1),
                                 [0], [(len(context), len(ids))], list(images))
         with torch.no_grad():
-            lp, _ = token_logprobs(model, collate([layout], codec), temperature=temperature)
+            lp, _ = token_logprobs(model, collate([layout], codec), temperature=temperature,
+                                   masked_ids=codec.prompt_only_ids)
         return lp[0, len(context) : len(ids)].tolist()
 
     return score
