@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 OUT=${OUT:-/tmp/gpu-learner-out}
 mkdir -p "$OUT"
-BUDGET_S=${BUDGET_S:-450}
+BUDGET_S=${BUDGET_S:-480}
 START=$(date +%s)
 PY=${PY:-python3}
 log() { echo "[gpu_learner $(( $(date +%s) - START ))s] $*" | tee -a "$OUT/summary.txt"; }
@@ -60,6 +60,14 @@ if [ "$CUDA" = "1" ]; then
   bench 3b-zero2 --size 3b --engines zero2 --packing on,off "${S[@]}"
   # ZeRO-2 with the vision tower trained: the memory model's setting (offload_optimizer cpu)
   bench 3b-zero2-vision --size 3b --engines zero2 --train-vision --offload cpu --packing on "${S[@]}"
+  # issue 41: weight versions of a 0.5B-shape model on this machine's CPUs (real AdamW steps, bf16)
+  rest=$(left)
+  if [ "$rest" -gt 100 ]; then
+    log "run weights-0.5b: bench/weights.py --sizes 0.5b --lrs 1e-6,1e-5 --steps 2"
+    timeout 150 $PY bench/weights.py --sizes 0.5b --lrs 1e-6,1e-5 --steps 2 > "$OUT/weights-0.5b.log" 2>&1
+    log "weights-0.5b exit $?"
+    grep -v "^\[\|Warning\|warn" "$OUT/weights-0.5b.log" | tail -8 >> "$OUT/tables.md"
+  fi
   bench 0.5b --size 0.5b --engines torch,zero2 --packing on,off "${S[@]}"
 else
   log "no CUDA: CPU smoke of the same steps on the tiny model (not a measurement)"

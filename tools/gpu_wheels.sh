@@ -16,6 +16,6 @@ DS_BUILD_OPS=0 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$OUT" de
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$OUT" \
     hjson pydantic==2.14.4 pydantic_core==2.50.5 annotated-types typing-inspection \
     redis==8.1.0 pyzmq==27.3.0 msgspec==0.22.0 crc32c==2.9.post0 gymnasium==1.4.0 farama-notifications \
-    liger-kernel==0.8.5
+    liger-kernel==0.8.5 zstandard==0.25.0
 ls -la "$OUT"
 du -sh "$OUT"
