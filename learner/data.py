@@ -41,14 +41,17 @@ Redis reports one). The learner's consumer does not reclaim idle entries (all of
 pending entries are its own, held on purpose); a restart re-reads them. An entry read by
 ``redis.max_deliveries`` learner processes in a row that each died before a checkpoint held its
 fate is dead-lettered as ``poison`` instead of being trained again; whatever the learner
-dead-letters gives its admission budget back. Only a death *while processing* the entry counts:
+dead-letters gives its admission budget back. Only a failure *of the entry's making* counts:
 ``{ns}:learner:inflight`` names the entries being decided (from their read to their fate) and
 the batch being trained (from :meth:`ScoredSource.collect` to :meth:`ScoredSource.trained`,
-right after the update); a restart counts one more delivery against those alone. Entries a
-dying learner merely held (trained, waiting for the checkpoint; buffered) come back uncounted, so
-a crash loop elsewhere (loading, publishing, a full disk at the checkpoint, kill -9 while idle)
-never turns good data into poison; the batch in training when the process dies is counted, as
-that batch may be what killed it.
+right after the update), and when deciding or training them raises an error that is not the
+machine's (Redis, the lease, host or CUDA memory, the disk: ``learner.data.entries_fault``),
+the learner blames them (:meth:`ScoredSource.blame`) before it exits; the next process counts
+one more delivery against the blamed entries alone. A learner killed from outside (kill -9, the
+OOM killer, a power loss, a supervisor's restart loop) blames nothing, and entries a dying
+learner merely held come back uncounted: restarts alone never turn good data into poison. The
+price: an entry that kills the process natively (a segfault in a kernel) is never counted; the
+supervisor's restart limit stops that loop, and the log names the entries in flight.
 
 Dedup window
 ------------
@@ -320,6 +323,11 @@ class ScoredSource:
         self.consumer.processing([it.entry_id for it in out])  # to be trained: until trained()
         return out
 
+    def blame(self) -> int:
+        """Deciding or training the entries in flight raised, and the failure is theirs: the next
+        learner process counts a delivery against each (:meth:`StreamConsumer.blame`)."""
+        return self.consumer.blame()
+
     def trained(self, items: list[Item]) -> None:
         """The update on ``items`` went through: a crash from now on counts no delivery against them
         (rank 0 calls it right after the update, before publishing and checkpointing)."""
@@ -348,11 +356,11 @@ class ScoredSource:
             self.admission.release([tid], refund=False)
             return
         if m.deliveries > self.max_deliveries:
-            # max_deliveries learner processes died while deciding or training it: a poison entry,
-            # not trained again (refunded by the hook)
+            # max_deliveries learner processes failed deciding or training it (blamed): a poison
+            # entry, not trained again (refunded by the hook)
             self._m_dropped.labels(reason="poison").inc()
             self.consumer.deadletter(m, f"learner: trajectory {tid} was read {m.deliveries} times: {m.deliveries - 1} "
-                                     "learner processes died while deciding or training it "
+                                     "learner processes failed deciding or training it "
                                      f"(redis.max_deliveries={self.max_deliveries})", "poison")
             self._lose(traj.group_id)
             return
@@ -511,3 +519,16 @@ def decode_batch(data: bytes) -> tuple[bool, list[Trajectory]]:
     """Rank 0's payload, decoded into structs (rank 0 validated every trajectory already)."""
     msg = _BATCH.decode(data)
     return msg.stop, msg.trajectories
+
+
+def entries_fault(e: BaseException, *also_machine: type) -> bool:
+    """Whether a failure while deciding or training is the entries' (a strike against each) rather than
+    the machine's: Redis, memory (host or CUDA), the disk, and ``also_machine`` (the lease) are never
+    the entries' fault."""
+    import torch
+
+    from worldloop.common.transport.redis_link import Fenced, RedisUnreachable, WriteRefused
+
+    machine = (redis.exceptions.RedisError, RedisUnreachable, WriteRefused, Fenced, MemoryError, OSError,
+               torch.OutOfMemoryError, *also_machine)
+    return isinstance(e, Exception) and not isinstance(e, machine)

@@ -73,7 +73,7 @@ from worldloop.common.transport.streams import RedisLink
 from worldloop.common.versions import write_versions
 from worldloop.learner import checkpoint
 from worldloop.learner.data import (DedupWindow, ScoredSource, check_pending_fits, decode_batch, encode_batch,
-                                    whole_group_fraction)
+                                    entries_fault, whole_group_fraction)
 from worldloop.learner.engine import (DistInfo, all_reduce_sum, barrier, broadcast_bytes, build_models, gather_policy_weights,
                                       init_distributed)
 from worldloop.learner.rewards import anneal_max_turns
@@ -263,16 +263,20 @@ class Learner:
         """One update; None when a stop was requested (or, multi-rank, no batch came in time)."""
         t_start = time.perf_counter()
         self.proc.set_phase(f"waiting for {self.t.train_batch_size} scored trajectories", step=self.step_no)
-        items, trajs, stop = self._next_batch()
-        if stop:
-            self.stop_requested = True
-            return None
-        if not trajs:
-            return None
-        wait_s = time.perf_counter() - t_start
-        before = self.version
-        self.proc.set_phase(f"training step {self.step_no + 1}")
-        stats = self.trainer.update(trajs, self.step_no)
+        try:
+            items, trajs, stop = self._next_batch()
+            if stop:
+                self.stop_requested = True
+                return None
+            if not trajs:
+                return None
+            wait_s = time.perf_counter() - t_start
+            before = self.version
+            self.proc.set_phase(f"training step {self.step_no + 1}")
+            stats = self.trainer.update(trajs, self.step_no)
+        except Exception as e:
+            self._blame_entries(e)
+            raise
         if self.dist.is_main:
             self.source.trained(items)  # a crash from here on is no strike against these entries
         self.step_no += 1
@@ -491,6 +495,17 @@ class Learner:
         if self.dist.world_size > 1:
             late = all_reduce_sum([late], self.dist)[0]
         return late > 0
+
+    def _blame_entries(self, e: Exception) -> None:
+        """Deciding or training the entries in flight raised: when the failure is theirs (not Redis's,
+        the lease's, the memory's or the disk's), the next learner counts a delivery against each
+        (``redis.max_deliveries`` of them dead-letter it as poison). A learner killed from outside
+        blames nothing (docs/architecture.md "Learner: reading, batches, checkpoint-then-ack")."""
+        if not self.dist.is_main or self.source is None or not entries_fault(e):
+            return
+        n = self.source.blame()
+        log.error("deciding or training failed (%s: %s): the %d entries in flight are blamed, one delivery each "
+                  "at the next start", type(e).__name__, e, n)
 
     def run_loop(self) -> int:
         started = time.monotonic()

@@ -435,9 +435,10 @@ def test_whole_groups_needs_batches_of_whole_groups_only_for_grpo():
 
 
 def test_an_entry_read_by_max_deliveries_learners_that_died_is_dead_lettered_and_refunded(redis_url, codec):
-    """A poison entry for the learner: every learner process that reads it dies before a checkpoint
-    (a crash in training). The restarts re-read it; past redis.max_deliveries it is dead-lettered
-    as poison with its admission budget given back, instead of killing the next learner too."""
+    """A poison entry for the learner: every learner process that reads it fails on it before a
+    checkpoint (training raises: Learner.step blames the batch, then exits). The restarts re-read
+    it; past redis.max_deliveries it is dead-lettered as poison with its admission budget given
+    back, instead of failing the next learner too."""
     from worldloop.common.transport.admission import Admission
 
     cfg = _cfg(redis_url)
@@ -448,10 +449,13 @@ def test_an_entry_read_by_max_deliveries_learners_that_died_is_dead_lettered_and
     adm.settle("x0")
     StreamProducer(redis_url, keys.scored, 100).add(encode_trajectory(_traj(codec, "x0")))
     v = _Versions()
-    assert [it.trajectory_id for it in _source(cfg, codec, v).collect(1, lambda: False)] == ["x0"]  # dies
+    first = _source(cfg, codec, v)
+    assert [it.trajectory_id for it in first.collect(1, lambda: False)] == ["x0"]
+    assert first.blame() == 1  # its update raised on x0: blamed, then the process dies
     second = _source(cfg, codec, v)
     second.recover()
-    assert [it.trajectory_id for it in second.collect(1, lambda: False)] == ["x0"]  # delivery 2: dies too
+    assert [it.trajectory_id for it in second.collect(1, lambda: False)] == ["x0"]  # delivery 2: fails too
+    assert second.blame() == 1
     third = _source(cfg, codec, v)
     third.recover()
     assert third.collect(1, lambda: False, max_wait_s=0.5) == []

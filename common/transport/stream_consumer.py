@@ -71,21 +71,29 @@ if ARGV[5] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[5], 1) end
 return 1
 """
 
-# KEYS: stream, in-flight set; ARGV: group, consumer. Counts one more delivery (XCLAIM RETRYCOUNT)
-# of each entry in the set that is still pending for the consumer (it was being processed when the
-# consumer's process died), then empties the set; returns how many were counted. One script: a
-# crash between the count and the clearing cannot count twice.
+# KEYS: stream, in-flight set, blamed set; ARGV: group, consumer. Counts one more delivery (XCLAIM
+# RETRYCOUNT) of each entry in the blamed set that is still pending for the consumer (its processing
+# raised in the consumer's previous process), then empties both sets; returns how many were counted.
+# One script: a crash between the count and the clearing cannot count twice.
 STRIKE_LUA = """
 local n = 0
-for _, id in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[3])) do
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1, ARGV[2])
   if #p > 0 then
     redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'RETRYCOUNT', p[1][4] + 1, 'JUSTID')
     n = n + 1
   end
 end
-redis.call('DEL', KEYS[2])
+redis.call('DEL', KEYS[2], KEYS[3])
 return n
+"""
+
+# KEYS: in-flight set, blamed set. The entries in flight move to the blamed set (their processing
+# raised): the next read_own_pending counts a delivery against each.
+BLAME_LUA = """
+redis.call('SUNIONSTORE', KEYS[2], KEYS[2], KEYS[1])
+redis.call('DEL', KEYS[1])
+return redis.call('SCARD', KEYS[2])
 """
 
 # the head of an oversized payload that its dead-letter record keeps
@@ -154,6 +162,9 @@ class StreamConsumer:
         self._ack_script = self._link.register_script(ACK_LUA)
         self._deadletter_script = self._link.register_script(DEADLETTER_LUA)
         self._strike_script = self._link.register_script(STRIKE_LUA)
+        self._blame_script = self._link.register_script(BLAME_LUA)
+        # the entries whose processing raised (:meth:`blame`); same hash tag as inflight_key
+        self.blamed_key = None if inflight_key is None else inflight_key + ":blamed"
         self._claim_cursor = "0-0"
         self._m = {
             "consumed": metric("worldloop_stream_consumed_messages").labels(stream=stream),
@@ -195,16 +206,17 @@ class StreamConsumer:
         dead-letter stream, ones deleted while pending are acked and skipped.
 
         Reading them counts no delivery (XPENDING + XRANGE, never XREADGROUP, which would count
-        one for each): only the entries in ``inflight_key`` (being processed when the previous
-        process died) get one more (:data:`STRIKE_LUA`), so :attr:`Message.deliveries` is 1 plus
-        the number of processes that died while processing the entry. Without ``inflight_key``
-        nothing is counted."""
+        one for each): only the entries :meth:`blame` named (their processing raised in the previous
+        process) get one more (:data:`STRIKE_LUA`), so :attr:`Message.deliveries` is 1 plus the
+        number of processes whose processing of the entry raised. A process killed from outside
+        (kill -9, the OOM killer, a power loss, a restart loop) blames nothing: restarts alone never
+        make good data poison. Without ``inflight_key`` nothing is counted."""
         if self.inflight_key is not None:
             struck = int(self._link.call(lambda r: self._strike_script(
-                keys=[self.stream, self.inflight_key], args=[self.group, self.consumer], client=r)))
+                keys=[self.stream, self.inflight_key, self.blamed_key], args=[self.group, self.consumer], client=r)))
             if struck:
-                log.warning("stream %s: %d entries were being processed when %s's previous process died: one "
-                            "more delivery counted against each", self.stream, struck, self.consumer)
+                log.warning("stream %s: %d entries were being processed when %s's previous process failed on them: "
+                            "one more delivery counted against each", self.stream, struck, self.consumer)
         cursor, out = "-", []
         while True:
             rows = self._link.call(lambda r: r.xpending_range(self.stream, self.group, min=cursor, max="+", count=page,
@@ -217,11 +229,25 @@ class StreamConsumer:
             out += self._decode_all(entries, counts, reclaimed=True)
 
     def processing(self, ids: Iterable[str]) -> None:
-        """Record (in ``inflight_key``) that this consumer works on ``ids`` now: should its process
-        die before :meth:`processed`, the next :meth:`read_own_pending` counts a delivery of each."""
+        """Record (in ``inflight_key``) that this consumer works on ``ids`` now: should its processing
+        raise before :meth:`processed` (:meth:`blame`), the next :meth:`read_own_pending` counts a
+        delivery of each."""
         ids = list(ids)
         if ids and self.inflight_key is not None:
             self._link.call(lambda r: r.sadd(self.inflight_key, *ids))
+
+    def blame(self) -> int:
+        """The processing of the entries in flight raised (an exception of the entry's making, not of
+        Redis, the disk or the memory): move them to the blamed set, so that the next process's
+        :meth:`read_own_pending` counts a delivery against each; returns how many are blamed. A
+        failure to reach Redis here is logged and blames nothing."""
+        if self.inflight_key is None:
+            return 0
+        try:
+            return int(self._link.call(lambda r: self._blame_script(keys=[self.inflight_key, self.blamed_key], client=r)))
+        except Exception as e:  # noqa: BLE001 -- the process is failing already; the original error matters
+            log.warning("stream %s: could not blame the entries in flight (%s)", self.stream, e)
+            return 0
 
     def processed(self, ids: Iterable[str]) -> None:
         """The work on ``ids`` is over (done, or its outcome recorded): a crash from now on counts
