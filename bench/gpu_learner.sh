@@ -32,8 +32,8 @@ for f in "$ROOT"/worldloop/*; do ln -s "$f" "$SRC/"; done
 for d in common actor judge learner envs configs deploy; do ln -sfn "$ROOT/$d" "$SRC/$d"; done
 export PYTHONPATH=/tmp/wl_src:/tmp/site:${PYTHONPATH:-}
 export TORCH_CUDA_ARCH_LIST=9.0 TORCH_EXTENSIONS_DIR=/tmp/torch_ext PYTHONUNBUFFERED=1
-$PY -c "import torch, transformers, deepspeed, worldloop.learner.microbatch as m; print('torch', torch.__version__, \
-'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__, 'cuda', torch.cuda.is_available())" \
+(cd /tmp && $PY -c "import torch, transformers, deepspeed, worldloop.learner.microbatch as m; print('torch', torch.__version__, \
+'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__, 'cuda', torch.cuda.is_available())") \
   2>&1 | tee -a "$OUT/summary.txt" | tail -1
 
 VARIANT_S=${VARIANT_S:-$([ "$CUDA" = "1" ] && echo 80 || echo 300)}  # a loaded 2-core CPU needs longer
@@ -60,6 +60,7 @@ if [ "$CUDA" = "1" ]; then
   bench 3b-zero2 --size 3b --engines zero2 --packing on,off "${S[@]}"
   # ZeRO-2 with the vision tower trained: the memory model's setting (offload_optimizer cpu)
   bench 3b-zero2-vision --size 3b --engines zero2 --train-vision --offload cpu --packing on "${S[@]}"
+  [ "${SKIP_WEIGHTS:-0}" = "1" ] || {
   # issue 41: weight versions of a 0.5B-shape model on this machine's CPUs (real AdamW steps, bf16)
   rest=$(left)
   if [ "$rest" -gt 100 ]; then
@@ -68,6 +69,7 @@ if [ "$CUDA" = "1" ]; then
     log "weights-0.5b exit $?"
     grep -v "^\[\|Warning\|warn" "$OUT/weights-0.5b.log" | tail -8 >> "$OUT/tables.md"
   fi
+  }
   bench 0.5b --size 0.5b --engines torch,zero2 --packing on,off "${S[@]}"
 else
   log "no CUDA: CPU smoke of the same steps on the tiny model (not a measurement)"
@@ -75,4 +77,6 @@ else
     --steps 1 --lengths varied --micro-tokens auto
 fi
 log "done in $(( $(date +%s) - START ))s; tables in $OUT/tables.md"
+# few files come back from a lent machine: the raw logs and JSON rows go into one archive
+(cd "$OUT" && tar czf raw.tgz --remove-files $(ls *.json *.log 2>/dev/null) 2>/dev/null)
 cat "$OUT/tables.md" 2>/dev/null

@@ -71,7 +71,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+try:  # an installed worldloop (editable, or the GPU script's source tree on PYTHONPATH) comes first
+    import worldloop.common  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
