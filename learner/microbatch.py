@@ -19,7 +19,7 @@ Two layouts (``trainer.packing``)
 *Padded* (``packing: false``): a micro-batch is ``len(rows)`` rows, each right-padded to the
 longest (rounded up to ``pad_to``), with an attention mask. Its cost is rows x longest.
 
-*Packed* (``packing: true``, the default): a micro-batch is ONE row, the whole trajectories laid
+*Packed* (``packing: true``; the default is padded, docs/benchmarks.md "Learner"): a micro-batch is ONE row, the whole trajectories laid
 end to end (each trajectory's real tokens only) and right-padded once to a multiple of
 ``pad_to``; no attention mask. What keeps the trajectories apart:
 

@@ -33,7 +33,7 @@ An iteration, for this rank's contiguous slice of the global batch:
    aggregate whatever the padding or rank split. The critic's loss is always the token mean.
 
 Micro-batches (step 2 and 4; planned and laid out by ``worldloop.learner.microbatch``):
-``trainer.packing`` true (the default) packs whole trajectories end to end into one row per
+``trainer.packing`` true (off by default) packs whole trajectories end to end into one row per
 micro-batch, position ids restarting at each trajectory (Qwen2.5-VL's M-RoPE ids computed per
 trajectory), no padding but the last ``pad_to_multiple`` rounding, attention kept within each
 trajectory (transformers' packed-sequence masks: block-diagonal under SDPA, ``cu_seqlens`` under
