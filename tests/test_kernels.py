@@ -164,7 +164,7 @@ def test_fused_linear_log_probs_match_the_chunked_function(dtype):
 def test_the_start_up_line_says_why_liger_is_off_and_which_checkpointing():
     from worldloop.learner.kernels import kernel_report
 
-    cfg = config_from_dict({"trainer": {"liger": "auto", "activation_checkpointing": "selective"}})
+    cfg = config_from_dict({"trainer": {"liger": "auto", "activation_checkpointing": "selective", "packing": True}})
     line = kernel_report(cfg, torch.device("cpu"), False)
     assert "Liger off: the learner runs on cpu" in line and "activation checkpointing selective" in line
     assert "packed rows" in line
