@@ -63,7 +63,8 @@ def test_up_with_a_server_backend_survives_a_killed_server(tmp_path, redis_url):
         "model": {"path": str(model), "make_tiny_if_missing": False, "max_image_side": SIDE, "max_model_len": 1024,
                   "dtype": "float32"},
         "actor": {
-            "backend": "server", "num_envs": 4, "max_turns": 2, "max_new_tokens": 24, "n_samples_per_seed": 2,
+            # 64 tokens a turn: requests stay in flight long enough for the test to find one on a fast machine
+            "backend": "server", "num_envs": 4, "max_turns": 2, "max_new_tokens": 64, "n_samples_per_seed": 2,
             "envs": [{"id": "worldloop/FrozenLake-v0",
                       "kwargs": {"size": 3, "min_actions_to_succeed": 2, "render_mode": "vision",
                                  "prompt_format": "grounding_worldmodeling"}}],
