@@ -197,6 +197,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a TCP socket can bind ``host``:``port`` right now (a hint: another process may take it next)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 _WILDCARDS = frozenset({"", "0.0.0.0", "::", "[::]", "*"})
 
 

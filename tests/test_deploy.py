@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from worldloop.common.metrics import CATALOG, exported_names
 from worldloop.common.contracts.keys import Keys
-from worldloop.common.metrics import CATALOG, exported_names, free_port
+from worldloop.common.metrics import CATALOG, exported_names, free_port, port_is_free
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -225,15 +224,6 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def _free_prefixes(counts: dict[str, int]) -> dict[str, str]:
     """A distinct two-digit port prefix P for each program, with P00 .. P(n-1) free now. supervisord
     numbers a program's processes P00, P01, ..., so no OS-given port fits them; prefixes 11..32 give
@@ -242,7 +232,7 @@ def _free_prefixes(counts: dict[str, int]) -> dict[str, str]:
     out: dict[str, str] = {}
     candidates = iter(range(11, 33))
     for name, n in counts.items():
-        out[name] = next((str(p) for p in candidates if all(_bindable(p * 100 + i) for i in range(n))), "")
+        out[name] = next((str(p) for p in candidates if all(port_is_free(p * 100 + i) for i in range(n))), "")
         assert out[name], f"no two-digit port prefix with {n} free ports for {name}"
     return out
 
@@ -254,7 +244,7 @@ def test_free_prefixes_skip_a_range_where_something_listens() -> None:
         held.listen(1)
         got = _free_prefixes({"a": 2, "b": 1})
     assert got["a"] != first and got["a"] != got["b"]
-    assert all(_bindable(int(p) * 100 + i) for p, n in ((got["a"], 2), (got["b"], 1)) for i in range(n))
+    assert all(port_is_free(int(p) * 100 + i) for p, n in ((got["a"], 2), (got["b"], 1)) for i in range(n))
 
 
 @pytest.mark.slow

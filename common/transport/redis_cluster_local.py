@@ -12,25 +12,15 @@ replicas took over and the cluster says ``cluster_state:ok`` again.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from worldloop.common.metrics import free_port
+from worldloop.common.metrics import free_port, port_is_free
 from worldloop.common.transport.redis_local import find_redis_server
 
 _BUS_OFFSET = 10000
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def _node_ports(n: int) -> list[int]:
@@ -38,7 +28,7 @@ def _node_ports(n: int) -> list[int]:
     ports: list[int] = []
     while len(ports) < n:
         p = free_port()
-        if p + _BUS_OFFSET < 65536 and p not in ports and _port_free(p + _BUS_OFFSET):
+        if p + _BUS_OFFSET < 65536 and p not in ports and port_is_free(p + _BUS_OFFSET):
             ports.append(p)
     return ports
 
