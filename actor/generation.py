@@ -7,7 +7,7 @@ Public API::
     GenRequest(prompt_ids: list[int], images: list[bytes], sample_key=None, session=None)
         # whole context so far + all its PNGs; sample_key: the request's own random stream;
         # session: the episode it belongs to (a server backend keeps an episode on one server)
-    GenResult(response_ids, logprobs, text, truncated, version=None, error=None)
+    GenResult(response_ids, logprobs, text, truncated, version=None, error=None, token_versions=None)
         # truncated: hit max_new_tokens w/o EOS; version: the weights that produced it when the
         # backend knows per response (servers), None = the backend's .version at the call;
         # error: this request failed for good (its episode is dropped), the other fields empty
@@ -73,6 +73,9 @@ class GenResult:
     truncated: bool
     version: int | None = None  # the weight version that produced it (None: the backend's .version)
     error: str | None = None  # set when the request failed for good (server backend): drop its episode
+    # per response token, the version that sampled it, when the tokens came from more than one
+    # (a server that loaded a version mid-request, actor.weight_update=interrupt); version = the oldest
+    token_versions: list[int] | None = None
 
 
 @runtime_checkable

@@ -59,6 +59,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from worldloop.actor.backends import make_backend
 from worldloop.actor.generation import GenerationBackend, WeightUpdateError
+from worldloop.actor.episodes import EpisodeEngine
 from worldloop.actor.rollout import EpisodeSpec, RolloutEngine, Sampling, SeedSchedule, StepReport
 from worldloop.common.transport.admission import Admission
 from worldloop.common.exposure import warn_plain_weights
@@ -132,8 +133,15 @@ class Actor:
         self.weights = weights
         self.actor_id = actor_id
         self.stop = proc.stop
-        self.engine = RolloutEngine(backend, sampling=Sampling(a.temperature, a.top_p, a.max_new_tokens),
-                                    max_model_len=cfg.model.max_model_len, actor_id=actor_id)
+        sampling = Sampling(a.temperature, a.top_p, a.max_new_tokens)
+        if a.loop == "episode":
+            self.engine: RolloutEngine = EpisodeEngine(
+                backend, sampling=sampling, max_model_len=cfg.model.max_model_len, actor_id=actor_id,
+                batch_wait_s=a.batch_wait_ms / 1000.0, env_timeout_s=a.env_timeout_s, env_workers=a.num_envs,
+                min_version=self._oldest_allowed)
+        else:
+            self.engine = RolloutEngine(backend, sampling=sampling, max_model_len=cfg.model.max_model_len,
+                                        actor_id=actor_id)
         self.schedule = SeedSchedule(a.envs, a.n_samples_per_seed, a.seed_start, a.seed_end, cfg.run.seed, actor_id)
         self.control = proc.control
         self.admission = admission
@@ -145,6 +153,7 @@ class Actor:
         self._learner_seen: int | None = None  # the control record's version at the last look
         self._applied_at = time.time()  # wall time the current weights were applied
         self.produced_log = ProducedLog.from_env()
+        self._busy_seen = 0.0  # the engine's busy seconds already counted
         metric("worldloop_actor_policy_version").set(backend.version)
 
     # ------------------------------------------------------------------ loop
@@ -158,6 +167,7 @@ class Actor:
                     log.info("control record says stopped: actor %s exits", self.actor_id)
                     break
                 self._apply_weights()
+                self.engine.hold(state == "paused")
                 if state == "paused":
                     metric("worldloop_actor_paused").set(1)
                     self.stop.wait(PAUSE_POLL_S)
@@ -216,7 +226,8 @@ class Actor:
             return
         version, tensors = got
         try:
-            self.backend.update_weights(tensors, version)
+            with self.engine.paused_generation():  # between two batched calls (per-episode loop)
+                self.backend.update_weights(tensors, version)
         except WeightUpdateError as e:
             metric("worldloop_actor_weight_update_failures").labels(reason="rejected").inc()
             log.error("weights v%d do not fit the model (%s); keeping v%d", version, e, self.backend.version)
@@ -226,6 +237,10 @@ class Actor:
         metric("worldloop_actor_policy_version").set(version)
         metric("worldloop_actor_policy_lag_versions").set(int(self.control["policy_version"]) - version)
         log.info("applied weights v%d", version)
+
+    def _oldest_allowed(self) -> int:
+        """The oldest version a response may come from: the learner's minus trainer.max_staleness."""
+        return int(self.control["policy_version"]) - int(self.cfg.trainer.max_staleness)
 
     def _fill(self) -> bool:
         """Start episodes up to ``num_envs``; False when the admission budget held some back."""
@@ -260,6 +275,11 @@ class Actor:
         if report.generate_seconds:
             metric("worldloop_actor_generate_seconds").observe(report.generate_seconds)
         metric("worldloop_actor_generated_tokens").inc(report.generated_tokens)
+        if report.stale_refusals:
+            metric("worldloop_actor_stale_refusals").inc(report.stale_refusals)
+        busy = self.engine.busy_seconds()
+        metric("worldloop_actor_generation_busy_seconds").inc(max(0.0, busy - self._busy_seen))
+        self._busy_seen = busy
         metric("worldloop_actor_prompt_tokens").inc(report.prompt_tokens)
         for name, n in report.turns.items():
             metric("worldloop_actor_turns").labels(env=name).inc(n)

@@ -11,8 +11,6 @@ Public API::
         .step() -> StepReport                   # one batched generation for all live episodes
         .live -> int, .pending_reports -> int, .close()
     StepReport(finished, generated_tokens, prompt_tokens, generate_seconds, turns, format_errors)
-    play_episodes(backend, specs, *, concurrency=8, sampling=Sampling(), max_model_len=4096,
-                  actor_id="local", sample_seed=None, codec=None, keyed_sampling=False) -> list[Trajectory]
     episode_sample_key(sample_seed, spec, turn) -> int  # the key of one turn's generation (keyed sampling)
     SeedSchedule(envs, n_samples_per_seed, seed_start, seed_end, run_seed, actor_id)
         .next(max_turns) -> EpisodeSpec         # groups of n_samples_per_seed specs share a group_id
@@ -27,10 +25,11 @@ evaluated on the same seeds use the same noise, so their paired comparison is no
 sampling luck. The actors' training rollouts keep one stream per call: the members of a GRPO group
 share env and seed and must sample independently.
 
-``play_episodes`` plays a given list of episodes to completion (``concurrency`` at a time) and
-returns one :class:`~worldloop.common.contracts.schemas.Trajectory` per spec, in the specs' order: what ``worldloop eval`` builds on.
-The actor process (:mod:`worldloop.actor.process`) drives a :class:`RolloutEngine` itself so that it can
-apply weights and control between generations.
+This is the lockstep engine (``actor.loop: lockstep``): every live episode in one batched call per
+turn. The default per-episode loop (:mod:`worldloop.actor.episodes`) subclasses it and keeps every
+rule below; ``worldloop.actor.episodes.play_episodes`` plays a given list of episodes with either
+(what ``worldloop eval`` builds on). The actor process (:mod:`worldloop.actor.process`) drives an
+engine itself so that it can apply weights and control between generations.
 
 One turn of an episode
 ----------------------
@@ -69,11 +68,12 @@ its generation failed for good (``"server_error"``: the server backend found no 
 within ``actor.server_retry_s``; dropped too). Each trajectory carries ``end_reason``. Episodes
 with ``end_reason`` env_error or server_error, or that ended before their first generation, have
 no turns: the actor drops them (``encode_trajectory`` refuses an empty ``turns``);
-:func:`play_episodes` returns them with ``turns == []`` so that a caller can count them.
+``play_episodes`` returns them with ``turns == []`` so that a caller can count them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import random
@@ -91,7 +91,7 @@ from worldloop.envs.base import observation_parts
 
 log = logging.getLogger(__name__)
 
-END_REASONS = ("done", "max_turns", "context", "vision_token", "env_error", "server_error")
+END_REASONS = ("done", "max_turns", "context", "vision_token", "env_error", "server_error", "env_timeout", "stale")
 
 
 def env_name(env_id: str) -> str:
@@ -133,6 +133,7 @@ class StepReport:
     generate_seconds: float = 0.0
     turns: dict[str, int] = field(default_factory=dict)  # env name -> turns played
     format_errors: dict[str, int] = field(default_factory=dict)
+    stale_refusals: int = 0  # responses older than the staleness bound, generated again (actor/episodes.py)
 
 
 class _Episode:
@@ -154,13 +155,18 @@ class _Episode:
         self.trajectory_id = spec.trajectory_id or uuid.uuid4().hex
         self.group_id = spec.group_id or uuid.uuid4().hex
         self.actor_id = actor_id
+        # the per-episode loop's bookkeeping (actor/episodes.py): env | gen | ended, since when
+        self.phase = "env"
+        self.since = 0.0
+        self.stale_tries = 0
+        self.timed_out = False
 
     def message(self) -> Trajectory:
         spec = self.spec
         return Trajectory(schema=TRAJECTORY_SCHEMA, trajectory_id=self.trajectory_id, group_id=self.group_id,
                           env_id=spec.env_id, env_name=spec.name, env_kwargs=dict(spec.env_kwargs), seed=int(spec.seed),
                           actor_id=self.actor_id, created_at=time.time(), prompt_format=self.prompt_format,
-                          max_turns=int(spec.max_turns), turns=self.turns, success=bool(self.success), scored=False,
+                          max_turns=int(spec.max_turns), turns=list(self.turns), success=bool(self.success), scored=False,
                           end_reason=self.end_reason)
 
 
@@ -205,6 +211,7 @@ class RolloutEngine:
         self._episodes: list[_Episode] = []
         self._done: list[Trajectory] = []  # ended outside step() (at start): reported by the next step()
         self._calls = 0
+        self._busy_s = 0.0  # seconds inside generate calls
 
     @property
     def live(self) -> int:
@@ -225,6 +232,18 @@ class RolloutEngine:
         live; its trajectory (no turns) is reported by the next :meth:`step`.
         """
         ep = _Episode(spec, self.actor_id)
+        self._open(ep)
+        if ep.end_reason is not None:
+            self._end(ep)
+            self._done.append(ep.message())
+        else:
+            self._episodes.append(ep)
+        return ep.trajectory_id
+
+    def _open(self, ep: _Episode) -> None:
+        """Make and reset the episode's env and encode its first observation (or end it: env
+        error, no turn allowed, first observation too long)."""
+        spec = ep.spec
         try:
             ep.env = self.make_env(spec.env_id, **spec.env_kwargs)
             obs, info = ep.env.reset(seed=int(spec.seed))
@@ -238,12 +257,6 @@ class RolloutEngine:
                 self._encode_next(ep, obs)
         except Exception:
             self._env_error(ep, "reset")
-        if ep.end_reason is not None:
-            self._end(ep)
-            self._done.append(ep.message())
-        else:
-            self._episodes.append(ep)
-        return ep.trajectory_id
 
     def _encode_next(self, ep: _Episode, obs: Any) -> None:
         """Encode the next turn's observation; end the episode when it would overflow the context."""
@@ -302,6 +315,7 @@ class RolloutEngine:
         results = self.backend.generate(requests, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
                                         max_new_tokens=self.sampling.max_new_tokens, seed=seed)
         report.generate_seconds += time.perf_counter() - t0
+        self._busy_s += time.perf_counter() - t0
         report.prompt_tokens += sum(len(r.prompt_ids) for r in requests)
         for ep, res in zip(batch, results):
             report.generated_tokens += len(res.response_ids)
@@ -380,6 +394,17 @@ class RolloutEngine:
                     ep.spec.seed, res.error)
         return True
 
+    def busy_seconds(self) -> float:
+        """Seconds with a generation in flight (lockstep: inside the batched calls)."""
+        return self._busy_s
+
+    def hold(self, on: bool) -> None:
+        """Lockstep: nothing to hold (no generation runs unless :meth:`step` is called)."""
+
+    def paused_generation(self) -> contextlib.AbstractContextManager:
+        """Lockstep: generation runs only inside :meth:`step`, so weights may change at any other time."""
+        return contextlib.nullcontext()
+
     def close(self) -> None:
         """Abandon every live episode (their envs are closed; nothing is returned)."""
         for ep in self._episodes:
@@ -387,7 +412,7 @@ class RolloutEngine:
         self._episodes = []
 
 
-# --------------------------------------------------------------------------- playing a list
+# --------------------------------------------------------------------------- keyed sampling
 
 
 def episode_sample_key(sample_seed: int | None, spec: EpisodeSpec, turn: int) -> int:
@@ -395,42 +420,6 @@ def episode_sample_key(sample_seed: int | None, spec: EpisodeSpec, turn: int) ->
     run's sample seed, the env's name, the episode's seed and the turn."""
     text = f"{0 if sample_seed is None else int(sample_seed)}:{spec.name}:{int(spec.seed)}:{int(turn)}"
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
-
-
-def play_episodes(
-    backend: GenerationBackend,
-    specs: Sequence[EpisodeSpec],
-    *,
-    concurrency: int = 8,
-    sampling: Sampling = Sampling(),
-    max_model_len: int = 4096,
-    actor_id: str = "local",
-    sample_seed: int | None = None,
-    codec: ChatCodec | None = None,
-    keyed_sampling: bool = False,
-) -> list[Trajectory]:
-    """Play every spec to its end, ``concurrency`` episodes per batched generation.
-
-    Returns one :class:`Trajectory` per spec, in the order of ``specs`` (``turns == []`` for an
-    episode that ended before its first generation: see the module docstring).
-    """
-    if concurrency < 1:
-        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-    engine = RolloutEngine(backend, sampling=sampling, max_model_len=max_model_len, actor_id=actor_id,
-                           codec=codec, sample_seed=sample_seed, keyed_sampling=keyed_sampling)
-    index: dict[str, int] = {}  # trajectory id -> position in specs
-    out: list[Trajectory | None] = [None] * len(specs)
-    queue = list(enumerate(specs))
-    try:
-        while queue or engine.live or engine.pending_reports:
-            while queue and engine.live < concurrency:
-                i, spec = queue.pop(0)
-                index[engine.start(spec)] = i
-            for traj in engine.step().finished:
-                out[index[traj.trajectory_id]] = traj
-    finally:
-        engine.close()
-    return [t for t in out if t is not None]
 
 
 # --------------------------------------------------------------------------- training seeds

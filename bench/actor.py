@@ -4,7 +4,7 @@ and a vLLM inference server (``actor.backend: server``).
     python bench/actor.py [--episodes 16] [--concurrency 8] [--max-turns 3] [--max-new-tokens 64]
 
 All three play the same FrozenLake episodes (vision mode, one image per turn) through
-``worldloop.actor.rollout.play_episodes`` with the embedded tiny Qwen2.5-VL model, seeded sampling
+``worldloop.actor.episodes.play_episodes`` with the embedded tiny Qwen2.5-VL model, seeded sampling
 at temperature 0.7 / top-p 0.95, one after the other (never two engines at once). The server is
 a ``worldloop serve`` process on this machine (same dtype, context and KV-cache size as the
 in-process engine), reached over loopback HTTP; its start-up is not timed. The table gives
@@ -36,7 +36,8 @@ def _model(path: Path) -> Path:
 
 
 def _play(backend, args) -> tuple[float, int, int]:
-    from worldloop.actor.rollout import EpisodeSpec, Sampling, play_episodes
+    from worldloop.actor.episodes import play_episodes
+    from worldloop.actor.rollout import EpisodeSpec, Sampling
 
     kw = {"size": 4, "is_slippery": False, "render_mode": "vision", "image_size": 112}
     sampling = Sampling(0.7, 0.95, args.max_new_tokens)
@@ -50,19 +51,20 @@ def _play(backend, args) -> tuple[float, int, int]:
     return seconds, len(trajs), tokens
 
 
-def _serve(model: Path, tmp: Path) -> tuple[str, subprocess.Popen]:
-    """A ``worldloop serve`` for ``model`` on a free port, once it answers ready."""
+def _serve(model: Path, tmp: Path, name: str = "serve", **sections: dict) -> tuple[str, subprocess.Popen]:
+    """A ``worldloop serve`` for ``model`` on a free port, once it answers ready; ``sections`` are
+    more config sections (default: no weight channel), ``name`` names its config and log files."""
     import yaml
 
     from worldloop.common.metrics import free_port
 
-    cfg = tmp / "serve.yaml"
+    cfg = tmp / f"{name}.yaml"
     cfg.write_text(yaml.safe_dump({"model": {"path": str(model), "dtype": "float32", "max_model_len": 4096,
                                              "max_image_side": 112},
-                                   "weights": {"pub_port": 0, "fetch_port": 0}}))
+                                   "weights": {"pub_port": 0, "fetch_port": 0}, **sections}))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with open(tmp / "serve.log", "wb") as log:
+    with open(tmp / f"{name}.log", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "worldloop", "serve", "--config", str(cfg), "--port", str(port)],
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
     deadline = time.monotonic() + 900
@@ -75,7 +77,7 @@ def _serve(model: Path, tmp: Path) -> tuple[str, subprocess.Popen]:
             pass
         time.sleep(1.0)
     _stop(proc)
-    raise RuntimeError(f"the inference server did not start; see {tmp / 'serve.log'}")
+    raise RuntimeError(f"the inference server did not start; see {tmp / f'{name}.log'}")
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -93,6 +93,10 @@ CATALOG: dict[str, Spec] = {
     "worldloop_actor_dropped_episodes": Spec("counter", "Ended episodes not pushed (no complete turn)", ("env", "reason")),
     "worldloop_actor_weight_update_failures": Spec("counter", "Weight versions that failed to fetch or apply", ("reason",)),
     "worldloop_actor_paused": Spec("gauge", "1 while the control record pauses this actor"),
+    "worldloop_actor_stale_refusals": Spec("counter", "Responses refused because their oldest token is older than "
+                                           "the staleness bound (the turn is generated again)"),
+    "worldloop_actor_generation_busy_seconds": Spec("counter", "Seconds with at least one generation request in "
+                                                    "flight (1 - rate = the share of time generation sat idle)"),
     "worldloop_actor_server_retries": Spec(
         "counter", "Generation requests sent again (server_failed: its inference server failed; mixed_versions: "
         "tokens from two weight versions)", ("reason",)),

@@ -409,8 +409,10 @@ def test_episodes_that_end_before_their_first_turn_give_their_admission_back(vl_
     try:
         wait_for(lambda: admission().get("refunded", 0) >= 6, "three budgets' worth of refunds", 120, extra=context)
         got = admission()
-        # never more outstanding than the budget (a group of 2 fits it exactly); nothing pushed
-        assert got["admitted"] <= 2 and r.zcard(keys.admission_leases) <= 2, context()
+        # never more outstanding than the budget allows: 2, or 3 when a group passes a starving bound
+        # (admission.py: fewer than a batch admitted, here 1 after one member's refund, lets a group of
+        # 2 through); the per-episode loop reports a group's members one by one; nothing pushed
+        assert got["admitted"] <= 3 and r.zcard(keys.admission_leases) <= 3, context()
         assert r.xlen(keys.scored) == 0
         assert _sample("worldloop_actor_dropped_episodes_total", {"env": "frozenlake", "reason": "context"}) - dropped >= 6
     finally:

@@ -9,11 +9,8 @@ from msgspec.structs import asdict
 
 from worldloop import envs  # noqa: F401  (registers the env ids)
 from worldloop.actor.hf_backend import HFBackend
-from worldloop.actor.rollout import (EpisodeSpec, RolloutEngine, Sampling, SeedSchedule, env_name, episode_sample_key,
-                                     play_episodes)
-from worldloop.common.contracts.config import EnvSpec
-from worldloop.common.contracts.schemas import Trajectory, decode_trajectory, encode_trajectory
-from worldloop.bootstrap.tiny_model import make_tiny_model
+from worldloop.actor.episodes import play_episodes
+from worldloop.actor.rollout import EpisodeSpec, RolloutEngine, Sampling, SeedSchedule, env_name, episode_sample_key
 from worldloop.common.contracts.config import EnvSpec
 from worldloop.common.contracts.schemas import Trajectory, decode_trajectory, encode_trajectory
 from worldloop.envs.grid.frozenlake import FrozenLakeEnv

@@ -2,8 +2,9 @@
 
 The server follows a real weight channel with CURVE keys; the tests publish versions into it and
 check what the backend gets back: log-probs equal to the learner-side recomputation (the
-in-process backend's tolerance), every version loaded and each response labelled with the one
-version that produced it (also when a version lands while requests run), a rejected set that
+in-process backend's tolerance), every version loaded and each response labelled with the
+version that produced it (a version landing while requests run goes into them at once, each
+token labelled: ``actor.weight_update: interrupt``), the per-episode loop, a rejected set that
 leaves the old weights, servers of another model refused at start with the reason, and requests
 that a failing server drops sent again elsewhere (or given up after ``retry_s``). The server is
 started once: vLLM's start-up is the expensive part.
@@ -36,7 +37,6 @@ from worldloop.common.contracts.config import ConfigError
 from worldloop.common.metrics import free_port
 from worldloop.common.contracts.modeling import load_policy
 from worldloop.testing.prompt_only import favour_prompt_only
-from worldloop.common.contracts.modeling import load_policy
 
 # one scenario on one server (a vLLM start takes minutes): the tests publish v1..v5 in turn and each
 # expects the versions before it, so they declare their order (kept under random order: conftest)
@@ -231,36 +231,68 @@ def test_every_published_version_is_loaded_and_labels_its_responses(served, back
     assert all(f"applied weights v{v} " in log for v in (1, 2, 3)), log[-3000:]
 
 
-def test_a_version_landing_while_requests_run_labels_each_response_with_one_version(served, backend, policy) -> None:
-    from prometheus_client import REGISTRY
+def test_per_episode_loop_on_the_server_plays_what_lockstep_plays(served, backend) -> None:
+    """actor.loop=episode sends one request per episode turn (ServerBackend.submit); with keyed
+    sampling the episodes equal lockstep's, token for token, and keep the server's version."""
+    from worldloop import envs  # noqa: F401  (registers the env ids)
+    from worldloop.actor.episodes import play_episodes
+    from worldloop.actor.rollout import EpisodeSpec, Sampling
+
+    kw = {"size": 3, "is_slippery": False, "render_mode": "vision", "image_size": 56, "add_example": False}
+    specs = [EpisodeSpec("worldloop/FrozenLake-v0", s, kw, max_turns=2) for s in (1, 2, 3, 4)]
+    play = dict(concurrency=4, sampling=Sampling(0.7, 0.95, 16), max_model_len=MAX_LEN, sample_seed=5, keyed_sampling=True)
+    version = served.info()["version"]  # no version is published during this test
+    lockstep = play_episodes(backend, specs, **play)
+    episode = play_episodes(backend, specs, loop="episode", **play)
+    assert [t.seed for t in episode] == [1, 2, 3, 4]
+    for a, b in zip(lockstep, episode):
+        assert [t.response_ids for t in a.turns] == [t.response_ids for t in b.turns]
+        assert all(t.policy_version == version for t in b.turns)
+    assert sum(len(t.turns) for t in episode) >= 4
+
+
+def test_a_version_landing_while_requests_run_goes_into_them_at_once(served, backend, policy) -> None:
+    """actor.weight_update=interrupt (the served config's default): a version loads without waiting
+    for the requests in flight. A response that spans it carries each token's version; its tokens
+    before the switch have the old weights' log-probs, those after the new weights' over the same
+    context (the KV was recomputed)."""
+    from worldloop.actor.server.client import ServerBackend
 
     codec = backend.codec
-    reqs = [GenRequest(r.prompt_ids, r.images, session=f"s{i}") for i, r in enumerate(_requests(codec) * 2)]
+    mixed_ok = ServerBackend([served.url], served.model, max_image_side=SIDE, max_model_len=MAX_LEN, max_lag=2,
+                             mixed_versions=True)
+    reqs = [GenRequest(r.prompt_ids, r.images, session=f"s{i}") for i, r in enumerate(_requests(codec) * 4)]
     old, new = _noisy(policy, 3), _noisy(policy, 4)
     first: list = []
-    later: list = []
-    gen = lambda out, n: threading.Thread(target=lambda: out.extend(
-        backend.generate(reqs, temperature=1.0, top_p=1.0, max_new_tokens=n, seed=1)))
-    mixed = lambda: REGISTRY.get_sample_value("worldloop_actor_server_retries_total", {"reason": "mixed_versions"}) or 0.0
-    before = mixed()
-    a = gen(first, 900)  # long responses: still running when v4 lands
-    a.start()
-    wait_for(lambda: served.info()["requests"] > 0, "requests on the server", 60, [served.child])
-    served.publisher.publish(new, 4, wait=True)
-    b = gen(later, 8)  # sent while the load drains the first batch: waits for v4 or runs before it
-    b.start()
-    for t in (a, b):
-        t.join(timeout=600)
-    assert not a.is_alive() and not b.is_alive() and len(first) == len(later) == len(reqs)
+    try:
+        a = threading.Thread(target=lambda: first.extend(  # long responses: running when v4 lands
+            mixed_ok.generate(reqs, temperature=1.0, top_p=1.0, max_new_tokens=900, seed=1)))
+        a.start()
+        # published while requests decode (a random model ends some early on an EOS; 900 tokens keep others going)
+        wait_for(lambda: served.info()["requests"] >= 4, "requests on the server", 60, [served.child])
+        served.publisher.publish(new, 4, wait=True)
+        a.join(timeout=600)
+        assert not a.is_alive() and len(first) == len(reqs)
+    finally:
+        mixed_ok.close()
     served.wait_version(4)
-    # the load waited for the requests in flight: each response comes from one version, and its
-    # log-probs are that version's all along (weights swapped mid-response would break them)
     models = {3: _moved(served.model, old), 4: _moved(served.model, new)}
-    assert 3 in {r.version for r in first} and max(len(r.response_ids) for r in first) > 100
-    assert mixed() == before  # no response held two versions (none was generated again)
-    for req, res in zip(reqs + reqs, first + later):
-        assert res.version in models
-        _assert_logprobs(models[res.version], codec, [req], [res], 1.0)
+    spanning = [(req, res) for req, res in zip(reqs, first) if res.token_versions is not None]
+    assert spanning, [(r.version, len(r.response_ids)) for r in first]  # the load did not wait for them
+    for req, res in spanning:
+        versions = res.token_versions
+        assert len(versions) == len(res.response_ids) and res.version == versions[0] == 3 and versions[-1] == 4
+        k = versions.index(4)
+        assert versions == [3] * k + [4] * (len(versions) - k)
+        vision = {codec.image_token_id, codec.vision_start_id, codec.vision_end_id}
+        n = next((i for i, t in enumerate(res.response_ids) if t in vision), len(res.response_ids))
+        for version, lo, hi in ((3, 0, min(k, n)), (4, k, n)):
+            if hi > lo:
+                ref = _recomputed(models[version], codec, req, res.response_ids[:n], 1.0)
+                assert torch.allclose(torch.tensor(res.logprobs[lo:hi]), ref[lo:hi], atol=2e-4), (version, lo, hi)
+    for req, res in zip(reqs, first):
+        if res.token_versions is None:
+            _assert_logprobs(models[res.version], codec, [req], [res], 1.0)
     assert backend.generate(reqs[:1], temperature=0.0, top_p=1.0, max_new_tokens=4)[0].version == 4
 
 

@@ -13,14 +13,18 @@ What it adds to vLLM's own server (``/inference/v1/generate``, ``/metrics``, ``/
   ``ANNOUNCE_WAIT_S`` (a server restarted mid-run does not answer from ``model.path``'s weights),
   and only then lets generation requests through: before that ``/inference/*`` and ``/v1/*``
   answer 503, so no request is sampled with vLLM's own log-prob convention or stale weights.
-* **Weights, between requests.** Every ``POLL_S`` the driver asks the workers for the version
-  they fetched (``worldloop_staged``). When every worker holds the same new version it pauses
-  generation with vLLM's ``pause_generation(mode="wait")`` (requests in flight finish on the old
-  weights, new ones wait in the queue), loads the version (``worldloop_apply``), clears the prefix,
-  encoder and multimodal caches, sets the engine's weight version to it and resumes. vLLM tags
-  every output token with the engine's weight version at the step that sampled it and returns
-  the spans in each response (``choices[].weight_versions``): that is how each response says
-  which version produced it, and since no request runs across a load, a response has one span.
+* **Weights, in flight or between requests** (``actor.weight_update``). Every ``POLL_S`` the
+  driver asks the workers for the version they fetched (``worldloop_staged``). When every worker
+  holds the same new version it pauses generation, loads the version (``worldloop_apply``),
+  clears the prefix, encoder and multimodal caches, sets the engine's weight version to it and
+  resumes. ``interrupt`` (the default) pauses with vLLM's ``pause_generation(mode="keep")``:
+  requests in flight are frozen, not drained, and the cache reset preempts them
+  (``reset_running_requests``), so on resume each recomputes its KV (prompt and tokens so far)
+  under the new weights and goes on sampling with them. ``wait`` pauses with ``mode="wait"``:
+  requests in flight finish on the old weights first. vLLM tags every output token with the
+  engine's weight version at the step that sampled it and returns the spans in each response
+  (``choices[].weight_versions``): that is how each response says which version made each of
+  its tokens (with ``wait``, a response has one span).
   A set the model rejects (names or shapes) is logged and counted, and the old weights stay.
   Fetching runs in the workers' own thread, so the learner never waits for a server, and
   generation pauses only for the load itself (plus the drain).
@@ -138,8 +142,10 @@ class ServerDriver:
         if not staged or any(v is None for v in staged) or len(set(staged)) != 1:
             return  # nothing new, or the workers have not all fetched the same version yet
         version = int(staged[0])
+        interrupt = self.cfg is not None and self.cfg.actor.weight_update == "interrupt"
         t0 = time.perf_counter()
-        await self.engine.pause_generation(mode="wait", clear_cache=False)
+        # interrupt: requests in flight are frozen where they are (vLLM's "keep"), not drained
+        await self.engine.pause_generation(mode="keep" if interrupt else "wait", clear_cache=False)
         try:
             paused = time.perf_counter()
             results = await self.engine.collective_rpc("worldloop_apply", args=(version,))
@@ -149,7 +155,9 @@ class ServerDriver:
                 metric("worldloop_server_weight_update_failures").labels(reason=reason).inc()
                 log.error("weights v%d not loaded (%s); keeping v%d", version, failed[0].get(reason), self.version)
                 return
-            if not await self.engine.reset_prefix_cache():
+            # interrupt: the frozen requests are preempted too, so they recompute their KV (prompt and
+            # the tokens made so far) under the new weights when generation resumes
+            if not await self.engine.reset_prefix_cache(reset_running_requests=interrupt):
                 log.warning("the prefix cache was not cleared after loading v%d", version)
             await self.engine.reset_encoder_cache()
             await self.engine.reset_mm_cache()

@@ -3,12 +3,16 @@
 Public API::
 
     ServerBackend(urls, model_dir, *, max_image_side=224, max_model_len=4096, timeout_s=600.0,
-                  retry_s=300.0, startup_timeout_s=900.0, max_lag=None, codec=None, api_key=None)
+                  retry_s=300.0, startup_timeout_s=900.0, max_lag=None, codec=None, api_key=None,
+                  mixed_versions=False)
     ServerBackend.from_config(cfg, model_dir=None) -> ServerBackend
         .version: int            # the lowest weight version among the servers it routes to
         .generate(requests, *, temperature, top_p, max_new_tokens, seed=None) -> list[GenResult]
+        .submit(request, *, temperature, top_p, max_new_tokens, seed=None) -> Future[GenResult]
         .servers -> list[ServerState], .close()
     ServerError(RuntimeError)    # a server answered something this client cannot use
+    token_versions(spans, n_tokens) -> list[int]   # each output token's version from vLLM's spans
+    parse_answer(data, request, codec, *, mixed_versions) -> GenResult | None   # one generate answer
 
 The servers are ``worldloop serve`` processes (:mod:`worldloop.actor.server.launch`): ``vllm serve``
 with worldloop's worker extension and middleware, loading every weight version from the
@@ -34,11 +38,16 @@ backend (``loads_own_weights``). How each convention of :mod:`worldloop.actor.ge
   trajectory id) go to the same server while it is usable, so an episode's earlier turns are in
   that server's prefix (KV) cache. A new session goes to the usable server with the fewest
   requests in flight.
-* **Versions.** vLLM tags each output token with the weight version that sampled it; the
-  middleware loads versions only while generation is paused and drained, so a response has one
-  version, which the result carries (``GenResult.version``) and the turn records. A response
-  whose tokens came from two versions is never labelled with one: it is discarded and the turn
-  generated again (metric ``worldloop_actor_server_retries{reason="mixed_versions"}``).
+* **Versions.** vLLM tags each output token with the weight version that sampled it and returns
+  the spans (:func:`token_versions` reads them). With ``actor.weight_update: interrupt`` (the
+  default) a server loads a version while requests are in flight, so a response may span two:
+  the result carries each token's version (``GenResult.token_versions``, None when there is one)
+  and ``version`` = the oldest, which the turn records. With ``wait`` the middleware loads versions
+  only while generation is drained, and a response whose tokens came from two versions (a server
+  configured otherwise) is discarded and generated again
+  (metric ``worldloop_actor_server_retries{reason="mixed_versions"}``).
+* **One request at a time.** :meth:`ServerBackend.submit` sends one request and returns a future:
+  the per-episode loop (:mod:`worldloop.actor.episodes`) sends each episode's turn on its own.
 * **Servers behind.** Every second the backend reads each server's ``/worldloop/info`` (ready,
   version, fingerprint). A server whose version is more than ``max_lag``
   (``trainer.max_staleness``) behind the newest server's is skipped until it catches up;
@@ -62,6 +71,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import hashlib
 import logging
 import random
@@ -97,6 +107,24 @@ class ServerError(RuntimeError):
     """A server answered something this client cannot use (not a transient failure)."""
 
 
+def token_versions(spans: list[dict], n_tokens: int, i: int = 0) -> list[int]:
+    """The weight version of each of ``n_tokens`` output tokens from vLLM's ``weight_versions``
+    spans (``{"version", "start", "end"}``: tokens ``[start, end)``); ServerError unless the spans
+    cover the tokens exactly, in order, with integer versions."""
+    out: list[int] = []
+    for s in spans:
+        try:
+            version, start, end = int(s["version"]), int(s["start"]), int(s["end"])
+        except (KeyError, TypeError, ValueError):
+            raise ServerError(f"request {i}: a weight-version span {s!r} is not {{version, start, end}} with integers") from None
+        if start != len(out) or end < start:
+            raise ServerError(f"request {i}: weight-version spans do not tile the output ({spans!r})")
+        out += [version] * (end - start)
+    if len(out) != n_tokens:
+        raise ServerError(f"request {i}: weight-version spans cover {len(out)} of {n_tokens} output tokens")
+    return out
+
+
 @dataclass
 class ServerState:
     url: str
@@ -124,7 +152,8 @@ class ServerBackend:
 
     def __init__(self, urls: list[str], model_dir: str | Path, *, max_image_side: int = 224, max_model_len: int = 4096,
                  timeout_s: float = 600.0, retry_s: float = 300.0, startup_timeout_s: float = 900.0,
-                 max_lag: int | None = None, codec: ChatCodec | None = None, api_key: str | None = None):
+                 max_lag: int | None = None, codec: ChatCodec | None = None, api_key: str | None = None,
+                 mixed_versions: bool = False):
         if not urls:
             raise ConfigError("actor.servers", "actor.backend=server needs the URL of at least one inference server")
         import httpx
@@ -134,6 +163,7 @@ class ServerBackend:
         self.max_model_len = int(max_model_len)
         self.timeout_s, self.retry_s = float(timeout_s), float(retry_s)
         self.max_lag = max_lag
+        self.mixed_versions = bool(mixed_versions)  # actor.weight_update=interrupt: a response may span versions
         self._api_key = api_key  # sent as "Authorization: Bearer <key>" on every request, never logged
         self._fingerprint = model_fingerprint(model_dir)
         self._sessions: OrderedDict[str, ServerState] = OrderedDict()
@@ -156,7 +186,7 @@ class ServerBackend:
         return cls(a.servers, model_dir or cfg.model.path, max_image_side=cfg.model.max_image_side,
                    max_model_len=cfg.model.max_model_len, timeout_s=a.server_timeout_s, retry_s=a.server_retry_s,
                    startup_timeout_s=a.server_startup_timeout_s, max_lag=cfg.trainer.max_staleness,
-                   api_key=server_api_key(cfg))
+                   api_key=server_api_key(cfg), mixed_versions=a.weight_update == "interrupt")
 
     # ------------------------------------------------------------------ plumbing
 
@@ -266,6 +296,17 @@ class ServerBackend:
         """Generate one response per request, all requests in flight at once."""
         if not requests:
             return []
+        bodies = self._bodies(requests, temperature, top_p, max_new_tokens, seed)
+        return self._call(self._generate_all(requests, bodies))
+
+    def submit(self, request: GenRequest, *, temperature: float, top_p: float, max_new_tokens: int,
+               seed: int | None = None) -> "concurrent.futures.Future[GenResult]":
+        """Send one request now; the future holds its result (the per-episode loop: actor/episodes.py)."""
+        body = self._bodies([request], temperature, top_p, max_new_tokens, seed)[0]
+        return asyncio.run_coroutine_threadsafe(self._generate_one(0, request, body), self._loop)
+
+    def _bodies(self, requests: list[GenRequest], temperature: float, top_p: float, max_new_tokens: int,
+                seed: int | None) -> list[dict]:
         vocab = next((s.vocab_size for s in self.servers if s.vocab_size), None) or len(self.codec.tokenizer)
         validate_requests(requests, max_new_tokens, vocab)
         bodies = []
@@ -276,7 +317,7 @@ class ServerBackend:
             bodies.append(self._body(i, req, sampling_kwargs(temperature, top_p, max_new_tokens,
                                                               self.codec.eos_token_ids, req_seed,
                                                               self.codec.prompt_only_tokens)))
-        return self._call(self._generate_all(requests, bodies))
+        return bodies
 
     async def _generate_all(self, requests: list[GenRequest], bodies: list[dict]) -> list[GenResult]:
         return list(await asyncio.gather(*(self._generate_one(i, r, b) for i, (r, b) in enumerate(zip(requests, bodies)))))
@@ -337,25 +378,7 @@ class ServerBackend:
         return resp.json()
 
     def _result(self, i: int, req: GenRequest, data: dict) -> GenResult | None:
-        """The request's result from a generate answer; None when its tokens came from two versions."""
-        choice = data["choices"][0]
-        spans = choice.get("weight_versions") or []
-        versions = {str(s["version"]) for s in spans}
-        if len(versions) > 1:
-            log.warning("request %d: tokens from weight versions %s in one response; generating it again", i, sorted(versions))
-            return None
-        if len(versions) != 1:
-            raise ServerError(f"request {i}: the server said no weight version for its tokens (is it a worldloop serve server?)")
-        if list(data.get("prompt_token_ids") or []) != [int(t) for t in req.prompt_ids]:
-            raise ServerError(f"request {i}: the server ran other prompt ids than requested (image expansion mismatch)")
-        ids = [int(t) for t in choice["token_ids"]]
-        keep, truncated = cut_at_eos(ids, self.codec.eos_token_ids)
-        content = (choice.get("logprobs") or {}).get("content") or []
-        logprobs = [float(c["logprob"]) for c in content[: len(keep)]]
-        if len(logprobs) != len(keep) or any(int(c["token_id"]) != t for c, t in zip(content, keep)):
-            raise ServerError(f"request {i}: the server returned {len(logprobs)} log-probs for {len(keep)} tokens")
-        return GenResult(response_ids=keep, logprobs=logprobs, text=self.codec.decode(keep), truncated=truncated,
-                         version=int(versions.pop()))
+        return parse_answer(data, req, self.codec, mixed_versions=self.mixed_versions, i=i)
 
     # ------------------------------------------------------------------ contract
 
@@ -376,3 +399,29 @@ class ServerBackend:
             log.debug("closing the HTTP client: %s", e)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5.0)
+
+
+def parse_answer(data: dict, req: GenRequest, codec: ChatCodec, *, mixed_versions: bool, i: int = 0) -> GenResult | None:
+    """The request's result from a ``/inference/v1/generate`` answer; None when its tokens came from
+    two versions and ``mixed_versions`` is off (the caller generates it again); ServerError when the
+    answer does not fit the request."""
+    choice = data["choices"][0]
+    spans = choice.get("weight_versions") or []
+    versions = {str(s["version"]) for s in spans}
+    if len(versions) > 1 and not mixed_versions:
+        log.warning("request %d: tokens from weight versions %s in one response; generating it again", i, sorted(versions))
+        return None
+    if not versions:
+        raise ServerError(f"request {i}: the server said no weight version for its tokens (is it a worldloop serve server?)")
+    if list(data.get("prompt_token_ids") or []) != [int(t) for t in req.prompt_ids]:
+        raise ServerError(f"request {i}: the server ran other prompt ids than requested (image expansion mismatch)")
+    ids = [int(t) for t in choice["token_ids"]]
+    keep, truncated = cut_at_eos(ids, codec.eos_token_ids)
+    content = (choice.get("logprobs") or {}).get("content") or []
+    logprobs = [float(c["logprob"]) for c in content[: len(keep)]]
+    if len(logprobs) != len(keep) or any(int(c["token_id"]) != t for c, t in zip(content, keep)):
+        raise ServerError(f"request {i}: the server returned {len(logprobs)} log-probs for {len(keep)} tokens")
+    per_token = token_versions(spans, len(ids), i)[: len(keep)]
+    return GenResult(response_ids=keep, logprobs=logprobs, text=codec.decode(keep), truncated=truncated,
+                     version=min(per_token, default=int(min(versions, key=int))),
+                     token_versions=per_token if len(set(per_token)) > 1 else None)

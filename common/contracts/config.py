@@ -245,6 +245,22 @@ class ActorConfig(Section):
     vllm_kv_cache_gib: Float | None = Field(None, gt=0, description="vLLM KV-cache size in GiB; null = from "
                                                                     "vllm_gpu_memory_utilization on GPU, 1 GiB on CPU")
     actor_id: str | None = Field(None, description="the actor's name; null = <hostname>-<pid>")
+    # actor/episodes.py: each episode runs its own turn loop; lockstep is the old one batched call per turn
+    loop: Literal["episode", "lockstep"] = Field(
+        "episode", description="episode: each episode's next request goes out as soon as its env has stepped (servers "
+                               "get one request per episode turn; hf and vllm batch the requests that are ready within "
+                               "batch_wait_ms); lockstep: one batched call per turn for every live episode")
+    batch_wait_ms: Float = Field(5.0, ge=0, le=60_000, json_schema_extra={"unit": "milliseconds"},
+                                 description="loop episode, hf and vllm: after the first ready request, how long the "
+                                             "batcher waits for more before it generates")
+    weight_update: Literal["interrupt", "wait"] = Field(
+        "interrupt", description="how inference servers load a new version: interrupt = at once, requests in flight "
+                                 "continue on the new weights (each token keeps the version and log-prob it was "
+                                 "sampled with); wait = after the requests in flight finish. hf and vllm apply a "
+                                 "version between two batched calls either way")
+    env_timeout_s: Float = Field(120.0, gt=0, le=MAX_WAIT_S, description="loop episode: an env reset or step that takes "
+                                                                        "longer ends its episode (end_reason "
+                                                                        "env_timeout); the others go on")
 
 
 class ServeConfig(Section):
