@@ -45,7 +45,8 @@ from pathlib import Path
 
 from worldloop.actor.backends import make_backend
 from worldloop.common.transport.weights.fetcher import WeightFetcher
-from worldloop.actor.rollout import EpisodeSpec, Sampling, env_name, play_episodes
+from worldloop.actor.episodes import play_episodes
+from worldloop.actor.rollout import EpisodeSpec, Sampling, env_name
 from worldloop.common.contracts.config import Config, ConfigError, run_dir_of
 from worldloop.common.transport.control import default_proc_id, list_processes
 from worldloop.common.files import append_lines
