@@ -5,7 +5,13 @@ and properties that hold for any input (weights in range, nothing outside the ma
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -284,3 +290,52 @@ def test_weights_stay_in_range_and_nothing_outside_the_mask_leaks(data, rows, wi
     assert stats["kl_k3"] >= -1e-6
     if mask.sum() > 0:
         assert stats["ratio_p05"] <= stats["ratio_p50"] <= stats["ratio_p95"]
+
+
+# --------------------------------------------------------------------------- two ranks
+
+
+def _rank_worker(out: str) -> None:
+    """Under torch.distributed.run (gloo, 2 ranks): rank 0 holds rows 0-1 of the hand batch, rank 1
+    row 2; each writes what apply_correction gave it."""
+    import torch.distributed as tdist
+
+    tdist.init_process_group("gloo")
+    rank = tdist.get_rank()
+    dist = DistInfo(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+    prox, beh, mask = batch()
+    rows = slice(0, 2) if rank == 0 else slice(2, 3)
+    versions = torch.tensor([[5, 6, 6, -1], [6, 6, -1, -1], [4, 4, -1, -1]])
+    part = {"old_logprobs": prox[rows], "behaviour_logprobs": beh[rows], "response_mask": mask[rows],
+            "loss_mask": mask[rows], "policy_version": versions[rows]}
+    stats = apply_correction(part, config_from_dict({"trainer": {"off_policy": "tis"}}).trainer, 6, dist)
+    Path(f"{out}.{rank}").write_text(json.dumps({"stats": stats, "w": part["is_weight"].tolist()}))
+    tdist.barrier()
+    tdist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_see_the_whole_batch():
+    """tis's batch mean, the mismatch sums and the ratio quantiles are those of the whole batch when
+    its rows are split over two ranks (real gloo collectives)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank")
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+        env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(Path(__file__).resolve()), "--worker", out]
+        done = subprocess.run(cmd, capture_output=True, timeout=240, env=env)
+        assert done.returncode == 0, done.stdout.decode()[-2000:] + done.stderr.decode()[-4000:]
+        got = [json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1)]
+    prox, beh, mask = batch()
+    whole = mismatch_stats(prox, beh, mask, torch.tensor([[5, 6, 6, -1], [6, 6, -1, -1], [4, 4, -1, -1]]), 6,
+                           offpolicy_weights(prox, beh, mask, "tis", cap=2.0, low=0.5, high=2.0))
+    for r in (0, 1):
+        assert got[r]["stats"] == pytest.approx(whole)
+    # the weights of test_tis_is_the_capped_weight_over_its_batch_mean, each rank its own rows
+    close([got[0]["w"][0][:3], got[0]["w"][1][:2], got[1]["w"][0][:2]],
+          [[16 / 9, 8 / 9, 2 / 9], [16 / 9, 16 / 9], [4 / 9, 1 / 9]])
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
+    _rank_worker(sys.argv[2])
