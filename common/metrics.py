@@ -147,6 +147,13 @@ CATALOG: dict[str, Spec] = {
     "worldloop_learner_clip_fraction": Spec("gauge", "Fraction of tokens with a clipped ratio"),
     "worldloop_learner_advantage": Spec("gauge", "Advantage statistics of the last batch", ("stat",)),
     "worldloop_learner_importance_weight": Spec("gauge", "pi_prox/pi_behaviour statistics", ("stat",)),
+    "worldloop_learner_mismatch_kl": Spec(
+        "gauge", "KL(pi_behaviour || pi_prox) over the last batch's generated tokens (all, or those sampled with the weights "
+                 "trained from), by estimator (k1, k3)", ("tokens", "estimator")),
+    "worldloop_learner_mismatch_masked_fraction": Spec(
+        "gauge", "Share of the last batch's generated tokens (or trajectories) the off-policy correction rejected", ("unit",)),
+    "worldloop_learner_mismatch_ratio": Spec("gauge", "Quantiles of pi_prox/pi_behaviour over the last batch's generated tokens",
+                                             ("quantile",)),
     "worldloop_learner_reward": Spec("gauge", "Mean per-trajectory reward of the last batch", ("component",)),
     "worldloop_learner_success_rate": Spec("gauge", "Success rate of the last batch", ("env",)),
     "worldloop_learner_max_turns": Spec("gauge", "max_turns published to actors"),

@@ -55,7 +55,8 @@ supervisor's restart limit stops that loop, and the log names the entries in fli
 
 Dedup window
 ------------
-A trajectory whose oldest turn was generated at version ``o`` is dropped as stale once the
+A trajectory whose oldest token was generated at version ``o`` (:func:`oldest_version`: a turn's
+``token_versions`` count token by token) is dropped as stale once the
 learner's version ``v`` satisfies ``v - o > max_staleness``. A second copy of it can therefore
 only be trained while ``v <= o + max_staleness``; after that the staleness rule drops it before
 the dedup check. So the window keeps an id only while ``o >= v - max_staleness`` — ids of the
@@ -100,7 +101,10 @@ class Unusable(ValueError):
 
 
 def oldest_version(traj: Trajectory) -> int:
-    return min(t.policy_version for t in traj.turns)
+    """The version of the oldest token of ``traj``: the minimum over its turns of their tokens'
+    versions (a turn's ``token_versions``, else its ``policy_version``). A response sampled across a
+    weight load is as stale as its oldest token."""
+    return min(min(t.token_versions or (t.policy_version,)) for t in traj.turns)
 
 
 def whole_group_fraction(group_ids: list[str], size: int) -> float:
@@ -344,7 +348,7 @@ class ScoredSource:
         lag = version - oldest
         if lag > self.max_staleness:
             final = self.checkpoint_version_fn() - oldest > self.max_staleness
-            self._drop([item], "stale", f"lag {lag} > max_staleness {self.max_staleness} (oldest turn v{oldest}, "
+            self._drop([item], "stale", f"lag {lag} > max_staleness {self.max_staleness} (oldest token v{oldest}, "
                        f"learner v{version}, actor {traj.actor_id}, group {traj.group_id})", final)
             self.admission.release([tid], refund=True)
             self._lose(traj.group_id)

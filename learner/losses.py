@@ -7,7 +7,7 @@ Public API::
     weighted_sum(x, weights, mask) -> sum of x * weights over the mask
     aggregation_weights(mask, mode) / aggregation_normaliser(mask, mode)   # trainer.loss_agg_mode
     policy_loss(logprobs, proximal_logprobs, behaviour_logprobs, advantages, mask, *,
-                clip_ratio=0.2, iw_cap=2.0, token_weights=None, as_tensors=False) -> (loss, stats)
+                clip_ratio=0.2, iw_cap=2.0, token_weights=None, is_weights=None, as_tensors=False) -> (loss, stats)
     value_loss(values, old_values, returns, mask, *, value_clip=0.2, as_tensors=False) -> (loss, stats)
     stats_floats(*stats) -> list of dicts of floats     # as_tensors stats, one host sync for all
     kl_penalty(logprobs, ref_logprobs, kind="low_var_kl") -> per-token tensor
@@ -137,6 +137,7 @@ def policy_loss(
     clip_ratio: float = 0.2,
     iw_cap: float | None = 2.0,
     token_weights: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
     as_tensors: bool = False,
 ):
     """Decoupled PPO clip loss (the negated objective, to minimise).
@@ -149,6 +150,9 @@ def policy_loss(
     mean over ``mask``, or, with ``token_weights`` (same shape, 0 outside the mask), the weighted
     sum ``sum_i token_weights_i * loss_i`` (the caller's normalisation: see :func:`aggregation_weights`).
     Gradients flow only into ``logprobs``. ``stats["loss"]`` is the token mean either way.
+    ``is_weights`` (same shape; ``trainer.off_policy`` other than ``cap``, from
+    ``worldloop.learner.offpolicy.offpolicy_weights``) replaces w per token (no gradient either); the
+    ``iw_*`` stats still describe exp(proximal - behaviour) before any truncation.
 
     stats: clip_fraction (tokens whose clipped term is the active one), approx_kl
     (mean of (r - 1) - log r, the k3 estimate of KL(proximal || new)), approx_kl_k1 (mean of
@@ -166,7 +170,11 @@ def policy_loss(
     ratio = torch.exp(log_ratio)
     log_w = torch.where(m, prox - behaviour_logprobs.detach().float(), zero).clamp(-20.0, 20.0)
     w_raw = torch.exp(log_w)
-    w = w_raw if iw_cap is None else w_raw.clamp(max=float(iw_cap))
+    if is_weights is not None:
+        _same_shape("is_weights", is_weights, logprobs)
+        w = torch.where(m, is_weights.detach().to(lp.device, torch.float32), zero)
+    else:
+        w = w_raw if iw_cap is None else w_raw.clamp(max=float(iw_cap))
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_ratio, 1.0 + clip_ratio)
     per_token = w * torch.maximum(unclipped, clipped)

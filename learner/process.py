@@ -73,9 +73,10 @@ from worldloop.common.transport.streams import RedisLink
 from worldloop.common.versions import write_versions
 from worldloop.learner import checkpoint
 from worldloop.learner.data import (DedupWindow, ScoredSource, check_pending_fits, decode_batch, encode_batch,
-                                    entries_fault, whole_group_fraction)
+                                    entries_fault, oldest_version, whole_group_fraction)
 from worldloop.learner.engine import (DistInfo, all_reduce_sum, barrier, broadcast_bytes, build_models, gather_policy_weights,
                                       init_distributed)
+from worldloop.learner.offpolicy import export_mismatch
 from worldloop.learner.rewards import anneal_max_turns
 from worldloop.learner.rewards import batch_reward_stats
 from worldloop.learner.trainer import PPOTrainer
@@ -273,7 +274,7 @@ class Learner:
             wait_s = time.perf_counter() - t_start
             before = self.version
             self.proc.set_phase(f"training step {self.step_no + 1}")
-            stats = self.trainer.update(trajs, self.step_no)
+            stats = self.trainer.update(trajs, self.step_no, version=before)
         except Exception as e:
             self._blame_entries(e)
             raise
@@ -343,7 +344,7 @@ class Learner:
                     log.info("WMAct annealing: max_turns %d -> %d", self.max_turns, new)
                 self.max_turns, self.anneal_window = new, []
         self._write_control()
-        lags = [before - min(x.policy_version for x in tr.turns) for tr in trajs]
+        lags = [before - oldest_version(tr) for tr in trajs]  # of each trajectory's oldest token
         compute_s = stats["forward_seconds"] + stats["backward_seconds"]
         busy = compute_s + publish_s
         record = {
@@ -367,6 +368,7 @@ class Learner:
             "ratio": {"mean": stats.get("policy_ratio_mean"), "max": stats.get("policy_ratio_max"),
                       "min": stats.get("policy_ratio_min")},
             "grad_norm": {k[len("grad_norm_"):]: v for k, v in stats.items() if k.startswith("grad_norm_")},
+            "mismatch": stats.get("mismatch"),  # train-rollout mismatch, off-policy rejections (learner/offpolicy.py)
             "reward": rs["reward"],
             "success_rate": rs["success_rate"],
             "staleness_mean": sum(lags) / len(lags),
@@ -434,6 +436,7 @@ class Learner:
         for model, v in rec["grad_norm"].items():
             metric("worldloop_learner_grad_norm").labels(model=model).set(v)
         metric("worldloop_learner_max_turns").set(rec["max_turns"])
+        export_mismatch(rec["mismatch"])
         if rec["groups"] is not None:
             metric("worldloop_learner_whole_group_fraction").set(rec["groups"]["whole"])
 

@@ -3,7 +3,7 @@
 Public API::
 
     PPOTrainer(cfg, models, seed=0)
-        .update(trajectories, step) -> dict     # every rank calls it with the SAME global batch
+        .update(trajectories, step, version=None) -> dict   # every rank calls it with the SAME global batch
     micro_loss_scale(n_micro, n_global, world_size, accumulation) -> float
 
 An iteration, for this rank's contiguous slice of the global batch:
@@ -22,8 +22,9 @@ An iteration, for this rank's contiguous slice of the global batch:
    (``worldloop.learner.credit.observation_advantages``);
 4. ``ppo_epochs`` passes over shuffled PPO mini-batches (``ppo_mini_batch_size`` trajectories
    over all ranks, one optimizer step each), each accumulated over micro-batches: decoupled PPO
-   policy loss (ratio against the proximal log-probs, importance weight proximal/behaviour
-   truncated at ``importance_weight_cap``), minus ``entropy_coef`` x entropy, plus
+   policy loss (ratio against the proximal log-probs; the off-policy weight from proximal/behaviour
+   of ``trainer.off_policy``, ``worldloop.learner.offpolicy``, by default truncated at
+   ``importance_weight_cap``), minus ``entropy_coef`` x entropy, plus
    ``kl_coef`` x KL(pi || ref) when the KL is not in the reward; clipped value loss for the critic.
    The policy terms are aggregated over the global mini-batch as ``trainer.loss_agg_mode`` says
    (``token-mean``: every loss token weighs the same; ``seq-mean-token-mean``: every trajectory
@@ -81,6 +82,7 @@ from worldloop.learner.kernels import checkpointing_mode, pad_multiple
 from worldloop.learner.memory import auto_micro_batch_tokens
 from worldloop.learner.microbatch import (auto_budget, micro_slices, packed_micro_batches, packed_slices, place,
                                           rope_positions, split_micro_batches, token_budget_micro_batches)
+from worldloop.learner.offpolicy import apply_correction
 from worldloop.learner.losses import (aggregation_normaliser, aggregation_weights, kl_penalty, masked_mean, policy_loss,
                                       stats_floats, value_loss, weighted_sum)
 from worldloop.learner.rewards import assemble_token_rewards, place_turn_rewards, turn_rewards
@@ -295,8 +297,9 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ the iteration
 
-    def update(self, trajectories: list[Trajectory], step: int) -> dict:
-        """One PPO iteration on the global batch ``trajectories``; returns stats (same on every rank)."""
+    def update(self, trajectories: list[Trajectory], step: int, version: int | None = None) -> dict:
+        """One PPO iteration on the global batch ``trajectories`` from policy ``version`` (the weights'
+        version, for the mismatch over the tokens they sampled); returns stats (same on every rank)."""
         timing = defaultdict(float)
         rows = self._local_rows()
         local = trajectories[rows.start : rows.stop]
@@ -307,6 +310,7 @@ class PPOTrainer:
         self._sync()
         timing["forward"] += time.perf_counter() - t0
         raw_adv, kl_tok, credit = self._advantages(batch, pre, trajectories, local)
+        mismatch = apply_correction(batch, self.t, version, self.models.dist)  # batch["is_weight"] unless cap
         acc = _Acc()
         grad_norms: dict[str, list[float]] = defaultdict(list)
         clock = _Clock(self.device)
@@ -320,6 +324,7 @@ class PPOTrainer:
         stats.update(tokens=tokens[0], response_tokens=tokens[1], forward_seconds=timing["forward"],
                      backward_seconds=timing["backward"], micro_batches=n_micro_batches,
                      padding_fraction=1.0 - real / slots if slots > 0 else 0.0)
+        stats["mismatch"] = mismatch
         if credit:
             stats["credit"] = credit
         return stats
@@ -431,7 +436,8 @@ class PPOTrainer:
         want_entropy = bool(t.entropy_coef) or not models.liger
         lp, ent = models.policy(mb, temperature=self.temperature, return_entropy=want_entropy)
         pl, pst = policy_loss(lp, on(mb["old_logprobs"]), on(mb["behaviour_logprobs"]), on(mb["advantages"]), m,
-                              clip_ratio=t.clip_ratio, iw_cap=t.importance_weight_cap, token_weights=w, as_tensors=True)
+                              clip_ratio=t.clip_ratio, iw_cap=t.importance_weight_cap, token_weights=w,
+                              is_weights=on(mb["is_weight"]) if "is_weight" in mb else None, as_tensors=True)
         if ent is not None:
             pst["entropy"] = masked_mean(ent.detach(), m)
         loss = pl - t.entropy_coef * weighted_sum(ent, w, m) if t.entropy_coef else pl

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from worldloop.common.contracts.algorithms import (ESTIMATOR_NAMES, ESTIMATORS, KL_ALIASES, KL_ESTIMATOR_NAMES,
+                                                      OFF_POLICY_NAMES,
                                                    estimator_spec, kl_estimator_name)
 from worldloop.common.contracts.config import ConfigError, TrainerConfig, load_config
 from worldloop.learner import advantages
@@ -27,6 +28,7 @@ def test_every_registered_estimator_has_one_implementation_and_no_other_exists()
 def test_the_config_allows_exactly_the_registered_names() -> None:
     assert get_args(TrainerConfig.model_fields["estimator"].annotation) == ESTIMATOR_NAMES
     assert get_args(TrainerConfig.model_fields["kl_estimator"].annotation) == KL_ESTIMATOR_NAMES
+    assert get_args(TrainerConfig.model_fields["off_policy"].annotation) == OFF_POLICY_NAMES
     for name in ESTIMATOR_NAMES:
         assert load_config(None, [f"trainer.estimator={name}", "actor.n_samples_per_seed=4",
                                   "trainer.train_batch_size=8", "trainer.ppo_mini_batch_size=8",

@@ -208,6 +208,37 @@ def test_staleness_dedup_and_dead_letter(redis_url, codec):
     src.close()
 
 
+def test_token_versions_set_staleness_and_a_wrong_length_is_a_dead_letter(redis_url, codec):
+    """A turn's per-token versions: the trajectory is as stale as its oldest token (max_staleness 2
+    at learner v6: a token of v3 is too old even when the turn's other tokens are v6), and a
+    ``token_versions`` of the wrong length is refused at decoding and dead-lettered as such."""
+    import msgpack
+
+    cfg = _cfg(redis_url)
+    keys = Keys(NS)
+    prod = StreamProducer(redis_url, keys.scored, 100)
+    src = _source(cfg, codec, _Versions(current=6, checkpointed=6))
+    n = len(_traj(codec, "x").turns[1].response_ids)
+    old = _traj(codec, "old-token", policy_version=[6, 3])
+    old.turns[1].token_versions = [3] + [6] * (n - 1)  # the first response token sampled by v3
+    prod.add(encode_trajectory(old))
+    wire = msgpack.unpackb(encode_trajectory(_traj(codec, "bad-len", policy_version=6)), raw=False)
+    wire["turns"][0]["token_versions"] = [6]
+    prod.add(msgpack.packb(wire, use_bin_type=True))
+    fresh = [_traj(codec, f"fresh{i}", policy_version=[6, 4]) for i in range(2)]
+    for t in fresh:
+        t.turns[1].token_versions = [4] + [6] * (n - 1)  # lag 2: trainable
+        prod.add(encode_trajectory(t))
+    items = src.collect(2, lambda: False)
+    assert [it.trajectory_id for it in items] == ["fresh0", "fresh1"] and [it.oldest for it in items] == [4, 4]
+    assert src.dropped == {"stale": 1}
+    (dead,) = connect(redis_url).xrange(keys.deadletter)
+    record = decode_deadletter(dead[1][b"data"])
+    assert re.search(r"\$\.turns\[0\]\.token_versions: 1 values for \d+ response tokens", record.reason), record.reason
+    assert src.fates()["dead_lettered"] == {"decode_error": 1}
+    src.close()
+
+
 def test_a_dead_lettered_trajectory_gives_its_admission_back_once(redis_url, codec):
     """The learner refunds the admission of a trajectory it dead-letters (it will never be trained),
     once, and retires (no refund) the ones it trains: the actors' budget stays exact."""

@@ -110,6 +110,11 @@ def test_step_trains_publishes_and_an_actor_loads_the_weights(fresh_learner, mod
     assert rec["importance_weight"]["max"] == pytest.approx(1.0, abs=1e-3)
     assert rec["importance_weight"]["min"] == pytest.approx(1.0, abs=1e-3)
     assert rec["staleness_mean"] == 0.0 and rec["trajectories"] == 4
+    # the same weights sampled every token (v0, the version trained from): no mismatch, nothing masked
+    mm = rec["mismatch"]
+    assert mm["current_tokens"] == mm["tokens"] == rec["response_tokens"]
+    assert mm["kl_k3"] == pytest.approx(0.0, abs=1e-6) and mm["kl_current"] == pytest.approx(0.0, abs=1e-4)
+    assert mm["masked_token_fraction"] == 0.0 and mm["ratio_p50"] == pytest.approx(1.0, abs=1e-3)
     assert rec["reward"]["total"] == pytest.approx((0 + 1 + 0 + 1) * 2 / 4 + 2 * 0.5)  # env 0/1 per turn, format 0.5 per turn
     assert rec["success_rate"] == {"all": 0.5, "sokoban": 0.5}
     assert rec["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first update
@@ -231,6 +236,44 @@ def test_every_estimator_runs_a_real_update(learner, model_dir, estimator, extra
         assert "credit" not in stats
     if "kl_in_reward" in extra:
         assert "policy_kl_loss" in stats
+    assert not torch.allclose(before, _logprobs(learner.models.policy_hf, model_dir, probe), atol=1e-6)
+
+
+def test_icepop_and_the_mismatch_on_a_real_update(learner, model_dir):
+    """trainer.off_policy icepop through the DeepSpeed update, with behaviour log-probs that are the
+    policy's own (rho = 1 up to numerics) except one trajectory's, lowered by ln 4 (rho = 4, outside
+    the band [0.5, 2]); the first 3 response tokens of another's second turn came from the version
+    before (token_versions). The mismatch numbers follow by hand; the policy still moves."""
+    t = learner.cfg.trainer
+    codec = ChatCodec(model_dir, max_image_side=112)
+    score = behaviour_logprobs_from(learner.models.policy_hf, codec, TEMPERATURE)
+    trajs = [synthetic_trajectory(codec, trajectory_id=f"icepop-{i}", seed=i, turns=2, response_tokens=6, policy_version=9,
+                                  env_reward=float(i % 2), success=i % 2 == 1, logprobs=score) for i in range(4)]
+    for turn in trajs[1].turns:
+        turn.logprobs = [lp - math.log(4) for lp in turn.logprobs]
+    mixed = trajs[2].turns[1]
+    mixed.token_versions = [8] * 3 + [9] * (len(mixed.response_ids) - 3)
+    mixed.policy_version = 8
+    n = sum(len(turn.response_ids) for x in trajs for turn in x.turns)  # 4 x 2 x (6 + <|im_end|>) = 56
+    probe = trajs[0]
+    before = _logprobs(learner.models.policy_hf, model_dir, probe)
+    saved = (t.off_policy, t.estimator)
+    try:
+        t.off_policy, t.estimator = "icepop", "masked_gae"
+        stats = learner.trainer.update(trajs, step=200, version=9)
+    finally:
+        t.off_policy, t.estimator = saved
+    mm = stats["mismatch"]
+    assert n == 56 and mm["tokens"] == n and mm["current_tokens"] == n - 3
+    # trajectory 1's 14 tokens have rho = 4: rejected, a quarter of the tokens and of the trajectories
+    assert mm["masked_token_fraction"] == pytest.approx(14 / 56)
+    assert mm["masked_sequence_fraction"] == pytest.approx(1 / 4)
+    # k1 = mean(-ln rho) = -14 ln 4 / 56; over the v9 tokens -14 ln 4 / 53 (numerics: well below 1e-3)
+    assert mm["kl"] == pytest.approx(-math.log(4) / 4, abs=1e-3)
+    assert mm["kl_current"] == pytest.approx(-14 * math.log(4) / 53, abs=1e-3)
+    # 42 ratios of 1, then 14 of 4: p50 at position 27.5 is 1, p95 at 52.25 is 4
+    assert mm["ratio_p50"] == pytest.approx(1.0, abs=1e-3) and mm["ratio_p95"] == pytest.approx(4.0, rel=1e-3)
+    assert math.isfinite(stats["policy_loss"])
     assert not torch.allclose(before, _logprobs(learner.models.policy_hf, model_dir, probe), atol=1e-6)
 
 

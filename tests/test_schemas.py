@@ -72,6 +72,14 @@ def test_optional_turn_keys_may_be_absent_and_scores_present() -> None:
     assert back.turns[1].grounding_score is None and back.turns[1].truncated_response is False
 
 
+def test_token_versions_round_trip_and_are_left_out_when_absent() -> None:
+    traj = make_trajectory()
+    assert "token_versions" not in msgpack.unpackb(encode_trajectory(traj), raw=False)["turns"][0]
+    traj.turns[0].token_versions = [2, 2, 3]  # a weight load after the second token; policy_version 2 = the oldest
+    back = decode_trajectory(encode_trajectory(traj))
+    assert back.turns[0].token_versions == [2, 2, 3] and back.turns[1].token_versions is None
+
+
 def _wire() -> dict:
     return msgpack.unpackb(encode_trajectory(make_trajectory()), raw=False)
 
@@ -98,6 +106,12 @@ BAD_CASES = [
     ("logprob length", lambda t: t["turns"][0]["logprobs"].pop(), "$.turns[0].logprobs: 2 values for 3 response tokens"),
     ("turn index order", lambda t: t["turns"][1].update(index=5), "$.turns[1].index: is 5, expected 1"),
     ("empty response", lambda t: t["turns"][0].update(response_ids=[], logprobs=[]), "$.turns[0].response_ids: empty"),
+    ("token_versions length", lambda t: t["turns"][0].update(token_versions=[2, 3]),
+     "$.turns[0].token_versions: 2 values for 3 response tokens"),
+    ("policy_version not the oldest token's", lambda t: t["turns"][1].update(token_versions=[3, 4, 3]),
+     "$.turns[1].policy_version: is 2, expected the oldest of token_versions (3)"),
+    ("negative token version", lambda t: t["turns"][0].update(token_versions=[2, -1, 2]),
+     "$.turns[0].token_versions[1]: expected `int` >= 0"),
     ("no turns", lambda t: t.update(turns=[]), "$.turns: empty"),
     ("wrong schema tag", lambda t: t.update(schema="worldloop.trajectory/0"),
      "$.schema: expected 'worldloop.trajectory/1', got 'worldloop.trajectory/0'"),

@@ -1,4 +1,5 @@
-"""The one registry of the learner's algorithms by name: advantage estimators and KL estimators.
+"""The one registry of the learner's algorithms by name: advantage estimators, KL estimators and
+off-policy corrections.
 
 A name is written here once. The config's allowed values come from here
 (``TrainerConfig.estimator``, ``TrainerConfig.kl_estimator``); the learner registers one
@@ -56,6 +57,17 @@ KL_ESTIMATORS: dict[str, str] = {
 }
 KL_ALIASES: dict[str, str] = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}
 KL_ESTIMATOR_NAMES: tuple[str, ...] = tuple(KL_ESTIMATORS)
+
+# the off-policy corrections of the policy loss (``trainer.off_policy``), each implemented in
+# ``learner/offpolicy.py`` (``offpolicy_weights``; ``cap`` inside ``learner/losses.py`` ``policy_loss``)
+OFF_POLICY_MODES: dict[str, str] = {
+    "cap": "min(rho, C) per token: decoupled PPO's truncated importance weight (the default)",
+    "tis": "min(rho, C) per token, divided by its mean over the batch's loss tokens",
+    "seq_is_geo": "min(geometric mean of the trajectory's rho, C) on each of its tokens",
+    "mis": "trajectories whose geometric mean rho leaves [low, high] rejected, the rest min(rho, C)",
+    "icepop": "tokens whose rho leaves [low, high] rejected, the rest weighted by rho",
+}
+OFF_POLICY_NAMES: tuple[str, ...] = tuple(OFF_POLICY_MODES)
 
 
 def estimator_spec(name: str) -> EstimatorSpec:

@@ -109,6 +109,23 @@ def check_kl_loss(cfg: Any) -> None:
                           "use low_var_kl or mse, or keep the KL in the reward")
 
 
+def check_off_policy(cfg: Any) -> None:
+    """`trainer.off_policy_low` is below `trainer.off_policy_high` (each field already keeps 1 inside
+    the band, so on-policy tokens are never rejected; equal bounds would keep only ratios of exactly
+    1). The band is read only by `trainer.off_policy` `mis` and `icepop`: with another mode a band
+    set away from its defaults is an error (it would do nothing)."""
+    t = cfg.trainer
+    if not t.off_policy_low < t.off_policy_high:
+        raise ConfigError("trainer.off_policy_low", f"must be below trainer.off_policy_high ({t.off_policy_high}), "
+                          f"got {t.off_policy_low}: the accepted ratio band [low, high] would be empty or one point")
+    fields = type(t).model_fields
+    if t.off_policy not in ("mis", "icepop"):
+        for key in ("off_policy_low", "off_policy_high"):
+            if getattr(t, key) != fields[key].default:
+                raise ConfigError(f"trainer.{key}", f"is only read by trainer.off_policy mis or icepop (it is "
+                                  f"{t.off_policy!r}): remove it or choose one of those")
+
+
 def check_observation_advantage(cfg: Any) -> None:
     """`trainer.observation_advantage: grounding` needs the judge's grounding scores
     (`judge.enabled`). It and estimator `gigpo` compare turns within GRPO groups, so they need
@@ -249,8 +266,8 @@ def check_curve_keys(cfg: Any) -> None:
 
 
 CROSS_CHECKS: tuple[Callable[[Any], None], ...] = (
-    check_mini_batch, check_groups, check_kl_loss, check_observation_advantage, check_env_weights, check_rl_seeds,
-    check_demonstration_seeds, check_grounding_seeds, check_evaluator_seeds, check_lengths, check_curve_keys,
+    check_mini_batch, check_groups, check_kl_loss, check_off_policy, check_observation_advantage, check_env_weights,
+    check_rl_seeds, check_demonstration_seeds, check_grounding_seeds, check_evaluator_seeds, check_lengths, check_curve_keys,
 )
 
 

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from worldloop.common.contracts.algorithms import ESTIMATOR_NAMES, KL_ESTIMATOR_NAMES
+from worldloop.common.contracts.algorithms import ESTIMATOR_NAMES, KL_ESTIMATOR_NAMES, OFF_POLICY_NAMES
 from worldloop.common.contracts.config_fields import Float, Rule, Section
 
 # the longest wait any duration key takes (*_s, *_ms), and the longest run: longer values are typos,
@@ -108,9 +108,22 @@ class TrainerConfig(Section):
                                   "generated token weighs the same: VAGEN Alg. 1), seq-mean-token-mean (every trajectory "
                                   "weighs the same whatever its length), seq-mean-token-sum (Dr. GRPO: per-trajectory token "
                                   "sums, averaged)")
-    max_staleness: int = Field(4, ge=0, description="drop trajectories whose oldest turn is further behind the policy than "
-                                                    "this many versions")
-    importance_weight_cap: Float = Field(2.0, ge=1, description="truncation of pi_prox / pi_behaviour")
+    max_staleness: int = Field(4, ge=0, description="drop trajectories whose oldest token (a turn's token_versions, else "
+                                                    "its policy_version) is further behind the policy than this many "
+                                                    "versions")
+    importance_weight_cap: Float = Field(2.0, ge=1, description="truncation C of the importance weights (off_policy cap, "
+                                                               "tis, seq_is_geo, mis)")
+    # learner/offpolicy.py; rho = pi_prox / pi_behaviour per token, the PPO ratio still clipped against pi_prox
+    off_policy: Literal[OFF_POLICY_NAMES] = Field(
+        "cap", description="the off-policy correction of the policy loss, a weight per token from rho = pi_prox / "
+                           "pi_behaviour: cap = min(rho, C); tis = min(rho, C) / its batch mean; seq_is_geo = min(geometric "
+                           "mean of the trajectory's rho, C); mis = trajectories whose geometric mean leaves [off_policy_low, "
+                           "off_policy_high] rejected, else min(rho, C); icepop = tokens whose rho leaves the band rejected, "
+                           "else rho (docs/algorithms.md)")
+    off_policy_low: Float = Field(0.5, gt=0, le=1, description="off_policy mis, icepop: the lower bound L of the accepted "
+                                                               "ratio band [L, H]")
+    off_policy_high: Float = Field(2.0, ge=1, description="off_policy mis, icepop: the upper bound H of the accepted ratio "
+                                                          "band [L, H]")
     wmact_rescale: bool = Field(False, description="WMAct Eq. 4: positive env rewards x N_eff / N")
     anneal_max_turns: bool = Field(False, description="WMAct Eq. 5: every anneal_every updates, max turns = ceil((mean + "
                                                       "max turns of the recent episodes) / 2), never raised")

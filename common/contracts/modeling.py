@@ -364,7 +364,9 @@ class SequenceLayout:
     """One trajectory as a flat token sequence (all tensors 1-D, length L, CPU).
 
     ``response_mask``/``turn_end_mask`` are float 0/1; ``turn_index`` and ``policy_version`` are
-    -1 outside responses; ``behaviour_logprobs`` is 0 outside responses. ``turn_spans[t]`` =
+    -1 outside responses (``policy_version``: the version that sampled each response token, a turn's
+    ``token_versions`` when it has them, else its ``policy_version``; ``turn_policy_version``: each
+    turn's ``policy_version``, its oldest token's); ``behaviour_logprobs`` is 0 outside responses. ``turn_spans[t]`` =
     (start, end) positions of turn t's response tokens (end exclusive).
     """
 
@@ -411,7 +413,10 @@ def build_sequence(traj: Trajectory) -> SequenceLayout:
     for t, (s, e) in enumerate(spans):
         if e > s:
             turn_end[e - 1] = 1.0
-            version[s:e] = versions[t]
+            per_token = traj.turns[t].token_versions
+            if per_token is not None and len(per_token) != e - s:
+                raise ValueError(f"turn {t}: {len(per_token)} token_versions for {e - s} response tokens")
+            version[s:e] = torch.tensor(per_token, dtype=torch.long) if per_token is not None else versions[t]
     return SequenceLayout(
         input_ids=torch.tensor(ids, dtype=torch.long),
         response_mask=torch.tensor(resp, dtype=torch.float32),

@@ -19,9 +19,15 @@ assistant header for later turns) and ``response_ids`` (what the model sampled).
 The loss mask is 1 exactly on ``response_ids``. ``images`` are the encoded (PNG)
 images whose placeholder tokens sit inside that turn's ``obs_ids``, in order.
 
-Fields with a default (``end_reason``; a turn's ``reasoning``, ``truncated_response`` and the
-judge's fields) may be absent on the wire and are left out when encoding at their default.
+Fields with a default (``end_reason``; a turn's ``reasoning``, ``truncated_response``,
+``token_versions`` and the judge's fields) may be absent on the wire and are left out when encoding at their default.
 ``structured``, ``env_kwargs`` and ``judge`` are free-form maps with string keys.
+
+Per-token versions: a turn's ``token_versions`` (optional) names the policy version that sampled each
+response token (one per ``response_ids`` entry), for a response whose generation spanned a weight
+load; absent, every token was sampled by ``policy_version``. When present, ``policy_version`` is
+the oldest token's version (``min(token_versions)``); a wrong length or another
+``policy_version`` is a :class:`SchemaError` (dead-lettered like any malformed field).
 """
 
 from __future__ import annotations
@@ -84,6 +90,10 @@ class Turn(msgspec.Struct, kw_only=True, omit_defaults=True):
     actions_effective: Count  # of those, the ones that changed the state (WMAct N_eff)
     reasoning: str | None = None
     truncated_response: bool = False  # generation hit max_new_tokens
+    # the policy version that sampled each response token (a response whose generation spanned a weight
+    # load), len == len(response_ids); None = every token was sampled by policy_version, which is then the
+    # OLDEST token's version (min(token_versions)): staleness and the learner's bound count the oldest token
+    token_versions: list[Count] | None = None
     # written by the judge (absent or None before scoring)
     grounding_score: Finite | None = None
     worldmodeling_score: Finite | None = None
@@ -186,6 +196,13 @@ def check_trajectory(traj: Trajectory) -> Trajectory:
             raise SchemaError(f"$.turns[{i}].response_ids: empty")
         if len(t.logprobs) != len(t.response_ids):
             raise SchemaError(f"$.turns[{i}].logprobs: {len(t.logprobs)} values for {len(t.response_ids)} response tokens")
+        if t.token_versions is not None:
+            if len(t.token_versions) != len(t.response_ids):
+                raise SchemaError(f"$.turns[{i}].token_versions: {len(t.token_versions)} values for "
+                                  f"{len(t.response_ids)} response tokens")
+            if min(t.token_versions) != t.policy_version:
+                raise SchemaError(f"$.turns[{i}].policy_version: is {t.policy_version}, expected the oldest of "
+                                  f"token_versions ({min(t.token_versions)})")
     return traj
 
 
