@@ -47,7 +47,8 @@ One turn of an episode
    ``state_after``, ``actions_total = info["actions_executed"]``, ``actions_effective``,
    ``truncated_response`` and ``policy_version`` (the version that produced the response: the
    result's own ``version`` when the backend gives one, as the server backend does per response,
-   else the backend's version when the call began).
+   else the backend's version when the call began; for a response whose tokens came from two
+   versions, the oldest, with ``token_versions`` naming each token's).
 
 History: the whole episode stays in the model context. Every turn's ``obs_ids`` continue the
 previous turns, so the learner's concatenation of obs_ids and response_ids over turns IS the
@@ -362,6 +363,8 @@ class RolloutEngine:
                 actions_total=int(info.get("actions_executed", len(actions))),
                 actions_effective=int(info.get("actions_effective", 0)),
                 truncated_response=bool(res.truncated),
+                # a response that spans versions (a server that loaded one mid-request): each token's
+                token_versions=None if res.token_versions is None else [int(v) for v in res.token_versions],
             )
             ep.turns.append(turn)
             ep.context += list(seg.ids) + list(res.response_ids)

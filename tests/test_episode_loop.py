@@ -277,3 +277,27 @@ def test_parse_answer_keeps_or_refuses_a_response_that_spans_two_versions(backen
         parse_answer(_answer(req, ids, lps, []), req, codec, mixed_versions=True)
     with pytest.raises(ServerError, match="cover 2 of"):
         parse_answer(_answer(req, ids, lps, [(4, 0, 2)]), req, codec, mixed_versions=True)
+
+
+class RelabelledBackend(CountingBackend):
+    """The real HF backend whose results say their first token came from v3 and the rest from v4,
+    as a server's do when a version lands mid-response (actor.weight_update=interrupt)."""
+
+    def generate(self, requests, **kw):
+        out = super().generate(requests, **kw)
+        for res in out:
+            res.token_versions = [3] + [4] * (len(res.response_ids) - 1)
+            res.version = 3
+        return out
+
+
+def test_turns_keep_the_version_of_each_token(backend) -> None:
+    from worldloop.common.contracts.schemas import decode_trajectory, encode_trajectory
+
+    sampling = Sampling(0.7, 0.95, 6)
+    [traj] = play_episodes(RelabelledBackend(backend), [EpisodeSpec(LAKE, 2, KW, max_turns=2)], sampling=sampling,
+                           max_model_len=2048, loop="episode")
+    assert traj.turns
+    for turn in traj.turns:
+        assert turn.policy_version == 3 and turn.token_versions == [3] + [4] * (len(turn.response_ids) - 1)
+    assert decode_trajectory(encode_trajectory(traj)).turns == traj.turns
