@@ -232,6 +232,20 @@ def check_lengths(cfg: Any) -> None:
                                                   f"got {cfg.actor.max_new_tokens}")
 
 
+def check_lora(cfg: Any) -> None:
+    """`model.lora.rank` > 0 (LoRA) trains with `trainer.zero_stage` 0-2 (the adapters are small;
+    ZeRO-3's sharded base weights would have to be gathered for every merge) and needs the `hf`
+    actor backend: the learner then publishes adapter-only versions, which the vLLM backends
+    (`vllm`, `server`) do not apply."""
+    if cfg.model.lora.rank == 0:
+        return
+    if cfg.trainer.zero_stage == 3:
+        raise ConfigError("trainer.zero_stage", "LoRA (model.lora.rank > 0) runs with ZeRO stage 0-2, got 3")
+    if cfg.actor.backend != "hf":
+        raise ConfigError("actor.backend", f"LoRA (model.lora.rank > 0) publishes adapter-only versions, which only the "
+                                           f"hf backend applies; got {cfg.actor.backend!r}")
+
+
 # --------------------------------------------------------------------------- the weight channel
 
 
@@ -250,7 +264,7 @@ def check_curve_keys(cfg: Any) -> None:
 
 CROSS_CHECKS: tuple[Callable[[Any], None], ...] = (
     check_mini_batch, check_groups, check_kl_loss, check_observation_advantage, check_env_weights, check_rl_seeds,
-    check_demonstration_seeds, check_grounding_seeds, check_evaluator_seeds, check_lengths, check_curve_keys,
+    check_demonstration_seeds, check_grounding_seeds, check_evaluator_seeds, check_lengths, check_lora, check_curve_keys,
 )
 
 

@@ -1,0 +1,88 @@
+"""LoRA adapters (peft) on a Hugging Face policy: what the learner trains and the actors apply alike.
+
+Public API::
+
+    enabled(lora) -> bool                       # model.lora.rank > 0
+    peft_config(lora) -> peft.LoraConfig        # from the config section model.lora
+    attach(model, lora) -> peft.PeftModel       # adapters injected into ``model`` in place, the rest frozen
+    is_adapter_name(name) -> bool               # a tensor of an adapter (".lora_A." / ".lora_B.")
+    adapter_tensors(model) -> dict[str, Tensor] # the adapter tensors of an injected model, by state_dict name
+    merged_state_dict(model) -> dict[str, Tensor]   # base + scale * B @ A under the plain HF names
+
+Names. :func:`attach` returns peft's wrapper, whose ``get_base_model()`` is ``model`` itself with
+every targeted ``nn.Linear`` replaced by a LoRA layer. The learner wraps that base model (not the
+``PeftModel``) in its ``PolicyModule``, and the HF actor backend generates with it, so the tensor
+names are the base model's ``state_dict()`` names on both sides, e.g.
+``model.language_model.layers.0.self_attn.q_proj.lora_A.default.weight``. An adapter-only weight
+version holds exactly the tensors :func:`adapter_tensors` returns; learner and actor build their
+adapters from the same ``model.lora`` section, so the names and shapes agree.
+
+Vision. ``model.lora.vision`` false keeps every module under a ``visual`` submodule (the Qwen2.5-VL
+vision tower and its merger) out of the adapters (peft's ``exclude_modules``): the tower stays at
+its base weights, like every other base weight.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+ADAPTER = "default"  # peft's adapter name: one adapter per model
+# any module under a submodule named "visual" (the policy: model.visual..., the critic's bare backbone: visual...)
+VISION_MODULES = r"(.*\.)?visual(\..*)?"
+
+
+def enabled(lora: Any) -> bool:
+    return lora is not None and int(lora.rank) > 0
+
+
+def peft_config(lora: Any):
+    from peft import LoraConfig
+
+    return LoraConfig(r=int(lora.rank), lora_alpha=float(lora.alpha), lora_dropout=float(lora.dropout),
+                      target_modules=list(lora.target_modules), exclude_modules=None if lora.vision else VISION_MODULES,
+                      bias="none")
+
+
+def attach(model: torch.nn.Module, lora: Any):
+    """Inject LoRA adapters into ``model`` (in place) and freeze every base weight; return the
+    ``PeftModel`` (for ``disable_adapter()`` and saving). ``ValueError`` when no module matches
+    ``model.lora.target_modules``."""
+    from peft import get_peft_model
+
+    try:
+        pm = get_peft_model(model, peft_config(lora))
+    except ValueError as e:
+        raise ValueError(f"model.lora.target_modules {list(lora.target_modules)} match no layer of the model: {e}") from e
+    return pm
+
+
+def is_adapter_name(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter tensors of an injected model (detached, live), by ``state_dict`` name."""
+    return {n: p.detach() for n, p in model.named_parameters() if is_adapter_name(n)}
+
+
+@torch.no_grad()
+def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The injected ``model``'s weights with the adapters folded in (``W + alpha / r * B @ A``),
+    under the plain HF names (``...q_proj.weight``): what ``save_pretrained`` writes as a model
+    ``transformers`` loads without peft. ``model`` is left as it is (nothing merged in place)."""
+    from peft.tuners.lora import LoraLayer
+
+    deltas = {}
+    for name, m in model.named_modules():
+        if isinstance(m, LoraLayer) and ADAPTER in m.lora_A:
+            deltas[f"{name}.base_layer.weight"] = m.get_delta_weight(ADAPTER)
+    out = {}
+    for name, t in model.state_dict().items():
+        if is_adapter_name(name):
+            continue
+        if name in deltas:
+            t = (t.float() + deltas[name].float()).to(t.dtype)
+        out[name.replace(".base_layer.", ".")] = t.detach()
+    return out
