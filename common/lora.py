@@ -8,6 +8,7 @@ Public API::
     is_adapter_name(name) -> bool               # a tensor of an adapter (".lora_A." / ".lora_B.")
     adapter_tensors(model) -> dict[str, Tensor] # the adapter tensors of an injected model, by state_dict name
     merged_state_dict(model) -> dict[str, Tensor]   # base + scale * B @ A under the plain HF names
+    load_adapter_dir(path) -> dict[str, Tensor]     # a peft adapter directory's tensors under those names
 
 Names. :func:`attach` returns peft's wrapper, whose ``get_base_model()`` is ``model`` itself with
 every targeted ``nn.Linear`` replaced by a LoRA layer. The learner wraps that base model (not the
@@ -85,4 +86,24 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if name in deltas:
             t = (t.float() + deltas[name].float()).to(t.dtype)
         out[name.replace(".base_layer.", ".")] = t.detach()
+    return out
+
+
+_PEFT_PREFIX = "base_model.model."
+
+
+def load_adapter_dir(path) -> dict[str, torch.Tensor]:
+    """The tensors of a peft adapter directory (``adapter_model.safetensors``, as ``save_pretrained``
+    writes it: ``base_model.model.<name>.lora_A.weight``) under the injected model's names
+    (``<name>.lora_A.default.weight``), as an adapter-only version holds them."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    out = {}
+    for name, t in load_file(str(Path(path) / "adapter_model.safetensors")).items():
+        name = name.removeprefix(_PEFT_PREFIX)
+        for part in (".lora_A.", ".lora_B."):
+            name = name.replace(part, f"{part}{ADAPTER}.")
+        out[name] = t
     return out
