@@ -52,8 +52,11 @@ def attach(model: torch.nn.Module, lora: Any):
     ``model.lora.target_modules``."""
     from peft import get_peft_model
 
+    config = peft_config(lora)
+    if not any(name == "visual" or name.endswith(".visual") for name, _ in model.named_modules()):
+        config.exclude_modules = None  # a text-only model: nothing to keep out (and no warning from peft)
     try:
-        pm = get_peft_model(model, peft_config(lora))
+        pm = get_peft_model(model, config)
     except ValueError as e:
         raise ValueError(f"model.lora.target_modules {list(lora.target_modules)} match no layer of the model: {e}") from e
     return pm
