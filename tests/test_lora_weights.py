@@ -108,3 +108,43 @@ def test_an_adapter_only_version_over_the_channel_gives_the_learners_logprobs(mo
     path = checkpoint.save(models, root, {"run_id": "r", "step": 1, "policy_version": 1}, weights=weights, model_dir=model_dir)
     from_disk = load_adapter_dir(path / "adapter")
     assert set(from_disk) == set(weights) and all(torch.equal(from_disk[k], weights[k]) for k in weights)
+
+
+@pytest.mark.slow
+def test_a_lora_learner_trains_checkpoints_and_resumes_publishing_its_adapters(model_dir, redis_url, tmp_path):
+    """The whole learner loop with LoRA (real Redis): two updates, a checkpoint, then a resumed learner
+    holds the same adapters and publishes them (adapter names only) as the checkpoint's version."""
+    from worldloop.learner.engine import init_distributed
+    from worldloop.learner.process import Learner
+    from worldloop.testing.learner import tiny_learner_config, train_until_stopped
+
+    def config(resume: bool):
+        cfg = tiny_learner_config(model_dir, redis_url, tmp_path / "run", namespace="lora", total_steps=2,
+                                  checkpoint_every=2, kl_coef=0.01, resume=resume)
+        cfg.model.lora = LORA
+        return cfg
+
+    from worldloop.common.contracts.modeling import ChatCodec
+
+    codec = ChatCodec(model_dir, max_image_side=112)
+    trajs = [synthetic_trajectory(codec, trajectory_id=f"t{i}", seed=i, turns=1, response_tokens=5, env_reward=float(i % 2),
+                                  image_side=28) for i in range(8)]
+    first, rc = train_until_stopped(config(False), trajs)
+    assert rc == 0 and first.version == 2
+    trained = {k: v.clone() for k, v in first.models.policy_hf.named_parameters() if is_adapter_name(k)}
+    path = tmp_path / "run" / "checkpoints" / "step_00000002"
+    assert (path / "adapter" / "adapter_model.safetensors").is_file() and (path / "hf" / "config.json").is_file()
+
+    cfg = config(True)
+    again = Learner(cfg, init_distributed(cfg))
+    try:
+        assert again.version == 2
+        sub = WeightSubscriber("127.0.0.1", again.publisher.pub_port, again.publisher.fetch_port, fetch_timeout_s=30)
+        try:
+            version, tensors = sub.fetch(min_version=0)
+        finally:
+            sub.close()
+        assert version == 2 and set(tensors) == set(trained)
+        assert all(torch.equal(tensors[k], trained[k]) for k in trained)
+    finally:
+        again.close()
