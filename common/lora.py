@@ -9,6 +9,7 @@ Public API::
     adapter_tensors(model) -> dict[str, Tensor] # the adapter tensors of an injected model, by state_dict name
     merged_state_dict(model) -> dict[str, Tensor]   # base + scale * B @ A under the plain HF names
     load_adapter_dir(path) -> dict[str, Tensor]     # a peft adapter directory's tensors under those names
+    write_adapter_dir(tensors, lora, out)           # the inverse: an adapter-only version as a peft directory
 
 Names. :func:`attach` returns peft's wrapper, whose ``get_base_model()`` is ``model`` itself with
 every targeted ``nn.Linear`` replaced by a LoRA layer. The learner wraps that base model (not the
@@ -110,3 +111,21 @@ def load_adapter_dir(path) -> dict[str, torch.Tensor]:
             name = name.replace(part, f"{part}{ADAPTER}.")
         out[name] = t
     return out
+
+
+def write_adapter_dir(tensors: dict[str, torch.Tensor], lora: Any, out) -> None:
+    """An adapter-only version (the injected model's names) as a peft adapter directory at ``out``
+    (``adapter_config.json`` + ``adapter_model.safetensors``), which vLLM's ``LoRARequest`` loads."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    peft_config(lora).save_pretrained(str(out))
+    named = {}
+    for name, t in tensors.items():
+        for part in (".lora_A.", ".lora_B."):
+            name = name.replace(f"{part}{ADAPTER}.", part)
+        named[_PEFT_PREFIX + name] = t.detach().to("cpu").contiguous()
+    save_file(named, str(out / "adapter_model.safetensors"))

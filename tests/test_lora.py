@@ -30,7 +30,8 @@ def model_dir(shared_tiny_model) -> Path:
     ({"target_modules": []}, {}, "model.lora.target_modules", "at least one"),
     ({"target_modules": ["q_proj", "q_proj"]}, {}, "model.lora.target_modules", "distinct"),
     ({"rank": 8}, {"trainer": {"zero_stage": 3}}, "trainer.zero_stage", "ZeRO stage 0-2"),
-    ({"rank": 8}, {"actor": {"backend": "vllm"}}, "actor.backend", "only the hf backend"),
+    ({"rank": 8}, {"actor": {"backend": "server"}}, "actor.backend", "inference servers"),
+    ({"rank": 8, "vision": True}, {"actor": {"backend": "vllm"}}, "model.lora.vision", "language model only"),
 ])
 def test_bad_lora_values_fail_naming_the_key(lora, extra, key, why):
     with pytest.raises(ConfigError, match=rf"'{key}'.*{why}"):
