@@ -70,16 +70,32 @@ def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-@pytest.mark.parametrize("stage", [0, 2])
+def _torch_models(cfg, model_dir: Path):
+    """The models on bench/learner.py's plain-torch engine (its baseline: no DeepSpeed)."""
+    import importlib.util
+
+    from worldloop.common.contracts.modeling import ChatCodec, load_policy
+    from worldloop.learner.engine import DistInfo, assemble_models, load_backbone
+
+    spec = importlib.util.spec_from_file_location("bench_learner", Path(__file__).parent.parent / "bench" / "learner.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cpu = torch.device("cpu")
+    make = lambda module, lr, conf: bench.TorchEngine(module, lr, conf, cpu, torch.float32)  # noqa: E731
+    return assemble_models(cfg, DistInfo(0, 1, 0, cpu, "none"), ChatCodec(model_dir, max_image_side=112),
+                           load_policy(model_dir), load_backbone(model_dir), None, engine_fn=make)
+
+
+@pytest.mark.parametrize("stage", ["torch", 0, 2])
 def test_an_update_trains_the_adapters_only_and_the_reference_is_the_base(model_dir, tmp_path, stage):
     from worldloop.common.contracts.modeling import load_policy
     from worldloop.learner.engine import PolicyModule, build_models, gather_policy_weights, init_distributed
     from worldloop.learner.lora import AdapterOffReference
     from worldloop.learner.trainer import PPOTrainer
 
-    cfg = _config(model_dir, tmp_path, stage)
+    cfg = _config(model_dir, tmp_path, 0 if stage == "torch" else stage)
     torch.manual_seed(0)
-    models = build_models(cfg, init_distributed(cfg))
+    models = _torch_models(cfg, model_dir) if stage == "torch" else build_models(cfg, init_distributed(cfg))
     assert isinstance(models.reference, AdapterOffReference)  # no second copy of the weights
     trainable = {n for n, p in models.policy.module.named_parameters() if p.requires_grad}
     assert trainable and all(is_adapter_name(n) for n in trainable)
