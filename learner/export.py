@@ -7,6 +7,7 @@ Face model directory (a LoRA run's adapter folded into its base model, ``learner
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,9 @@ def export_command(cfg: Any, args: Any) -> int:
     into its base model (``model.path`` of the run's ``config.yaml``, else of the config), a full-weight run's ``hf/`` export copied.
     ``DIR`` defaults to ``<checkpoint>/merged``."""
     if not args.merged:
-        raise ValueError("worldloop model export: only --merged is supported (a plain HF model directory)")
+        print("worldloop model export: give --merged (the one export there is: a plain HF model directory)",
+              file=sys.stderr)
+        return 2
     ckpt = _checkpoint_of(Path(args.config_file))
     out = Path(args.out) if args.out else ckpt / "merged"
     if (ckpt / ADAPTER_DIR / "adapter_config.json").is_file():

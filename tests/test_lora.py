@@ -86,14 +86,16 @@ def _torch_models(cfg, model_dir: Path):
                            load_policy(model_dir), load_backbone(model_dir), None, engine_fn=make)
 
 
-@pytest.mark.parametrize("stage", ["torch", 0, 2])
+@pytest.mark.parametrize("stage", ["torch", 0, 2, "2+checkpointing"])
 def test_an_update_trains_the_adapters_only_and_the_reference_is_the_base(model_dir, tmp_path, stage):
     from worldloop.common.contracts.modeling import load_policy
     from worldloop.learner.engine import PolicyModule, build_models, gather_policy_weights, init_distributed
     from worldloop.learner.lora import AdapterOffReference
     from worldloop.learner.trainer import PPOTrainer
 
-    cfg = _config(model_dir, tmp_path, 0 if stage == "torch" else stage)
+    cfg = _config(model_dir, tmp_path, {"torch": 0, "2+checkpointing": 2}.get(stage, stage))
+    if stage == "2+checkpointing":  # recomputed decoder layers: gradients still reach the adapters
+        cfg.trainer.activation_checkpointing = "full"
     torch.manual_seed(0)
     models = _torch_models(cfg, model_dir) if stage == "torch" else build_models(cfg, init_distributed(cfg))
     assert isinstance(models.reference, AdapterOffReference)  # no second copy of the weights
@@ -221,3 +223,23 @@ def _at_checkpoint(cfg, path):
     models = build_models(cfg, init_distributed(cfg))
     checkpoint.load(models, path)
     return models.policy.module.eval()
+
+
+def test_export_of_a_full_weight_checkpoint_copies_its_hf_export(model_dir, tmp_path, capsys):
+    import json
+    import shutil
+
+    from worldloop.cli import main
+
+    ckpt = tmp_path / "step_00000001"
+    ckpt.mkdir()
+    (ckpt / "state.json").write_text(json.dumps({"step": 1, "policy_version": 1, "complete": True}))
+    assert main(["model", "export", str(ckpt), "--merged", "--out", str(tmp_path / "a")]) == 2
+    assert "has neither adapter/ nor hf/" in capsys.readouterr().err
+    shutil.copytree(model_dir, ckpt / "hf")
+    assert main(["model", "export", str(ckpt), "--merged", "--out", str(tmp_path / "b")]) == 0
+    assert (tmp_path / "b" / "model.safetensors").read_bytes() == (model_dir / "model.safetensors").read_bytes()
+    assert main(["model", "export", str(tmp_path / "nothing"), "--merged"]) == 2
+    assert "neither a learner checkpoint" in capsys.readouterr().err
+    assert main(["model", "export", str(ckpt)]) == 2
+    assert "give --merged" in capsys.readouterr().err
