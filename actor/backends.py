@@ -25,7 +25,8 @@ def make_backend(cfg: "Config", model_dir: str | None = None, *, local: bool = F
     if cfg.actor.backend == "hf" or (local and cfg.actor.backend == "server"):
         from worldloop.actor.hf_backend import HFBackend
 
-        return HFBackend(path, device=resolve_device(cfg.actor.device), dtype=cfg.model.dtype, max_image_side=cfg.model.max_image_side)
+        return HFBackend(path, device=resolve_device(cfg.actor.device), dtype=cfg.model.dtype, max_image_side=cfg.model.max_image_side,
+                         lora=cfg.model.lora)
     if cfg.actor.backend == "vllm":
         try:
             from worldloop.actor.vllm_backend import VLLMBackend

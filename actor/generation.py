@@ -134,9 +134,10 @@ def check_finite(tensors: dict[str, torch.Tensor]) -> None:
             raise WeightUpdateError(f"tensor {k}: holds NaN or infinite values")
 
 
-def check_state_dict(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Raise WeightUpdateError unless ``tensors`` exactly covers ``model.state_dict()``."""
-    own = model.state_dict()
+def check_state_dict(model: torch.nn.Module, tensors: dict[str, torch.Tensor], own: dict | None = None) -> None:
+    """Raise WeightUpdateError unless ``tensors`` exactly covers ``model.state_dict()`` (or ``own``,
+    a part of it: a LoRA model's adapter tensors)."""
+    own = model.state_dict() if own is None else own
     unknown = sorted(set(tensors) - set(own))
     if unknown:
         raise WeightUpdateError(f"unknown tensor name(s) {unknown[:5]}{' ...' if len(unknown) > 5 else ''} ({len(unknown)} in all)")

@@ -4,7 +4,12 @@ never sampled: ``generate``'s ``bad_words_ids`` sets their logits to -inf before
 processor (temperature, top-p, keyed sampling), and the reported log-probs are taken from the
 logits under the same mask.
 
-    HFBackend(model_dir, device="cpu", dtype="auto", codec=None, max_image_side=224)
+    HFBackend(model_dir, device="cpu", dtype="auto", codec=None, max_image_side=224, lora=None)
+
+With ``lora`` (the config's ``model.lora``, rank > 0) the model gets the same peft adapters as the
+learner's policy (``common/lora.py``, ``B`` = 0: the base model until the first version) and
+``update_weights`` takes adapter-only versions: exactly the adapter tensors, copied into the
+adapters in place; the base weights stay those of ``model_dir``.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import torch
 
 from worldloop.actor.generation import (GenRequest, GenResult, check_finite, check_state_dict, cut_at_eos, keyed_gumbel_scores,
                                         resolve_device, validate_requests)
+from worldloop.common import lora as common_lora
 from worldloop.common.contracts.modeling import ChatCodec, load_policy
 
 log = logging.getLogger(__name__)
@@ -31,10 +37,14 @@ class HFBackend:
         dtype: str = "auto",
         codec: ChatCodec | None = None,
         max_image_side: int = 224,
+        lora=None,
     ):
         self.device = resolve_device(device)
         self.codec = codec or ChatCodec(model_dir, max_image_side=max_image_side)
         self.model = load_policy(model_dir, dtype=dtype, device=self.device)
+        self.lora = common_lora.enabled(lora)
+        if self.lora:  # generate with the injected base model (the learner's names); no dropout here
+            self.model = common_lora.attach(self.model, lora).get_base_model().eval()
         self.version = 0
         self._vocab = self.model.get_input_embeddings().num_embeddings
         self._masked = list(self.codec.prompt_only_ids)
@@ -134,12 +144,14 @@ class HFBackend:
     # -- weights
     @torch.no_grad()
     def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Copy a full state dict into the model in place (all-or-nothing), then set ``version``.
-        A set whose names or shapes do not fit, or with a NaN/inf anywhere, raises WeightUpdateError
-        and changes nothing (as the vLLM backend)."""
-        check_state_dict(self.model, tensors)
-        check_finite(tensors)
+        """Copy a full state dict (with LoRA: exactly the adapter tensors) into the model in place
+        (all-or-nothing), then set ``version``. A set whose names or shapes do not fit, or with a
+        NaN/inf anywhere, raises WeightUpdateError and changes nothing (as the vLLM backend)."""
         own = self.model.state_dict()
+        if self.lora:
+            own = {k: v for k, v in own.items() if common_lora.is_adapter_name(k)}
+        check_state_dict(self.model, tensors, own)
+        check_finite(tensors)
         for k, t in tensors.items():
             own[k].copy_(t.to(device=own[k].device, dtype=own[k].dtype))
         self.version = int(version)

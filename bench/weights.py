@@ -2,6 +2,7 @@
 
     python bench/weights.py                                  # tiny and 0.5b shapes, lr 1e-6 and 1e-5
     python bench/weights.py --sizes tiny --lrs 1e-6 --steps 2
+    python bench/weights.py --no-full --lora-rank 16           # only the LoRA rows
 
 For each model shape and learning rate: a model in fp32 takes ``--steps`` real AdamW steps on random
 tokens (next-token loss), and after each step its weights, cast to ``--dtype`` (bf16, what a GPU
@@ -24,6 +25,13 @@ buffer from the base, the hash and the decode; "apply/full" is their ratio (goal
 pay for a fresh buffer's page faults, as the subscriber does for every version. The first version has
 no delta (nothing before it) and is not in the table. Both subscribers' tensors are compared bit
 for bit with the learner's.
+
+* **lora** (``--lora-rank``, default 16; 0 = skip): the same shape with peft LoRA adapters on
+  q/k/v/o/gate/up/down (``model.lora``, ``common/lora.py``); only the adapters take the AdamW steps
+  and a version is the adapter tensors alone, as a LoRA learner publishes them, fetched by a third
+  subscriber. Its "apply s" is copying the fetched tensors into an actor-side copy of the adapted
+  model (what ``HFBackend.update_weights`` does); "lora/snap" is its bytes on the wire against the
+  full model's snapshot (the table's "snapshot MB").
 
 Shapes: ``tiny`` is a Qwen2-style decoder of hidden 256, 4 layers, vocab 8,192 (7 M parameters);
 ``0.5b`` is Qwen2.5-0.5B's text shape (hidden 896, 24 layers, 14/2 heads, intermediate 4,864,
@@ -147,6 +155,53 @@ def run(size: str, lr: float, steps: int, dtype: torch.dtype, tokens: int) -> li
     return rows
 
 
+def run_lora(size: str, lr: float, steps: int, dtype: torch.dtype, tokens: int, rank: int) -> list[dict]:
+    """Adapter-only versions of a rank-``rank`` LoRA on ``size``: bytes, prepare, fetch and apply seconds."""
+    from worldloop.common.contracts.config import LoraConfig
+    from worldloop.common.lora import adapter_tensors, attach
+
+    lora = LoraConfig(rank=rank, alpha=2.0 * rank)
+    model = make_model(size)
+    full_bytes = sum(t.numel() for t in model.state_dict().values()) * torch.finfo(dtype).bits // 8
+    policy = attach(model, lora).get_base_model()
+    actor = attach(make_model(size).to(dtype), lora).get_base_model()  # the actor's copy, in the wire dtype
+    vocab = policy.config.vocab_size
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=lr)
+    rows = []
+    with WeightPublisher("127.0.0.1") as pub:
+        sub = WeightSubscriber("127.0.0.1", pub.pub_port, pub.fetch_port, fetch_timeout_s=600, deltas=False)
+        try:
+            for version in range(1, steps + 2):
+                if version > 1:
+                    x = torch.randint(0, vocab, (1, tokens))
+                    policy(input_ids=x, labels=x).loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                want = {k: v.to(dtype).clone() for k, v in adapter_tensors(policy).items()}
+                t0 = time.perf_counter()
+                pub.publish(want, version, owned=True, wait=True)
+                prepare = time.perf_counter() - t0
+                fetch_s, got = timed_fetch(sub, version)
+                if not same_bits(got, want):
+                    raise RuntimeError(f"v{version}: the subscriber does not hold the learner's adapters")
+                own = actor.state_dict()
+
+                def apply(got=got, own=own):
+                    with torch.no_grad():
+                        for k, t in got.items():
+                            own[k].copy_(t)
+
+                apply_s = best_of(apply)
+                if version > 1:
+                    rows.append({"size": size, "lr": lr, "version": version, "full_bytes": full_bytes,
+                                 "lora_bytes": pub._current.manifest.size, "prepare_s": prepare, "fetch_s": fetch_s,
+                                 "apply_s": apply_s, "tensors": len(want)})
+                del got, want
+        finally:
+            sub.close()
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="tiny,0.5b")
@@ -154,13 +209,15 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps (versions after the first) per row group")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--tokens", type=int, default=32, help="tokens of the random batch of each step")
+    ap.add_argument("--lora-rank", type=int, default=16, help="rank of the LoRA rows (0: no LoRA rows)")
+    ap.add_argument("--no-full", action="store_true", help="only the LoRA rows")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     print(f"# bench/weights.py on {platform.node()} ({platform.processor() or platform.machine()}), torch "
           f"{torch.__version__}, {torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}; weights in {args.dtype}")
     print(f"{'size':<5} {'lr':>6} {'v':>2} {'snapshot MB':>12} {'delta MB':>9} {'delta/snap':>10} {'prepare s':>9} "
           f"{'fetch s full':>12} {'fetch s delta':>13} {'apply s full':>12} {'apply s delta':>13} {'apply/full':>10}")
-    for size in args.sizes.split(","):
+    for size in args.sizes.split(",") if not args.no_full else []:
         for lr in [float(x) for x in args.lrs.split(",")]:
             for r in run(size, lr, args.steps, dtype, args.tokens):
                 d = r["delta_bytes"]
@@ -169,6 +226,15 @@ def main() -> int:
                       f"{(d or 0) / 1e6:>9.3f} {ratio:>10} {r['prepare_s']:>9.3f} {r['full_s']:>12.3f} "
                       f"{r['delta_s']:>13.3f} {r['full_apply']:>12.3f} {r['delta_apply']:>13.3f} "
                       f"{r['delta_apply'] / r['full_apply']:>9.2f}x" + ("" if r["used_delta"] else "  (full)"))
+    if args.lora_rank:
+        print(f"\n{'size':<5} {'lr':>6} {'v':>2} {'rank':>4} {'snapshot MB':>12} {'lora MB':>8} {'lora/snap':>9} "
+              f"{'tensors':>7} {'prepare s':>9} {'fetch s':>8} {'apply s':>8}")
+        for size in args.sizes.split(","):
+            for lr in [float(x) for x in args.lrs.split(",")]:
+                for r in run_lora(size, lr, args.steps, dtype, args.tokens, args.lora_rank):
+                    print(f"{size:<5} {lr:>6.0e} {r['version']:>2} {args.lora_rank:>4} {r['full_bytes'] / 1e6:>12.2f} "
+                          f"{r['lora_bytes'] / 1e6:>8.3f} {r['lora_bytes'] / r['full_bytes']:>9.2%} {r['tensors']:>7} "
+                          f"{r['prepare_s']:>9.4f} {r['fetch_s']:>8.4f} {r['apply_s']:>8.4f}")
     return 0
 
 

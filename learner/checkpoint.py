@@ -19,6 +19,9 @@ Layout of ``<run_dir>/checkpoints``::
         critic/ds/...        the same for the critic (absent without one)
         hf/                  the policy as a Hugging Face model directory (config, safetensors,
                              tokenizer and image-processor files): what ``worldloop eval --model`` loads
+                             (LoRA: the adapters merged in)
+        adapter/             LoRA only: the policy's adapter in peft's format (``learner/lora.py``);
+                             policy/ and critic/ then hold no frozen base weight
         state.json           sidecar: run_id, step, policy_version, max_turns, trained ids (dedup window),
                              anneal window, world_size, zero_stage, time, files (size and xxh3-64 of
                              every other file), complete=true
@@ -158,6 +161,10 @@ def _export_hf(models: Models, weights: dict, model_dir: Path | None, out: Path)
     models.policy_hf.save_pretrained(str(out), state_dict=weights, safe_serialization=True)
 
 
+def _lora_rank(models: Models) -> int:
+    return int(models.lora.peft_config["default"].r) if models.lora is not None else 0
+
+
 def _write_errors() -> tuple[type[BaseException], ...]:
     """What a failed write raises: OSError, DeepSpeed's RuntimeError, safetensors' SafetensorError."""
     try:
@@ -183,16 +190,24 @@ def save(models: Models, root: str | Path, state: dict, *, weights: dict | None 
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         barrier(models.dist)
-        models.policy.save_checkpoint(str(tmp / "policy"), tag=_TAG, save_latest=False)
+        lora = models.lora is not None  # LoRA: the frozen base weights are model.path's, not saved again
+        models.policy.save_checkpoint(str(tmp / "policy"), tag=_TAG, save_latest=False, exclude_frozen_parameters=lora)
         if models.critic is not None:
-            models.critic.save_checkpoint(str(tmp / "critic"), tag=_TAG, save_latest=False)
+            models.critic.save_checkpoint(str(tmp / "critic"), tag=_TAG, save_latest=False, exclude_frozen_parameters=lora)
         barrier(models.dist)
         if models.dist.is_main:
+            if lora:
+                from worldloop.learner.lora import ADAPTER_DIR, merged_weights, save_adapter
+
+                save_adapter(models, tmp / ADAPTER_DIR)
+                if weights:
+                    weights = merged_weights(models)
             if weights:
                 _export_hf(models, weights, Path(model_dir) if model_dir else None, tmp / "hf")
             files = _seal(tmp)  # every file and folder on the disk before state.json says "complete"
             sidecar = dict(state, run_id=str(state.get("run_id", "")), world_size=models.dist.world_size,
-                           zero_stage=models.zero_stage, has_critic=models.critic is not None, time=time.time(),
+                           zero_stage=models.zero_stage, has_critic=models.critic is not None, lora_rank=_lora_rank(models),
+                           time=time.time(),
                            files=files, complete=True)
             _write_atomic(tmp / _STATE, json.dumps(sidecar))
     except _write_errors() as e:
@@ -338,10 +353,15 @@ def load(models: Models, path: str | Path) -> dict:
         raise ConfigError("trainer.zero_stage", f"checkpoint {path} was written with ZeRO stage {state.get('zero_stage')}, this run uses {models.zero_stage}")
     if bool(state.get("has_critic")) != (models.critic is not None):
         raise ConfigError("trainer.use_critic", f"checkpoint {path} {'has' if state.get('has_critic') else 'has no'} critic, this run differs")
+    if int(state.get("lora_rank", 0)) != _lora_rank(models):
+        raise ConfigError("model.lora.rank", f"checkpoint {path} was written with LoRA rank {state.get('lora_rank', 0)}, "
+                                             f"this run uses {_lora_rank(models)}")
     for engine, sub in ((models.policy, "policy"), (models.critic, "critic")):
         if engine is None:
             continue
-        loaded, _ = engine.load_checkpoint(str(path / sub), tag=_TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
+        # LoRA: the checkpoint holds the trainable tensors only; the frozen base stays as built
+        loaded, _ = engine.load_checkpoint(str(path / sub), tag=_TAG, load_optimizer_states=True, load_lr_scheduler_states=False,
+                                           load_module_strict=models.lora is None)
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load the {sub} checkpoint in {path}")
     log.info("resumed from %s: step %d, policy version %d", path, state["step"], state["policy_version"])

@@ -11,7 +11,7 @@ Public API::
     build_models(cfg, dist) -> Models          # from cfg.model.path
     assemble_models(cfg, dist, codec, hf, backbone, reference, engine_fn=None) -> Models
     check_batch_geometry(cfg, world_size)      # ConfigError unless batches split evenly over ranks
-    gather_policy_weights(models) -> dict[str, Tensor]   # HF state_dict names; full tensors on rank 0
+    gather_policy_weights(models) -> dict[str, Tensor]   # HF state_dict names; full tensors (LoRA: the adapters) on rank 0
     broadcast_bytes(data, dist) -> bytes       # rank 0's bytes on every rank (no pickle)
     all_reduce_sum(values, dist) / all_reduce_max(values, dist) -> list[float]; barrier(dist)
 
@@ -33,7 +33,9 @@ Design notes
   i.e. the value of the prefix *before* token ``i`` (``V(tau_<i)`` of VAGEN Alg. 1); position 0
   gets 0.
 * The reference is a frozen copy of the initial policy (``model.path``), not wrapped in DeepSpeed:
-  fp32 on CPU, bf16 on GPU. It is skipped when ``trainer.kl_coef`` is 0.
+  fp32 on CPU, bf16 on GPU. It is skipped when ``trainer.kl_coef`` is 0. With LoRA
+  (``model.lora.rank`` > 0, ``learner/lora.py``) only adapters train, on policy and critic, and the
+  reference is the policy with its adapters disabled: no second copy.
 * Optimiser: a client ``torch.optim.AdamW`` handed to ``deepspeed.initialize`` (no JIT-compiled
   fused/CPU Adam). ``zero_stage`` 0-3 by config; bf16 when ``trainer.precision`` resolves to it.
 """
@@ -51,6 +53,8 @@ from typing import Any
 import torch
 
 from worldloop.common.contracts.config import Config, ConfigError
+from worldloop.common.lora import adapter_tensors
+from worldloop.common.lora import enabled as lora_enabled
 from worldloop.common.contracts.logprobs import model_inputs, token_logprobs
 from worldloop.common.contracts.modeling import ChatCodec, freeze_vision_tower, load_policy
 from worldloop.learner.kernels import (apply_checkpointing, apply_liger, checkpointing_mode, configure_attention,
@@ -246,6 +250,7 @@ class Models:
     zero_stage: int
     vocab_size: int
     liger: bool = False  # Liger Kernel patched in (trainer.liger)
+    lora: Any | None = None  # the policy's peft.PeftModel with model.lora (learner/lora.py), else None
 
     @property
     def policy_hf(self) -> torch.nn.Module:
@@ -273,7 +278,7 @@ def build_models(cfg: Config, dist: DistInfo) -> Models:
     hf = load_policy(path, dtype="float32", device="cpu")
     backbone = load_backbone(path) if t.use_critic else None
     reference = None
-    if t.kl_coef > 0:
+    if t.kl_coef > 0 and not lora_enabled(cfg.model.lora):  # LoRA: the policy with its adapters off
         ref_dtype = torch.bfloat16 if dist.device.type == "cuda" else torch.float32
         reference = load_policy(path, dtype=ref_dtype, device=str(dist.device))
     return assemble_models(cfg, dist, codec, hf, backbone, reference)
@@ -301,6 +306,11 @@ def assemble_models(cfg: Config, dist: DistInfo, codec: ChatCodec, hf: torch.nn.
         if backbone is not None:
             freeze_vision_tower(backbone)
     vocab = hf.get_input_embeddings().num_embeddings
+    peft_model = None
+    if lora_enabled(cfg.model.lora):
+        from worldloop.learner.lora import attach_models
+
+        peft_model, hf, backbone = attach_models(cfg, hf, backbone)
     ckpt = checkpointing_mode(t)
     apply_checkpointing(hf, ckpt)
     policy = make(PolicyModule(hf, t.logprob_chunk_tokens, fused=liger, masked_ids=codec.prompt_only_ids), t.actor_lr, conf)
@@ -310,7 +320,12 @@ def assemble_models(cfg: Config, dist: DistInfo, codec: ChatCodec, hf: torch.nn.
         apply_checkpointing(backbone, ckpt)
         critic = make(CriticModule(backbone), t.critic_lr, conf)
     ref = None
-    if reference is not None:
+    if peft_model is not None:
+        if t.kl_coef > 0:
+            from worldloop.learner.lora import AdapterOffReference
+
+            ref = AdapterOffReference(policy.module, peft_model)
+    elif reference is not None:
         ref = PolicyModule(reference, t.logprob_chunk_tokens, fused=liger, masked_ids=codec.prompt_only_ids).eval()
         ref.requires_grad_(False)
     log.info(
@@ -320,7 +335,7 @@ def assemble_models(cfg: Config, dist: DistInfo, codec: ChatCodec, hf: torch.nn.
     )
     if dist.is_main:
         log.info("%s", kernel_report(cfg, dist.device, liger))
-    return Models(policy, critic, ref, codec, dist, bf16, t.zero_stage, vocab, liger)
+    return Models(policy, critic, ref, codec, dist, bf16, t.zero_stage, vocab, liger, peft_model)
 
 
 # --------------------------------------------------------------------------- weights
@@ -349,6 +364,8 @@ def gather_policy_weights(models: Models) -> dict[str, torch.Tensor]:
     (at most ``_GATHER_NUMEL`` elements at a time) and rank 0 keeps CPU copies.
     """
     hf = models.policy_hf
+    if models.lora is not None:  # LoRA (ZeRO 0-2): the adapters alone are the version
+        return adapter_tensors(hf) if models.dist.is_main else {}
     named = list(hf.named_parameters())
     out: dict[str, torch.Tensor] = {}
     if models.zero_stage == 3:

@@ -11,7 +11,7 @@ import pytest
 from pydantic import BaseModel
 
 from worldloop.common.contracts import config_checks
-from worldloop.common.contracts.config import Config, ConfigError, EnvSpec, load_config, to_dict
+from worldloop.common.contracts.config import Config, ConfigError, EnvSpec, LoraConfig, load_config, to_dict
 from worldloop.common.contracts.config_fields import bound_reason, unwrap
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,7 +39,8 @@ def test_the_check_mode_fails_on_a_stale_file(tmp_path: Path, monkeypatch: pytes
 
 
 def _sections() -> list[tuple[str, type[BaseModel]]]:
-    return [(name, unwrap(info.annotation)) for name, info in Config.model_fields.items()] + [("actor.envs[]", EnvSpec)]
+    return [(name, unwrap(info.annotation)) for name, info in Config.model_fields.items()] + [("actor.envs[]", EnvSpec),
+                                                                                        ("model.lora", LoraConfig)]
 
 
 def test_every_key_is_in_the_reference_with_its_doc_default_and_bound() -> None:

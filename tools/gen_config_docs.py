@@ -93,6 +93,12 @@ def table(model: type[BaseModel], prefix: str) -> tuple[list[str], list[tuple[st
         tp = unwrap(info.annotation)
         if typing.get_origin(tp) is list and isinstance(item := typing.get_args(tp)[0], type) and issubclass(item, BaseModel):
             nested.append((f"{prefix}.{name}[]", item))
+        if isinstance(tp, type) and issubclass(tp, BaseModel):  # a sub-section: its row, then its keys, dotted
+            rows.append(f"| `{prefix}.{name}` | section |  |  | {cell(info.description or '')} (the keys below) |")
+            sub_rows, sub_nested = table(tp, f"{prefix}.{name}")
+            rows += sub_rows[2:]
+            nested += sub_nested
+            continue
         bound = bound_reason(info) or ""
         bound = bound[len("must be "):] if bound.startswith("must be ") else bound
         rows.append(f"| `{prefix}.{name}` | {cell(type_text(info.annotation))} | {cell(default_text(info))} | "

@@ -11,6 +11,7 @@
     worldloop show PATH [--out FILE]                 an HTML page of eval / sampled episodes
     worldloop model build CONFIG [overrides] [--out DIR]   build the model a run of CONFIG starts from
     worldloop model resolve CONFIG [overrides]       print where that model is (shipped, cached or built)
+    worldloop model export RUN --merged [--out DIR]  the run's newest checkpoint as a plain HF model (LoRA merged)
     worldloop --version                              the installed version
 
 Every subcommand but ``show`` loads the config first, so a bad key or value fails here,
@@ -117,7 +118,9 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
         "`worldloop model build CONFIG [key.sub=value ...] [--out DIR]` makes the warm start of CONFIG's recipe "
         "(the tiny model, grounding pre-training, SFT) reproducibly, with a recipe.json beside the weights, into DIR "
         "or the user's cache. `worldloop model resolve CONFIG [...]` prints the directory a run of CONFIG starts "
-        "from (model.path, a shipped model, the cache, or built into the cache), for processes started by hand.",
+        "from (model.path, a shipped model, the cache, or built into the cache), for processes started by hand. "
+        "`worldloop model export RUN --merged [--config C] [--out DIR]` writes the newest checkpoint of RUN (a run "
+        "directory or a checkpoint) as a plain HF model directory, a LoRA adapter folded into its base model.",
     ),
     "sd": (
         "worldloop.sd", "run",
@@ -155,11 +158,15 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--config", "-c", default=None, help=argparse.SUPPRESS)
             p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides, values parsed as YAML")
         elif name == "model":
-            p.add_argument("action", choices=["build", "resolve"],
-                           help="build: make the model afresh; resolve: print where a run's model is")
-            p.add_argument("config_file", nargs="?", default=None, help="YAML config or preset (e.g. tiny-frozenlake)")
-            p.add_argument("--config", "-c", default=None, help=argparse.SUPPRESS)
-            p.add_argument("--out", "-o", default=None, help="build: the folder to write (default: the user's cache)")
+            p.add_argument("action", choices=["build", "resolve", "export"],
+                           help="build: make the model afresh; resolve: print where a run's model is; export: a run's "
+                                "newest checkpoint as a plain HF model directory")
+            p.add_argument("config_file", nargs="?", default=None,
+                           help="YAML config or preset (e.g. tiny-frozenlake); export: the run directory or checkpoint")
+            p.add_argument("--config", "-c", default=None, help="export: the run's config (for model.path)")
+            p.add_argument("--out", "-o", default=None, help="build: the folder to write (default: the user's cache); "
+                                                              "export: the folder to write (default: <checkpoint>/merged)")
+            p.add_argument("--merged", action="store_true", help="export: fold a LoRA adapter into its base model")
             p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides, values parsed as YAML")
         elif name == "config":
             p.add_argument("action", choices=["show"], help="show: print the resolved config as YAML")
@@ -254,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             return 130
     config_file = getattr(args, "config_file", None)
+    if args.command == "model" and args.action == "export":  # the positional is the run, not a config
+        config_file = None
     if config_file and "=" in config_file and not os.path.exists(config_file):
         # `worldloop up a.b=1` / `config show a.b=1`: no config file, the first word is an override
         args.overrides = [config_file, *(args.overrides or [])]

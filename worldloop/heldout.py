@@ -104,6 +104,8 @@ def checkpoint_weights(cfg: Config, run_dir: Path, version: int) -> dict | None:
     """The policy weights of ``version`` from the run's newest complete checkpoint, or None when there
     is none or it holds another version (the learner writes one after its last step)."""
     from worldloop.common.contracts.modeling import load_policy
+    from worldloop.common.lora import enabled as lora_enabled
+    from worldloop.common.lora import load_adapter_dir
     from worldloop.eval.model import ModelNotFound, resolve_model
 
     try:
@@ -115,6 +117,9 @@ def checkpoint_weights(cfg: Config, run_dir: Path, version: int) -> dict | None:
         log.info("the newest checkpoint holds v%s, not the final v%d", ref.policy_version, version)
         return None
     try:
+        adapter = ref.path.parent / "adapter"
+        if lora_enabled(cfg.model.lora):  # a LoRA run: the adapter, as the learner publishes it
+            return load_adapter_dir(adapter)
         return {k: t.detach() for k, t in load_policy(ref.path).state_dict().items()}
     except Exception as e:  # an unreadable export: fall back to the weight channel
         log.warning("cannot load v%d from %s: %s: %s", version, ref.path, type(e).__name__, e)

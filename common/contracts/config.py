@@ -146,6 +146,21 @@ class MetricsConfig(Section):
                       description="0 = an ephemeral port, announced in the log and in Redis")
 
 
+class LoraConfig(Section):
+    """LoRA adapters on the policy (learner/lora.py): only the adapters train and travel to the actors."""
+
+    rank: int = Field(0, ge=0, le=1024, json_schema_extra={"note": "0 = off: full weights"},
+                      description="LoRA rank r of every adapted linear layer (0: no LoRA, the full weights train)")
+    alpha: Float = Field(32.0, gt=0, description="LoRA alpha: the adapter's output is scaled by alpha / rank")
+    dropout: Float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input while training")
+    target_modules: Annotated[list[str], Rule("must list at least one distinct, non-empty module name",
+                                              lambda v: len(v) >= 1 and len(set(v)) == len(v) and all(v))] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="the names (last part) of the linear layers that get an adapter (Qwen2 attention and MLP)")
+    vision: bool = Field(False, description="adapt the vision tower's matching layers too; false = the vision tower "
+                                            "(and its merger) stays frozen at the base weights")
+
+
 class ModelConfig(Section):
     """The policy model, and how `worldloop up` makes the embedded tiny one."""
 
@@ -184,6 +199,7 @@ class ModelConfig(Section):
     max_image_side: int = Field(224, ge=28, le=8192, json_schema_extra={"note": "28: one patch of the vision tower"},
                                 description="images are resized so that neither side exceeds this (pixels) before "
                                                  "the vision tower")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters on the policy")
 
 
 class EnvSpec(Section):

@@ -249,6 +249,23 @@ def check_lengths(cfg: Any) -> None:
                                                   f"got {cfg.actor.max_new_tokens}")
 
 
+def check_lora(cfg: Any) -> None:
+    """`model.lora.rank` > 0 (LoRA) trains with `trainer.zero_stage` 0-2 (the adapters are small;
+    ZeRO-3's sharded base weights would have to be gathered for every merge). The learner then
+    publishes adapter-only versions, which the `hf` and `vllm` actor backends apply (`vllm`: to the
+    language model only, so `model.lora.vision` must be false) and the inference servers of
+    `actor.backend: server` (`worldloop serve`) do not."""
+    if cfg.model.lora.rank == 0:
+        return
+    if cfg.trainer.zero_stage == 3:
+        raise ConfigError("trainer.zero_stage", "LoRA (model.lora.rank > 0) runs with ZeRO stage 0-2, got 3")
+    if cfg.actor.backend == "server":
+        raise ConfigError("actor.backend", "LoRA (model.lora.rank > 0) publishes adapter-only versions, which the "
+                                           "inference servers (worldloop serve) do not apply; use hf or vllm")
+    if cfg.actor.backend == "vllm" and cfg.model.lora.vision:
+        raise ConfigError("model.lora.vision", "the vllm backend applies LoRA adapters to the language model only")
+
+
 # --------------------------------------------------------------------------- the weight channel
 
 
@@ -267,7 +284,8 @@ def check_curve_keys(cfg: Any) -> None:
 
 CROSS_CHECKS: tuple[Callable[[Any], None], ...] = (
     check_mini_batch, check_groups, check_kl_loss, check_off_policy, check_observation_advantage, check_env_weights,
-    check_rl_seeds, check_demonstration_seeds, check_grounding_seeds, check_evaluator_seeds, check_lengths, check_curve_keys,
+    check_rl_seeds, check_demonstration_seeds, check_grounding_seeds, check_evaluator_seeds, check_lengths, check_lora,
+    check_curve_keys,
 )
 
 

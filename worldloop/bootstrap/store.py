@@ -282,6 +282,10 @@ def model_command(cfg: Config, args) -> int:
     ``DIR`` (replacing what is there) or into the cache; ``worldloop model resolve CONFIG
     [overrides]``: print the directory of the model a run of CONFIG starts from (building it into
     the cache when neither shipped nor cached), for ``model.path`` of processes started by hand."""
+    if args.action == "export":
+        from worldloop.learner.export import export_command
+
+        return export_command(cfg, args)
     if args.action == "resolve":
         model = resolve_model(cfg)
         log.info("model: %s, recipe %s", model.source, model.recipe_hash)
