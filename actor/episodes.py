@@ -22,11 +22,13 @@ records and why an episode ends), with one difference: nothing is in lockstep.
   (``env_workers`` threads) and its next request goes out from there at once; no episode waits
   for another's response or env step. Env reset, step, rendering and the SVG worker all run in
   that pool, never on the generation path.
-* **Two ways to generate.** A backend with ``submit`` (the server backend) gets one request per
-  episode turn, and the servers' continuous batching does the rest. Any other backend (``hf``,
-  in-process ``vllm``) is fed by one batcher thread: after the first ready request it waits up to
-  ``batch_wait_s`` for more (or until every live episode's request is in) and makes one batched
-  ``generate`` call with what it has.
+* **Batches that wait a little.** One batcher thread gathers the ready requests: after the first
+  it waits until every live episode that is not generating has its request in, or at most
+  ``batch_wait_s`` (``actor.batch_wait_ms``), so episodes whose envs step at about the same time
+  share a batch and a slow env holds the others back for no longer than that. A backend with
+  ``submit`` (the server backend) then gets the batch's requests together, one request per
+  episode turn (the servers batch continuously and prefill them together); any other backend
+  (``hf``, in-process ``vllm``) generates the batch in one call.
 * **Weights.** :meth:`paused_generation` holds the batcher's lock, so an in-process backend's
   ``update_weights`` runs between two batched calls (a batch is one turn of the episodes in it).
   Inference servers load versions themselves (``actor.weight_update``, :mod:`worldloop.actor.server.app`).
@@ -94,12 +96,17 @@ class _EnvPool:
 
 
 class _Batcher:
-    """One thread that turns the ready requests of in-process backends into batched calls."""
+    """One thread that gathers ready requests into batches: after the first, it waits until every
+    live episode that is not generating has its request in (or ``wait_s`` passed), so episodes
+    whose envs step at about the same time share one batch. An in-process backend generates the
+    batch in one call; with a ``submitter`` (servers) its requests go out together, one each."""
 
-    def __init__(self, engine: "EpisodeEngine", wait_s: float):
+    def __init__(self, engine: "EpisodeEngine", wait_s: float, submitter: "_Submitter | None" = None):
         self.engine = engine
         self.wait_s = float(wait_s)
-        self.lock = threading.Lock()  # held during a batched call; weight updates take it too
+        self.submitter = submitter
+        # held during a batched call; weight updates take it too (servers load weights themselves)
+        self.lock: Any = threading.Lock() if submitter is None else contextlib.nullcontext()
         self._cv = threading.Condition()
         self._queue: list[tuple[_Episode, GenRequest]] = []
         self._closed = False
@@ -124,7 +131,8 @@ class _Batcher:
                     break
                 self._cv.wait(left)
             batch, self._queue = self._queue, []
-            return batch
+        self.engine._taken(batch)
+        return batch
 
     def _run(self) -> None:
         e = self.engine
@@ -133,6 +141,10 @@ class _Batcher:
             if batch is None:
                 return
             try:
+                if self.submitter is not None:
+                    for ep, req in batch:
+                        self.submitter.submit(ep, req)
+                    continue
                 with self.lock:
                     version = int(e.backend.version)
                     e._gen_started(len(batch))
@@ -154,6 +166,8 @@ class _Batcher:
             self._closed = True
             self._cv.notify_all()
         self._thread.join(CLOSE_JOIN_S)
+        if self.submitter is not None:
+            self.submitter.close()
 
 
 class _Submitter:
@@ -161,7 +175,6 @@ class _Submitter:
 
     def __init__(self, engine: "EpisodeEngine"):
         self.engine = engine
-        self.lock = contextlib.nullcontext()  # servers load weights themselves
         self._futures: set[Future] = set()
         self._guard = threading.Lock()
 
@@ -223,7 +236,7 @@ class EpisodeEngine(RolloutEngine):
         self._busy_since = 0.0
         self._busy_s = 0.0
         self._pool = _EnvPool(max(1, int(env_workers)))
-        self._gen: _Batcher | _Submitter = _Submitter(self) if hasattr(backend, "submit") else _Batcher(self, batch_wait_s)
+        self._gen = _Batcher(self, batch_wait_s, _Submitter(self) if hasattr(backend, "submit") else None)
 
     # ------------------------------------------------------------------ the caller's side
 
@@ -236,9 +249,16 @@ class EpisodeEngine(RolloutEngine):
         return self._ended.qsize()
 
     def awaiting_generation(self) -> int:
-        """Live episodes that are not in an env reset or step (the batcher need not wait for more)."""
+        """Live episodes whose next request could join the batch being gathered: those stepping
+        their env or with a request queued (not those generating)."""
         with self._lock:
-            return sum(1 for ep in self._live.values() if ep.phase != "env")
+            return sum(1 for ep in self._live.values() if ep.phase in ("env", "queued"))
+
+    def _taken(self, batch: list[tuple[_Episode, GenRequest]]) -> None:
+        with self._lock:
+            for ep, _ in batch:
+                if ep.phase == "queued":
+                    ep.phase = "gen"
 
     def start(self, spec: EpisodeSpec) -> str:
         ep = _Episode(spec, self.actor_id)
@@ -340,7 +360,7 @@ class EpisodeEngine(RolloutEngine):
 
     def _send(self, ep: _Episode, req: GenRequest) -> None:
         with self._lock:
-            ep.phase, ep.since = "gen", time.monotonic()
+            ep.phase, ep.since = "queued", time.monotonic()
             if self._held:
                 self._parked.append((ep, req))
                 return

@@ -81,7 +81,7 @@ class KeyedServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
                 if self._allowed():
                     content = [{"token_id": 40, "logprob": -0.5}, {"token_id": 41, "logprob": -0.25}]
                     self._json(200, {"prompt_token_ids": body["token_ids"], "choices": [
-                        {"token_ids": [40, 41], "logprobs": {"content": content}, "weight_versions": [{"version": "3"}]}]})
+                        {"token_ids": [40, 41], "logprobs": {"content": content}, "weight_versions": [{"version": "3", "start": 0, "end": 2}]}]})
 
         super().__init__(("127.0.0.1", 0), Handler)
         threading.Thread(target=self.serve_forever, daemon=True).start()

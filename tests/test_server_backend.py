@@ -265,11 +265,13 @@ def test_a_version_landing_while_requests_run_goes_into_them_at_once(served, bac
     old, new = _noisy(policy, 3), _noisy(policy, 4)
     first: list = []
     try:
-        a = threading.Thread(target=lambda: first.extend(  # long responses: running when v4 lands
-            mixed_ok.generate(reqs, temperature=1.0, top_p=1.0, max_new_tokens=900, seed=1)))
+        # 900 tokens each, none ending early on an EOS (vLLM's min_tokens): all still decoding when v4 lands
+        bodies = mixed_ok._bodies(reqs, 1.0, 1.0, 900, 1)
+        for body in bodies:
+            body["sampling_params"]["min_tokens"] = 900
+        a = threading.Thread(target=lambda: first.extend(mixed_ok._call(mixed_ok._generate_all(reqs, bodies))))
         a.start()
-        # published while requests decode (a random model ends some early on an EOS; 900 tokens keep others going)
-        wait_for(lambda: served.info()["requests"] >= 4, "requests on the server", 60, [served.child])
+        wait_for(lambda: served.info()["requests"] >= len(reqs), "requests on the server", 60, [served.child])
         served.publisher.publish(new, 4, wait=True)
         a.join(timeout=600)
         assert not a.is_alive() and len(first) == len(reqs)

@@ -263,12 +263,14 @@ class ActorConfig(Section):
     actor_id: str | None = Field(None, description="the actor's name; null = <hostname>-<pid>")
     # actor/episodes.py: each episode runs its own turn loop; lockstep is the old one batched call per turn
     loop: Literal["episode", "lockstep"] = Field(
-        "episode", description="episode: each episode's next request goes out as soon as its env has stepped (servers "
-                               "get one request per episode turn; hf and vllm batch the requests that are ready within "
-                               "batch_wait_ms); lockstep: one batched call per turn for every live episode")
-    batch_wait_ms: Float = Field(5.0, ge=0, le=60_000, json_schema_extra={"unit": "milliseconds"},
-                                 description="loop episode, hf and vllm: after the first ready request, how long the "
-                                             "batcher waits for more before it generates")
+        "episode", description="episode: each episode's next request is ready as soon as its env has stepped, and the "
+                               "ready ones go out together within batch_wait_ms (servers get one request per episode "
+                               "turn, hf and vllm one batched call); lockstep: one batched call per turn for every "
+                               "live episode, after every env has stepped")
+    batch_wait_ms: Float = Field(50.0, ge=0, le=60_000, json_schema_extra={"unit": "milliseconds"},
+                                 description="loop episode: after the first ready request, how long at most the "
+                                             "batcher waits for the other episodes' (those stepping their envs) before "
+                                             "it generates (hf, vllm) or sends the batch to the servers")
     weight_update: Literal["interrupt", "wait"] = Field(
         "interrupt", description="how inference servers load a new version: interrupt = at once, requests in flight "
                                  "continue on the new weights (each token keeps the version and log-prob it was "
