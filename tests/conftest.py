@@ -79,7 +79,7 @@ SERIAL_LANES: dict[str, tuple[str, ...]] = {
 SERIAL_MODULES = frozenset(m for lane in SERIAL_LANES.values() for m in lane)
 # the slowest modules outside the lanes (tests/README.md "Durations"), handed out right after the lanes,
 # so that none of them starts last while the other worker has nothing left
-HEAVY_MODULES = ("test_tiny_model", "test_secrets", "test_microbatch")
+HEAVY_MODULES = ("test_tiny_model", "test_secrets", "test_actor", "test_microbatch")
 _HAND_OUT_ORDER = {group: i for i, group in enumerate([*SERIAL_LANES, *HEAVY_MODULES])}
 _LANE_OF = {m: lane for lane, modules in SERIAL_LANES.items() for m in modules}
 
