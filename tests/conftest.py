@@ -43,22 +43,51 @@ def redis_url(redis_server) -> str:
 
 # --- running in parallel (pytest-xdist, `--dist loadgroup`; tests/README.md "Parallel runs") --------------
 # The full-system tests start many processes each (`worldloop up`, several roles, a Prometheus, a
-# supervisord, network namespaces, a vLLM): they form one group, "serial", which one worker runs one
-# test at a time, so that no two of them share the 2 cores and the memory at once. Every other test
-# goes to the group of its module, so that a module's module-scoped fixtures (a learner, a trained
-# model) are built once, on one worker. Every test marked vllm is in one of these modules (test_ci.py).
-SERIAL_MODULES = frozenset({
-    "test_up", "test_chaos", "test_scaling", "test_server_run", "test_netns", "test_prometheus", "test_deploy",
-    "test_admission_runs", "test_resource_faults", "test_redis_faults", "test_learner_resume", "test_show",
-    "test_server_backend", "test_vllm_backend", "test_server_auth", "test_redis_cluster",
-})
-SERIAL_GROUP = "serial"
+# supervisord, network namespaces, a vLLM). They run in two serial lanes: each lane is one xdist group,
+# which one worker runs one test at a time, and the two lanes run side by side, one per worker. What
+# two of them could share is kept apart for every pair across the lanes: Redis, the weight channel,
+# /metrics, Prometheus and the learner's torchrun rendezvous take a port the OS hands out (never a fixed
+# one); test_deploy's supervisord programs take ports below the ephemeral range, checked free, where no
+# other test binds; the model cache ($XDG_CACHE_HOME, below) is per worker; the DeepSpeed JIT cache is
+# shared behind torch's file lock; each run's files are under its own tmp_path. What is still shared
+# is the cores and the memory: every module that starts a vLLM engine is in the one lane
+# "serial-engines" (two engines at once would each need the 2 cores through their start and weight
+# loads, and twice the memory), and so is the chaos soak, the longest CPU-bound run, so that it never
+# runs beside an engine. Every vllm-marked test is in that lane (test_ci.py).
+SERIAL_LANES: dict[str, tuple[str, ...]] = {
+    "serial-engines": (
+        "test_chaos",          # the soak: 5 roles + a persisted Redis under faults for ~4 min; free ports only
+        "test_server_run",     # `worldloop up` with a `worldloop serve` (vLLM) it kills; free ports only
+        "test_server_backend", # one `worldloop serve` (vLLM) for the module; free ports only
+        "test_vllm_backend",   # an in-process vLLM engine for the module
+        "test_server_auth",    # `worldloop serve` (vLLM) with an API key; free ports only
+    ),
+    "serial-runs": (
+        "test_admission_runs",    # two `worldloop up` runs; free ports only
+        "test_scaling",           # a learner and two actors started apart; its learner binds port 0
+        "test_netns",             # network namespaces named after its own pid, a 10.200.N subnet no interface uses
+        "test_up",                # `worldloop up` (learner, actors, judge, evaluator); free ports only
+        "test_prometheus",        # a real Prometheus and a run, each on a free port
+        "test_deploy",            # supervisord: ports below the ephemeral range, checked free (no other test binds there)
+        "test_resource_faults",   # its own tmpfs mounted under its tmp_path; a learner on free ports
+        "test_redis_faults",      # Redis killed and restarted: its own redis-server on a free port
+        "test_learner_resume",    # kill -9 + --resume; torchrun --standalone (a free rendezvous port)
+        "test_show",              # a headless chromium on files under its tmp_path
+        "test_redis_cluster",     # a Redis Cluster of its own, on free ports
+    ),
+}
+SERIAL_MODULES = frozenset(m for lane in SERIAL_LANES.values() for m in lane)
+# the slowest modules outside the lanes (tests/README.md "Durations"), handed out right after the lanes,
+# so that none of them starts last while the other worker has nothing left
+HEAVY_MODULES = ("test_tiny_model", "test_secrets", "test_actor", "test_microbatch")
+_HAND_OUT_ORDER = {group: i for i, group in enumerate([*SERIAL_LANES, *HEAVY_MODULES])}
+_LANE_OF = {m: lane for lane, modules in SERIAL_LANES.items() for m in modules}
 
 
 def xdist_group_of(nodeid: str) -> str:
-    """The xdist group of a test, from its node id: "serial" for a test of SERIAL_MODULES, else its module."""
+    """The xdist group of a test, from its node id: its lane for a test of SERIAL_MODULES, else its module."""
     module = Path(nodeid.split("::", 1)[0]).stem
-    return SERIAL_GROUP if module in SERIAL_MODULES else module
+    return _LANE_OF.get(module, module)
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: a run without pytest-xdist has no such hook
@@ -66,7 +95,9 @@ def pytest_xdist_make_scheduler(config, log):
     """`--dist loadgroup` with the groups of xdist_group_of. xdist's own loadgroup reads a group from a
     node-id suffix that its workers write into ``item._nodeid``, which pytest 9 no longer reads (its
     node ids are structured): every test would be its own group. The same scheduling (xdist's
-    loadscope: a group's tests go to one worker, in order), with the scope taken from the node id."""
+    loadscope: a group's tests go to one worker, in order), with the scope taken from the node id, and
+    the groups handed out in the order of the collection (pytest_collection_modifyitems: the lanes,
+    then HEAVY_MODULES), not loadscope's default of the group with the most tests first."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -75,6 +106,7 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return xdist_group_of(nodeid)
 
+    config.option.loadscopereorder = False
     return ByGroup(config, log)
 
 
@@ -82,9 +114,10 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_collection_modifyitems(config, items):
     # pytest-randomly has shuffled the items already (its hook wraps this one)
     in_written_order(items)
-    # the serial group, the longest piece of work, first (in its shuffled order): the scheduler hands out
-    # groups in the order of their first test, and a serial group handed out last would run alone at the end
-    items.sort(key=lambda item: xdist_group_of(item.nodeid) != SERIAL_GROUP)
+    # the lanes, the longest pieces of work, first (each in its shuffled order), then the slowest other
+    # modules, then the rest in their shuffled order: the scheduler hands out groups in the order of
+    # their first test, one lane to each worker, and a long group handed out last would run alone at the end
+    items.sort(key=lambda item: _HAND_OUT_ORDER.get(xdist_group_of(item.nodeid), len(_HAND_OUT_ORDER)))
 
 
 def _written_key(item: pytest.Item) -> tuple:

@@ -76,24 +76,31 @@ def test_the_readme_runs_the_tests_as_ci_does() -> None:
 
 
 def test_every_serial_module_exists_and_its_tests_are_grouped(request) -> None:
-    """conftest.SERIAL_MODULES names test files that exist (a renamed file would silently leave the
-    group) and holds every file with a test marked vllm; a test of one of them is in the serial group,
-    any other in its module's; the serial group comes first in the collection."""
+    """conftest.SERIAL_LANES name test files that exist (a renamed file would silently leave its lane),
+    each in one lane only; every file with a test marked vllm is in the lane serial-engines (never two
+    vLLM engines at once); a test of a lane's module is in that lane's group, any other in its
+    module's; the lanes come first in the collection, in their order, then conftest.HEAVY_MODULES."""
     import re
+    from collections import Counter
     from pathlib import Path
 
     import conftest
 
     here = Path(__file__).resolve().parent
-    assert sorted(m for m in conftest.SERIAL_MODULES if not (here / f"{m}.py").exists()) == []
+    named = [m for lane in conftest.SERIAL_LANES.values() for m in lane]
+    assert [m for m, n in Counter(named).items() if n > 1] == [] and conftest.SERIAL_MODULES == set(named)
+    assert sorted(m for m in [*named, *conftest.HEAVY_MODULES] if not (here / f"{m}.py").exists()) == []
+    assert not set(conftest.HEAVY_MODULES) & conftest.SERIAL_MODULES
     vllm = {p.stem for p in here.glob("test_*.py") if re.search(r"pytest\.mark\.vllm\b", p.read_text())}
-    assert vllm and sorted(vllm - conftest.SERIAL_MODULES) == []
+    assert vllm and sorted(vllm - set(conftest.SERIAL_LANES["serial-engines"])) == []
     assert conftest.xdist_group_of(request.node.nodeid) == "test_ci"
     assert [conftest.xdist_group_of(n) for n in ("tests/test_up.py::t[a-b]", "tests/test_hf_backend.py::t",
-                                                  "tests/test_vllm_backend.py::T::t")] == [
-        "serial", "test_hf_backend", "serial"]
+                                                  "tests/test_vllm_backend.py::T::t", "tests/test_chaos.py::t")] == [
+        "serial-runs", "test_hf_backend", "serial-engines", "serial-engines"]
+    first = [*conftest.SERIAL_LANES, *conftest.HEAVY_MODULES]
     groups = [conftest.xdist_group_of(item.nodeid) for item in request.session.items]
-    assert groups == sorted(groups, key=lambda g: g != "serial")
+    rank = [first.index(g) if g in first else len(first) for g in groups]
+    assert rank == sorted(rank)
 
 
 def test_a_module_marked_in_order_gets_its_written_order_back_in_its_places() -> None:
