@@ -1,4 +1,4 @@
-"""Per-episode rollouts (``actor.loop: episode``, the default): every episode runs its own turn loop.
+"""Per-episode rollouts (``actor.loop: episode``): every episode runs its own turn loop.
 
 Public API::
 

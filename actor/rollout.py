@@ -25,8 +25,8 @@ evaluated on the same seeds use the same noise, so their paired comparison is no
 sampling luck. The actors' training rollouts keep one stream per call: the members of a GRPO group
 share env and seed and must sample independently.
 
-This is the lockstep engine (``actor.loop: lockstep``): every live episode in one batched call per
-turn. The default per-episode loop (:mod:`worldloop.actor.episodes`) subclasses it and keeps every
+This is the lockstep engine (``actor.loop: lockstep``, the default): every live episode in one
+batched call per turn. The per-episode loop (:mod:`worldloop.actor.episodes`) subclasses it and keeps every
 rule below; ``worldloop.actor.episodes.play_episodes`` plays a given list of episodes with either
 (what ``worldloop eval`` builds on). The actor process (:mod:`worldloop.actor.process`) drives an
 engine itself so that it can apply weights and control between generations.

@@ -194,9 +194,11 @@ def _logprob_gap(model, codec: ChatCodec, traj: dict, turns: set[int] | None = N
 
 
 @pytest.mark.slow
-def test_actor_cli_writes_token_exact_trajectories(vl_dir, policy, redis_url, tmp_path) -> None:
-    ns = "actor-cli"
+@pytest.mark.parametrize("loop", ["lockstep", "episode"])
+def test_actor_cli_writes_token_exact_trajectories(vl_dir, policy, redis_url, tmp_path, loop) -> None:
+    ns = f"actor-cli-{loop}"
     cfg = _config(vl_dir, redis_url, ns)
+    cfg["actor"]["loop"] = loop  # the actor process on either engine (actor/rollout.py, actor/episodes.py)
     cfg["metrics"] = {"enabled": True, "host": "127.0.0.1", "port": 0}
     path = tmp_path / "actor.yaml"
     path.write_text(yaml.safe_dump(cfg))

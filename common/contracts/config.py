@@ -261,9 +261,10 @@ class ActorConfig(Section):
     vllm_kv_cache_gib: Float | None = Field(None, gt=0, description="vLLM KV-cache size in GiB; null = from "
                                                                     "vllm_gpu_memory_utilization on GPU, 1 GiB on CPU")
     actor_id: str | None = Field(None, description="the actor's name; null = <hostname>-<pid>")
-    # actor/episodes.py: each episode runs its own turn loop; lockstep is the old one batched call per turn
+    # actor/episodes.py: each episode runs its own turn loop. lockstep by default: on 2 CPU cores the
+    # per-episode loop ran at 0.56-0.65x lockstep on a mixed suite (docs/benchmarks.md, Rollouts)
     loop: Literal["episode", "lockstep"] = Field(
-        "episode", description="episode: each episode's next request is ready as soon as its env has stepped, and the "
+        "lockstep", description="episode: each episode's next request is ready as soon as its env has stepped, and the "
                                "ready ones go out together within batch_wait_ms (servers get one request per episode "
                                "turn, hf and vllm one batched call); lockstep: one batched call per turn for every "
                                "live episode, after every env has stepped")
