@@ -114,6 +114,11 @@ def init_distributed(cfg: Config) -> DistInfo:
         torch.cuda.set_device(device)
     try:
         if not tdist.is_initialized():
+            # DeepSpeed keeps a clone of the world group across engines; a world torn down since (an
+            # in-process vLLM engine destroys torch.distributed's at shutdown) leaves it dangling
+            from deepspeed.utils import groups
+
+            groups._WORLD_GROUP = None
             skip_unused_comm_ops()
             # rank 0 waits on actors between batches; the other ranks wait in a broadcast meanwhile
             deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(hours=2), verbose=False)

@@ -61,6 +61,7 @@ SERIAL_LANES: dict[str, tuple[str, ...]] = {
         "test_server_backend", # one `worldloop serve` (vLLM) for the module; free ports only
         "test_vllm_backend",   # an in-process vLLM engine for the module
         "test_server_auth",    # `worldloop serve` (vLLM) with an API key; free ports only
+        "test_vllm_lora",      # an in-process vLLM engine with LoRA (its shutdown tears torch.distributed down)
     ),
     "serial-runs": (
         "test_admission_runs",    # two `worldloop up` runs; free ports only
