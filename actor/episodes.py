@@ -337,8 +337,7 @@ class EpisodeEngine(RolloutEngine):
     def _abandoned(self, ep: _Episode) -> bool:
         """The engine closed or the episode was ended from outside (env timeout): drop the work."""
         if self._closed or ep.phase == "ended":
-            if ep.env is not None and not ep.timed_out:
-                self._end(ep)
+            self._end(ep)  # a no-op for an env left to a stuck worker (env_timeout: ep.env is None)
             return True
         return False
 
@@ -410,8 +409,7 @@ class EpisodeEngine(RolloutEngine):
             if ep.phase == "ended":
                 return
             ep.phase = "ended"
-        if not ep.timed_out:
-            self._end(ep)
+        self._end(ep)
         self._ended.put(ep)
         self._wake.set()
 
@@ -420,7 +418,7 @@ class EpisodeEngine(RolloutEngine):
         with self._lock:
             hung = [ep for ep in self._live.values() if ep.phase == "env" and now - ep.since > self.env_timeout_s]
         for ep in hung:
-            ep.timed_out = True  # its env stays with the worker that is stuck in it
+            # ep.env None: its env stays with the worker that is stuck in it (never closed under it)
             ep.end_reason, ep.turns, ep.pending, ep.env = "env_timeout", [], None, None
             log.error("env %s (seed %d) took more than %.0f s (actor.env_timeout_s); episode %s dropped",
                       ep.spec.env_id, ep.spec.seed, self.env_timeout_s, ep.trajectory_id)

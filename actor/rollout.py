@@ -160,7 +160,6 @@ class _Episode:
         self.phase = "env"
         self.since = 0.0
         self.stale_tries = 0
-        self.timed_out = False
 
     def message(self) -> Trajectory:
         spec = self.spec

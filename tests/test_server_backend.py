@@ -266,14 +266,14 @@ def test_a_version_landing_while_requests_run_goes_into_them_at_once(served, bac
     # up to 900 tokens each, unseeded as the actors' training requests are (vLLM's CPU sampler cannot
     # rewind a seeded request's generator when a preempted request is prefilled again:
     # docs/backends.md "Limits")
-    bodies = mixed_ok._bodies(reqs, 1.0, 1.0, 900, None)
     waves: list[list] = []
     threads = []
 
     def wave() -> None:  # the same requests again, sent now
         out: list = []
         waves.append(out)
-        threads.append(threading.Thread(target=lambda: out.extend(mixed_ok._call(mixed_ok._generate_all(reqs, bodies)))))
+        threads.append(threading.Thread(target=lambda: out.extend(
+            mixed_ok.generate(reqs, temperature=1.0, top_p=1.0, max_new_tokens=900, seed=None))))
         threads[-1].start()
 
     try:
