@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from worldloop.common.transport.weights import WeightPublisher, WeightSubscriber
 from worldloop.common.transport.weights import delta as delta_mod
-from worldloop.common.transport.weights.codec import chunk_crc
+from worldloop.common.transport.weights.codec import DEFAULT_HASH, chunk_crc, new_hasher
 from worldloop.common.transport.weights.delta import DeltaError, apply_delta, encode_delta
 
 HOST = "127.0.0.1"
@@ -64,6 +64,19 @@ def test_truncated_corrupt_or_foreign_deltas_raise_delta_error() -> None:
         apply_delta(a[:-1], data)
 
 
+def test_positions_that_wrap_past_a_block_are_refused() -> None:
+    import struct
+
+    import zstandard
+
+    # gaps 2^32 - 1 then 2: positions far past the 16-byte block (a u32 running sum would wrap the
+    # second back to 1, inside it)
+    a = np.zeros(16, dtype=np.uint8)
+    raw = struct.pack("<IQ", 16, 16) + struct.pack("<I", 2) + struct.pack("<II", 2**32 - 1, 2) + bytes([1, 1])
+    with pytest.raises(DeltaError, match="block 0 has a change past its end"):
+        apply_delta(a, zstandard.ZstdCompressor().compress(raw))
+
+
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 3000), seed=st.integers(0, 2**32 - 1), share=st.floats(0.0, 1.0),
        block=st.sampled_from([1, 7, 64, 1000, delta_mod.BLOCK]))
@@ -81,17 +94,30 @@ def test_property_apply_inverts_encode_across_block_boundaries(n: int, seed: int
         delta_mod.BLOCK = old
     # the block size travels in the delta: the decoder needs no setting
     assert apply_delta(a, data).tobytes() == b.tobytes()
+    # the hash fed block by block (the subscriber's check, pipelined on threads) is the new encoding's
+    h, want = new_hasher(DEFAULT_HASH), new_hasher(DEFAULT_HASH)
+    want.update(b.tobytes())
+    assert apply_delta(a, data, hasher=h).tobytes() == b.tobytes()
+    assert h.hexdigest() == want.hexdigest()
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 500), seed=st.integers(0, 2**32 - 1), cut=st.integers(0, 10_000), flip=st.integers(0, 10_000))
-def test_property_a_damaged_delta_raises_delta_error_or_rebuilds_exactly(n: int, seed: int, cut: int, flip: int) -> None:
-    # untrusted bytes: only DeltaError may come out; whatever decodes is checked by the caller's hash
+@given(n=st.integers(1, 500), seed=st.integers(0, 2**32 - 1), cut=st.integers(0, 10_000), flip=st.integers(0, 10_000),
+       block=st.sampled_from([7, 64, delta_mod.BLOCK]))
+def test_property_a_damaged_delta_raises_delta_error_or_rebuilds_exactly(n: int, seed: int, cut: int, flip: int,
+                                                                          block: int) -> None:
+    # untrusted bytes: only DeltaError may come out, also from a block deep in the pipeline (small
+    # blocks: many in flight on apply_delta's threads); whatever decodes is checked by the caller's hash
     rng = np.random.default_rng(seed)
     a = rng.integers(0, 256, n, dtype=np.uint8)
     b = a.copy()
     b[rng.random(n) < 0.1] ^= 1
-    data = bytearray(encode_delta(a, b, max_ratio=1e9))
+    old = delta_mod.BLOCK
+    delta_mod.BLOCK = block
+    try:
+        data = bytearray(encode_delta(a, b, max_ratio=1e9))
+    finally:
+        delta_mod.BLOCK = old
     data[flip % len(data)] ^= 0x10
     try:
         out = apply_delta(a, bytes(data[: len(data) - cut % len(data)]))

@@ -16,10 +16,10 @@ header of ``u32 BLOCK, u64`` the encoding's size. Everything is little-endian.
   snapshot can carry it) or the delta would not be smaller than ``max_ratio`` of the snapshot.
 * :func:`apply_delta` (subscriber): the new encoding from the base it already holds, into a fresh
   buffer (the base is never written: tensors handed out earlier may still point into it),
-  streaming the delta one block at a time. A truncated or corrupt delta raises
-  :class:`DeltaError`; one that decodes but was applied to the wrong base, or was altered on the
-  way in a way zstd's own checksum misses, is caught by the caller's whole-set hash of the result,
-  which must equal the new version's digest.
+  streaming the delta a few blocks at a time on threads and feeding the caller's whole-set hasher
+  as the blocks are rebuilt. A truncated or corrupt delta raises :class:`DeltaError`; one that
+  decodes but was applied to the wrong base, or was altered on the way in a way zstd's own
+  checksum misses, is caught by that hash, which must equal the new version's digest.
 
 Why sparse positions and not ``zstd(base XOR new)`` whole: the XOR is as large as the model, so
 rebuilding from it decompresses the full size (70-100 ms for 14 MB here) where the sparse form
@@ -30,6 +30,7 @@ snapshot, on the same real AdamW step; measured 2026-11-28 while choosing).
 from __future__ import annotations
 
 import struct
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,7 @@ import zstandard
 from worldloop.common.transport.weights.codec import Manifest, chunk_crc, n_chunks
 
 BLOCK = 16 << 20  # bytes of the encoding per block of the delta (positions within a block fit a u32)
+WINDOW = 4  # blocks decoded or rebuilt ahead of the hash in apply_delta (bounds its memory)
 
 
 class DeltaError(ValueError):
@@ -75,29 +77,53 @@ def encode_delta(base: memoryview | np.ndarray, new: memoryview | np.ndarray, *,
     return out if len(out) <= limit else None
 
 
-def apply_delta(base: np.ndarray | memoryview, delta: bytes | memoryview) -> np.ndarray:
-    """The encoding that :func:`encode_delta` took from ``base`` to, in a new array (``base`` untouched)."""
+def apply_delta(base: np.ndarray | memoryview, delta: bytes | memoryview, *, hasher: Any = None) -> np.ndarray:
+    """The encoding that :func:`encode_delta` took from ``base`` to, in a new array (``base`` untouched).
+
+    With ``hasher`` (a whole-set hasher, ``codec.new_hasher``) the rebuilt bytes are also fed to it in
+    order, so the caller's check of the new version's digest needs no second pass over the model.
+
+    The work is pipelined block by block on four threads, at most :data:`WINDOW` blocks ahead: one
+    decompresses the blocks' changes in order, two rebuild blocks (copy of the base, then the changes
+    applied), and one feeds the rebuilt blocks to ``hasher`` in order. zstd, numpy's copies and
+    xxhash release the GIL, so they overlap (``bench/weights.py``: the "apply s" columns)."""
     base = np.frombuffer(base, dtype=np.uint8)
     n = len(base)
     out = np.empty(n, dtype=np.uint8)
+    view = memoryview(out)
+    decoder, builders, hashing = (ThreadPoolExecutor(k, thread_name_prefix=f"delta-{name}")
+                                  for k, name in ((1, "decode"), (2, "build"), (1, "hash")))
     try:
         with zstandard.ZstdDecompressor().stream_reader(memoryview(delta), read_across_frames=False) as reader:
-            block, total = struct.unpack("<IQ", _read(reader, 12, "the header"))
-            if block < 1:
-                raise DeltaError(f"the delta names a block of {block} bytes")
-            if total != n:
-                raise DeltaError(f"the delta is for an encoding of {total:,} bytes, the base has {n:,}")
-            for start in range(0, n, block):
-                end = min(n, start + block)
-                (count,) = struct.unpack("<I", _read(reader, 4, f"block {start // block}"))
-                if count > end - start:
-                    raise DeltaError(f"block {start // block} claims {count:,} changes in {end - start:,} bytes")
-                where = np.cumsum(np.frombuffer(_read(reader, 4 * count, "positions"), dtype="<u4"), dtype=np.int64)
-                values = np.frombuffer(_read(reader, count, "values"), dtype=np.uint8)
-                if count and where[-1] >= end - start:
-                    raise DeltaError(f"block {start // block} has a change past its end")
-                out[start:end] = base[start:end]
-                out[start + where] ^= values
+            try:
+                block, total = struct.unpack("<IQ", _read(reader, 12, "the header"))
+                if block < 1:
+                    raise DeltaError(f"the delta names a block of {block} bytes")
+                if total != n:
+                    raise DeltaError(f"the delta is for an encoding of {total:,} bytes, the base has {n:,}")
+                spans = [(start, min(n, start + block)) for start in range(0, n, block)]
+                built: list[Future] = []
+
+                def queue(k: int) -> None:  # decode (in order, one thread) and rebuild block k
+                    changes = decoder.submit(_read_block, reader, k, spans[k][1] - spans[k][0])
+                    built.append(builders.submit(_rebuild, out, base, *spans[k], changes))
+
+                for k in range(min(WINDOW, len(spans))):
+                    queue(k)
+                hashed: Future | None = None
+                for k, (start, end) in enumerate(spans):
+                    built[k].result()
+                    if k + WINDOW < len(spans):
+                        queue(k + WINDOW)
+                    if hasher is not None:
+                        if hashed is not None:
+                            hashed.result()
+                        hashed = hashing.submit(hasher.update, view[start:end])
+                if hashed is not None:
+                    hashed.result()
+            finally:  # nothing left running on the reader once it closes (a failure cancels what is queued)
+                for pool in (decoder, builders, hashing):
+                    pool.shutdown(wait=True, cancel_futures=True)
             if reader.read(1):
                 raise DeltaError(f"the delta holds more than the base's {n:,} bytes")
     except zstandard.ZstdError as e:
@@ -105,16 +131,37 @@ def apply_delta(base: np.ndarray | memoryview, delta: bytes | memoryview) -> np.
     return out
 
 
-def _read(reader: Any, size: int, what: str) -> bytes:
-    """Exactly ``size`` bytes of the stream, or DeltaError (truncated)."""
-    buf = bytearray(size)
+def _rebuild(out: np.ndarray, base: np.ndarray, start: int, end: int, changes: Future) -> None:
+    """``out[start:end]``: the base's bytes with the block's changes (``changes``: :func:`_read_block`'s future)."""
+    where, values = changes.result()
+    dst = out[start:end]
+    np.copyto(dst, base[start:end])
+    dst[where] ^= values
+
+
+def _read_block(reader: Any, index: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(positions within the block, XOR bytes) of block ``index`` (``size`` bytes of the encoding)."""
+    (count,) = struct.unpack("<I", _read(reader, 4, f"block {index}"))
+    if count > size:
+        raise DeltaError(f"block {index} claims {count:,} changes in {size:,} bytes")
+    # running sums in intp (numpy's index type: the scatter needs no conversion); gaps are >= 0, so the last is the largest
+    where = np.cumsum(np.frombuffer(_read(reader, 4 * count, "positions"), dtype="<u4"), dtype=np.intp)
+    values = np.frombuffer(_read(reader, count, "values"), dtype=np.uint8)
+    if count and int(where[-1]) >= size:
+        raise DeltaError(f"block {index} has a change past its end")
+    return where, values
+
+
+def _read(reader: Any, size: int, what: str) -> np.ndarray:
+    """Exactly ``size`` bytes of the stream (a new uint8 array), or DeltaError (truncated)."""
+    buf = np.empty(size, dtype=np.uint8)  # not zero-filled: every byte is read into
     view, got = memoryview(buf), 0
     while got < size:
         k = reader.readinto(view[got:])
         if not k:
             raise DeltaError(f"the delta is truncated in {what} ({got:,} of {size:,} bytes)")
         got += k
-    return bytes(buf)
+    return buf
 
 
 # --------------------------------------------------------------------------- on the wire

@@ -431,12 +431,11 @@ class WeightSubscriber:
         if moved is not None:
             return moved
         self._m_fetched.labels(kind="delta").inc(dm.size)
+        whole = new_hasher(m.hash)
         try:
-            arr = apply_delta(base, data)
+            arr = apply_delta(base, data, hasher=whole)  # the hash is fed as the blocks are rebuilt
         except DeltaError as e:
             return self._refuse_delta(m, str(e))
-        whole = new_hasher(m.hash)
-        whole.update(memoryview(arr))
         if whole.hexdigest() != m.digest:
             return self._refuse_delta(m, f"the rebuilt encoding does not match the manifest's {m.hash} digest")
         self.stats["delta_fetches"] += 1
