@@ -1,7 +1,7 @@
 """A chaos soak with exact accounting: a real tiny run under random kill -9, Redis restarts,
 judge pauses and poison entries, and every trajectory accounted for at the end.
 
-    python bench/chaos.py --minutes N [--seed S] [--out DIR] [--rounds R] [--min-steps K]
+    python bench/chaos.py --minutes N [--seed S] [--out DIR] [--rounds R] [--min-steps K] [--set KEY=VALUE ...]
 
 The bench is its own supervisor (as supervisord would be): it starts a persisted Redis
 (``LocalRedis(persist=True)``: AOF, a fixed data dir, restarted on the same port), a learner
@@ -129,10 +129,11 @@ ENV_KWARGS = {"size": 3, "min_actions_to_succeed": 2}
 
 
 def chaos_config(out: Path, redis_url: str, model_dir: Path, pub_port: int, fetch_port: int,
-                 claim_idle_ms: int = 3000) -> dict:
-    """The run's config: :data:`PRESET` with :data:`FAST`, on the bench's Redis, ports and model."""
+                 claim_idle_ms: int = 3000, extra: dict | None = None) -> dict:
+    """The run's config: :data:`PRESET` with :data:`FAST` and ``extra`` (``--set`` on the command line: for
+    example ``actor.loop=episode``), on the bench's Redis, ports and model."""
     cfg = yaml.safe_load(PRESET.read_text())
-    overrides = dict(FAST, **{"run.name": "chaos", "run.run_dir": str(out / "run"), "redis.url": redis_url,
+    overrides = dict(FAST, **(extra or {}), **{"run.name": "chaos", "run.run_dir": str(out / "run"), "redis.url": redis_url,
                               "redis.namespace": NS, "redis.claim_idle_ms": claim_idle_ms,
                               "weights.pub_port": pub_port, "weights.fetch_port": fetch_port,
                               "model.path": str(model_dir)})
@@ -228,7 +229,8 @@ class Proc:
 class Chaos:
     def __init__(self, out: Path, seed: int = 0, minutes: float = 10.0, rounds: int | None = None,
                  startup_timeout_s: float = 900.0, drain_timeout_s: float = 240.0, num_actors: int = 2,
-                 claim_idle_ms: int = 3000, echo=print, min_steps: int = 0, kinds: tuple[str, ...] = KINDS):
+                 claim_idle_ms: int = 3000, echo=print, min_steps: int = 0, kinds: tuple[str, ...] = KINDS,
+                 overrides: dict | None = None):
         self.out = Path(out).resolve()
         self.seed = seed
         self.soak_s = minutes * 60.0
@@ -239,6 +241,7 @@ class Chaos:
         self.claim_idle_ms = claim_idle_ms
         self.echo = echo
         self.min_steps = min_steps
+        self.overrides = dict(overrides or {})
         self.kinds = tuple(kinds)
         self.rng = random.Random(seed + 1)
         self.faults: list[Fault] = []
@@ -270,7 +273,8 @@ class Chaos:
         self.redis = LocalRedis(data_dir=str(self.out / "redis"), persist=True).start(timeout=60)
         self.r = connect(self.redis.url, 10.0)
         self.keys = Keys(NS)
-        cfg = chaos_config(self.out, self.redis.url, model, free_port(), free_port(), self.claim_idle_ms)
+        cfg = chaos_config(self.out, self.redis.url, model, free_port(), free_port(), self.claim_idle_ms,
+                           self.overrides)
         self.cfg = cfg
         cfg_path = self.out / "chaos.yaml"
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -567,14 +571,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="rounds of one fault of each kind (default: minutes/3)")
     ap.add_argument("--min-steps", type=int, default=0, help="after the soak, run on until the ledger holds this many steps")
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated fault kinds (default: all)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override of the run (YAML value), e.g. --set actor.loop=episode; repeatable")
     args = ap.parse_args(argv)
+    try:
+        overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
+    except ValueError:
+        ap.error(f"--set takes KEY=VALUE, got {args.set}")
     kinds = tuple(k for k in args.kinds.split(",") if k)
     if set(kinds) - set(KINDS):
         ap.error(f"--kinds: unknown {sorted(set(kinds) - set(KINDS))}; known: {', '.join(KINDS)}")
     out = args.out or ROOT / "runs" / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
         res = Chaos(out, seed=args.seed, minutes=args.minutes, rounds=args.rounds, min_steps=args.min_steps,
-                    kinds=kinds).run()
+                    kinds=kinds, overrides=overrides).run()
     except RuntimeError as e:
         print(f"chaos: {e}", flush=True)
         return 2
