@@ -11,8 +11,6 @@ version keeps serving. Without a server: a vision LoRA config is refused at star
 from __future__ import annotations
 
 import dataclasses
-import threading
-import time
 
 import pytest
 import torch
@@ -20,9 +18,8 @@ import yaml
 
 from procs import wait_for
 from test_hf_backend import _recomputed, _requests
-from test_server_backend import MAX_LEN, _assert_logprobs, start_server, stop_group
+from test_server_backend import MAX_LEN, _assert_logprobs, start_server, stop_group, waves_around_a_load
 from test_vllm_backend import SIDE, _require_vllm, make_vllm_tiny_model
-from worldloop.actor.generation import GenRequest
 from worldloop.actor.hf_backend import HFBackend
 from worldloop.common.contracts.config import ConfigError, LoraConfig, config_from_dict
 from worldloop.common.contracts.modeling import load_policy
@@ -110,37 +107,10 @@ def test_an_adapter_landing_while_requests_run_goes_into_them_at_once(lora) -> N
     """actor.weight_update=interrupt (the default) with LoRA: the in-flight requests hold the
     server's one adapter id, whose weights the load replaces, so a response spanning the load has
     v2's adapter log-probs before it and v3's after it (the KV recomputed)."""
-    from worldloop.actor.server.client import ServerBackend
-
     served, codec = lora.served, lora.client.codec
-    mixed_ok = ServerBackend([served.url], served.model, max_image_side=SIDE, max_model_len=MAX_LEN, max_lag=2,
-                             mixed_versions=True)
-    reqs = [GenRequest(r.prompt_ids, r.images, session=f"s{i}") for i, r in enumerate(_requests(codec) * 2)]
     adapters = {2: _version(lora.hf, 12), 3: _version(lora.hf, 14)}
-    waves: list[list] = []
-    threads = []
-
-    def wave() -> None:  # unseeded, as the actors' training requests (docs/backends.md "Limits")
-        out: list = []
-        waves.append(out)
-        threads.append(threading.Thread(target=lambda: out.extend(
-            mixed_ok.generate(reqs, temperature=1.0, top_p=1.0, max_new_tokens=600, seed=None))))
-        threads[-1].start()
-
-    try:
-        wave()
-        wait_for(lambda: served.info()["requests"] >= 1, "requests on the server", 60, [served.child])
-        served.publisher.publish(adapters[3], 3, wait=True)
-        for _ in range(3):
-            wave()
-            time.sleep(0.3)
-        for t in threads:
-            t.join(timeout=600)
-        assert not any(t.is_alive() for t in threads) and all(len(w) == len(reqs) for w in waves)
-    finally:
-        mixed_ok.close()
+    reqs, results = waves_around_a_load(served, codec, adapters[3], 3, max_new_tokens=600, n_waves=3)
     served.wait_version(3)
-    reqs, results = reqs * len(waves), [r for w in waves for r in w]
     spanning = [(req, res) for req, res in zip(reqs, results) if res.token_versions is not None]
     assert spanning, [(r.version, len(r.response_ids)) for r in results]  # the load did not wait for them
     vision = {codec.image_token_id, codec.vision_start_id, codec.vision_end_id}
