@@ -14,6 +14,9 @@ Public API::
     # shared with the inference servers' worker extension (worldloop.actor.server):
     install_no_torchvision_compat() -> bool     wrap_sampler(sampler)
     reference_params(model_dir) -> (names -> shapes, groups of tied aliases)
+    adapter_shapes(model_dir, lora) -> names -> shapes      # an adapter-only version's tensors
+    write_checked_adapter(tensors, shapes, lora, folder)     # checked, then a peft directory
+    vllm_lora_rank(rank) -> int                              # vLLM's max_lora_rank for model.lora.rank
     load_weights_in_place(model_runner, tensors, shapes, groups)   # validated, all-or-nothing
     sampling_kwargs(temperature, top_p, max_new_tokens, eos_token_ids, seed, forbidden=()) -> dict  # SamplingParams
     request_seeds(requests, seed) -> list[int | None]                                   # per-request seeds
@@ -228,9 +231,19 @@ def adapter_shapes(model_dir: Path, lora: Any) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items() if common_lora.is_adapter_name(k)}
 
 
-def _vllm_rank(rank: int) -> int:
+def vllm_lora_rank(rank: int) -> int:
     """vLLM's ``max_lora_rank`` takes a few values only: the smallest of them that holds ``rank``."""
     return next(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= rank)
+
+
+def write_checked_adapter(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], lora: Any,
+                          folder: Path) -> None:
+    """An adapter-only version checked against :func:`adapter_shapes` (exactly those names, their
+    shapes, NaN/inf refused: :class:`WeightUpdateError` naming the tensor, nothing written) and
+    written as a peft directory at ``folder``, which vLLM's ``LoRARequest`` loads. Used by
+    :class:`VLLMBackend` and by the inference servers' worker extension."""
+    _check_weights(tensors, shapes, [{k} for k in shapes])
+    common_lora.write_adapter_dir(tensors, lora, folder)
 
 
 def _check_weights(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], groups: list[set[str]]) -> None:
@@ -363,7 +376,7 @@ class VLLMBackend:
         self.lora = lora if common_lora.enabled(lora) else None
         self._lora_request: Any = None  # the adapter of the version held (None: the base model, version 0)
         if self.lora is not None:
-            kwargs.update(enable_lora=True, max_lora_rank=_vllm_rank(self.lora.rank), max_loras=1)
+            kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(self.lora.rank), max_loras=1)
             self._lora_root = Path(tempfile.mkdtemp(prefix="worldloop-lora-"))
         if kv_cache_gib is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * (1 << 30))
@@ -487,9 +500,8 @@ class VLLMBackend:
         previous version's adapter is removed (all-or-nothing: a failed add keeps it)."""
         from vllm.lora.request import LoRARequest
 
-        _check_weights(tensors, self._adapter_shapes, [{k} for k in self._adapter_shapes])
         folder = self._lora_root / f"v{int(version)}-{len(os.listdir(self._lora_root))}"
-        common_lora.write_adapter_dir(tensors, self.lora, folder)
+        write_checked_adapter(tensors, self._adapter_shapes, self.lora, folder)
         old = self._lora_request
         new_id = (old.lora_int_id + 1) if old is not None else 1
         request = LoRARequest(f"worldloop-v{int(version)}", new_id, str(folder))

@@ -62,6 +62,7 @@ SERIAL_LANES: dict[str, tuple[str, ...]] = {
         "test_vllm_backend",   # an in-process vLLM engine for the module
         "test_server_auth",    # `worldloop serve` (vLLM) with an API key; free ports only
         "test_vllm_lora",      # an in-process vLLM engine with LoRA (its shutdown tears torch.distributed down)
+        "test_server_lora",    # `worldloop serve` (vLLM) with LoRA for the module; free ports only
     ),
     "serial-runs": (
         "test_admission_runs",    # two `worldloop up` runs; free ports only

@@ -30,12 +30,19 @@ def model_dir(shared_tiny_model) -> Path:
     ({"target_modules": []}, {}, "model.lora.target_modules", "at least one"),
     ({"target_modules": ["q_proj", "q_proj"]}, {}, "model.lora.target_modules", "distinct"),
     ({"rank": 8}, {"trainer": {"zero_stage": 3}}, "trainer.zero_stage", "ZeRO stage 0-2"),
-    ({"rank": 8}, {"actor": {"backend": "server"}}, "actor.backend", "inference servers"),
     ({"rank": 8, "vision": True}, {"actor": {"backend": "vllm"}}, "model.lora.vision", "language model only"),
+    ({"rank": 8, "vision": True}, {"actor": {"backend": "server"}}, "model.lora.vision", "language model only"),
 ])
 def test_bad_lora_values_fail_naming_the_key(lora, extra, key, why):
     with pytest.raises(ConfigError, match=rf"'{key}'.*{why}"):
         config_from_dict({"model": {"lora": lora}, **extra})
+
+
+def test_lora_runs_on_every_actor_backend():
+    for backend in ("hf", "vllm", "server"):
+        assert config_from_dict({"model": {"lora": {"rank": 8}}, "actor": {"backend": backend}}).model.lora.rank == 8
+    # vision adapters: the hf backend only
+    assert config_from_dict({"model": {"lora": {"rank": 8, "vision": True}}, "actor": {"backend": "hf"}}).model.lora.vision
 
 
 def test_lora_is_off_by_default_with_the_qwen2_targets():

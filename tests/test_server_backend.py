@@ -251,21 +251,19 @@ def test_per_episode_loop_on_the_server_plays_what_lockstep_plays(served, backen
     assert sum(len(t.turns) for t in episode) >= 4
 
 
-def test_a_version_landing_while_requests_run_goes_into_them_at_once(served, backend, policy) -> None:
-    """actor.weight_update=interrupt (the served config's default): a version loads without waiting
-    for the requests in flight. A response that spans it carries each token's version; its tokens
-    before the switch have the old weights' log-probs, those after the new weights' over the same
-    context (the KV was recomputed)."""
+def waves_around_a_load(served: Served, codec, tensors: dict, version: int, *, max_new_tokens: int,
+                        n_waves: int) -> tuple[list, list]:
+    """Waves of the same requests sent before, during and after publishing ``tensors`` as ``version``,
+    so that some are decoding when it lands whatever the machine's speed; (requests, results) of
+    all waves, in order (a client that keeps responses spanning two versions).
+
+    Unseeded, as the actors' training requests are: vLLM's CPU sampler cannot rewind a seeded
+    request's generator when a preempted request is prefilled again (docs/backends.md "Limits")."""
     from worldloop.actor.server.client import ServerBackend
 
-    codec = backend.codec
     mixed_ok = ServerBackend([served.url], served.model, max_image_side=SIDE, max_model_len=MAX_LEN, max_lag=2,
                              mixed_versions=True)
     reqs = [GenRequest(r.prompt_ids, r.images, session=f"s{i}") for i, r in enumerate(_requests(codec) * 2)]
-    old, new = _noisy(policy, 3), _noisy(policy, 4)
-    # up to 900 tokens each, unseeded as the actors' training requests are (vLLM's CPU sampler cannot
-    # rewind a seeded request's generator when a preempted request is prefilled again:
-    # docs/backends.md "Limits")
     waves: list[list] = []
     threads = []
 
@@ -273,16 +271,14 @@ def test_a_version_landing_while_requests_run_goes_into_them_at_once(served, bac
         out: list = []
         waves.append(out)
         threads.append(threading.Thread(target=lambda: out.extend(
-            mixed_ok.generate(reqs, temperature=1.0, top_p=1.0, max_new_tokens=900, seed=None))))
+            mixed_ok.generate(reqs, temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens, seed=None))))
         threads[-1].start()
 
     try:
-        # waves of requests sent before, during and after the load, so that some are decoding when
-        # v4 lands whatever the machine's speed
         wave()
         wait_for(lambda: served.info()["requests"] >= 1, "requests on the server", 60, [served.child])
-        served.publisher.publish(new, 4, wait=True)
-        for _ in range(4):
+        served.publisher.publish(tensors, version, wait=True)
+        for _ in range(n_waves):
             wave()
             time.sleep(0.3)
         for t in threads:
@@ -290,7 +286,17 @@ def test_a_version_landing_while_requests_run_goes_into_them_at_once(served, bac
         assert not any(t.is_alive() for t in threads) and all(len(w) == len(reqs) for w in waves)
     finally:
         mixed_ok.close()
-    reqs, first = reqs * len(waves), [r for w in waves for r in w]
+    return reqs * len(waves), [r for w in waves for r in w]
+
+
+def test_a_version_landing_while_requests_run_goes_into_them_at_once(served, backend, policy) -> None:
+    """actor.weight_update=interrupt (the served config's default): a version loads without waiting
+    for the requests in flight. A response that spans it carries each token's version; its tokens
+    before the switch have the old weights' log-probs, those after the new weights' over the same
+    context (the KV was recomputed)."""
+    codec = backend.codec
+    old, new = _noisy(policy, 3), _noisy(policy, 4)
+    reqs, first = waves_around_a_load(served, codec, new, 4, max_new_tokens=900, n_waves=4)
     served.wait_version(4)
     models = {3: _moved(served.model, old), 4: _moved(served.model, new)}
     spanning = [(req, res) for req, res in zip(reqs, first) if res.token_versions is not None]

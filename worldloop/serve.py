@@ -5,7 +5,8 @@
 Runs ``vllm serve`` for ``model.path`` with worldloop's worker extension and middleware
 (:mod:`worldloop.actor.server.launch`, which maps ``model.*``, ``actor.vllm_*`` and ``serve.*`` onto
 vLLM's flags). The server loads every weight version from the learner's ZeroMQ channel
-(``weights.*``, CURVE keys included) between requests, tags each response with the version that
+(``weights.*``, CURVE keys included; with ``model.lora`` each adapter-only version becomes the
+server's LoRA adapter) between requests, tags each response with the version that
 produced it, answers ``GET /worldloop/info`` (readiness, version, model fingerprint), requires the
 API key of ``serve.api_key_env``/``serve.api_key_file`` when one is set (and warns when it listens
 on a non-loopback address without one) and, with

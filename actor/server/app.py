@@ -26,6 +26,16 @@ What it adds to vLLM's own server (``/inference/v1/generate``, ``/metrics``, ``/
   (``choices[].weight_versions``): that is how each response says which version made each of
   its tokens (with ``wait``, a response has one span).
   A set the model rejects (names or shapes) is logged and counted, and the old weights stay.
+* **LoRA** (``model.lora.rank`` > 0). The base weights are never changed: each version is an
+  adapter-only set that the workers load in place as the server's one LoRA adapter
+  (:data:`~.extension.ADAPTER_NAME`, :mod:`.extension`). At set-up the driver registers the
+  workers' version-0 adapter (zeros: the base model) with vLLM's served models
+  (``load_lora_adapter``), and after each load points that registration at the new version's
+  folder (same LoRA id, ``load_inplace`` off, so requests never reload it). The middleware names
+  the adapter in every generation request's JSON body (``ADAPTER_PATHS``) whose ``model`` is absent or the base
+  model's name, so every response comes from the adapter of the version it is labelled with;
+  pausing, cache resets, ``interrupt``/``wait`` and the version labels are those of full weights
+  (an in-flight request holds the adapter's id, whose weights the load replaced).
   Fetching runs in the workers' own thread, so the learner never waits for a server, and
   generation pauses only for the load itself (plus the drain).
 * **Metrics and discovery.** ``worldloop_server_*`` metrics (version, updates, pause seconds,
@@ -60,6 +70,8 @@ log = logging.getLogger("worldloop.server")
 
 INFO_PATH = "/worldloop/info"
 GATED_PREFIXES = ("/inference/", "/v1/")
+# generation requests, which a LoRA server runs with its adapter (_with_adapter)
+ADAPTER_PATHS = ("/inference/v1/generate", "/v1/completions", "/v1/chat/completions")
 POLL_S = 0.25
 ANNOUNCE_WAIT_S = 3.0  # a learner announces its version every second
 
@@ -79,6 +91,8 @@ class ServerDriver:
         self.channel = False
         self.fingerprint: dict | None = None
         self.scaffold: Any = None
+        self.models = getattr(app.state, "openai_serving_models", None)
+        self.lora_id: int | None = None  # with LoRA: the id of the adapter every request runs with
 
     def info(self) -> dict:
         mc = self.engine.model_config
@@ -110,6 +124,8 @@ class ServerDriver:
     async def _setup(self) -> None:
         results = await self.engine.collective_rpc("worldloop_setup")
         self.channel = all(r["channel"] for r in results)
+        if results[0].get("adapter"):
+            await self._register_adapter(results[0]["adapter"])
         self.fingerprint = await asyncio.to_thread(model_fingerprint, str(self.engine.model_config.model))
         await self.engine.update_weight_version("0")
         metric("worldloop_server_weights_version").set(0)
@@ -118,6 +134,35 @@ class ServerDriver:
         self.ready.set()
         log.info("worldloop server ready: %s, weights v%d%s", self.engine.model_config.model, self.version,
                  ", following the weight channel" if self.channel else " (no weight channel)")
+
+    async def _register_adapter(self, path: str) -> None:
+        """Register the version-0 adapter (LoRA) with vLLM's served models: the engine loads it."""
+        from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+        from worldloop.actor.server.extension import ADAPTER_NAME
+
+        answer = await self.models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=ADAPTER_NAME, lora_path=path))
+        if ADAPTER_NAME not in self.models.lora_requests:
+            raise RuntimeError(f"vLLM did not load the version-0 LoRA adapter: {answer}")
+        self.lora_id = int(self.models.lora_requests[ADAPTER_NAME].lora_int_id)
+        log.info("LoRA: every request runs with the adapter %r (id %d)", ADAPTER_NAME, self.lora_id)
+
+    def _point_adapter_at(self, path: str) -> None:
+        """The registration follows the loaded version's folder (what vLLM would reload it from)."""
+        import msgspec
+
+        from worldloop.actor.server.extension import ADAPTER_NAME
+
+        reg = self.models.lora_requests
+        reg[ADAPTER_NAME] = msgspec.structs.replace(reg[ADAPTER_NAME], lora_path=path, load_inplace=False)
+
+    def lora_model(self, model: Any) -> str | None:
+        """The adapter's name for a request naming ``model`` (absent or the base model), else None."""
+        if self.lora_id is None or not (model is None or (isinstance(model, str) and self.models.is_base_model(model))):
+            return None
+        from worldloop.actor.server.extension import ADAPTER_NAME
+
+        return ADAPTER_NAME
 
     async def _first_sync(self) -> None:
         """A server (re)started while the learner runs loads the learner's current version before it
@@ -148,7 +193,7 @@ class ServerDriver:
         await self.engine.pause_generation(mode="keep" if interrupt else "wait", clear_cache=False)
         try:
             paused = time.perf_counter()
-            results = await self.engine.collective_rpc("worldloop_apply", args=(version,))
+            results = await self.engine.collective_rpc("worldloop_apply", args=(version, self.lora_id))
             failed = [r for r in results if "version" not in r]
             if failed:
                 reason = "rejected" if any("rejected" in r for r in failed) else "error"
@@ -161,6 +206,8 @@ class ServerDriver:
                 log.warning("the prefix cache was not cleared after loading v%d", version)
             await self.engine.reset_encoder_cache()
             await self.engine.reset_mm_cache()
+            if self.lora_id is not None:
+                self._point_adapter_at(results[0]["adapter"])
             await self.engine.update_weight_version(str(version))
             self.version = version
             self.updates += 1
@@ -210,6 +257,43 @@ def _authorized(scope: dict) -> bool:
     return not key or bearer_ok(dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1"), key)
 
 
+async def _with_adapter(driver: ServerDriver, scope: dict, receive: Any) -> tuple[dict, Any]:
+    """A LoRA server: the request's JSON body with ``model`` set to the adapter's name when it names
+    none or the base model (:meth:`ServerDriver.lora_model`); other bodies pass unchanged."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # the client went away: the app sees that at once
+            async def gone() -> dict:
+                return message
+
+            return scope, gone
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    body = b"".join(chunks)
+    try:
+        data = json.loads(body)
+    except ValueError:
+        data = None
+    name = driver.lora_model(data.get("model")) if isinstance(data, dict) else None
+    if name is not None:
+        data["model"] = name
+        body = json.dumps(data).encode()
+        headers = [(k, v) for k, v in scope.get("headers") or [] if k.lower() != b"content-length"]
+        scope = dict(scope, headers=[*headers, (b"content-length", str(len(body)).encode())])
+    sent = False
+
+    async def replay() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return scope, replay
+
+
 class WorldloopMiddleware:
     """The ASGI middleware (see the module docstring); vLLM constructs it with the inner app."""
 
@@ -250,6 +334,8 @@ class WorldloopMiddleware:
             if path.startswith(GATED_PREFIXES):
                 self.driver.requests += 1
                 try:
+                    if self.driver.lora_id is not None and path in ADAPTER_PATHS and scope.get("method") == "POST":
+                        scope, receive = await _with_adapter(self.driver, scope, receive)
                     await self.app(scope, receive, send)
                 finally:
                     self.driver.requests -= 1

@@ -1,6 +1,7 @@
 """Start one inference server for ``actor.backend: server``: ``vllm serve`` with worldloop's extension.
 
     serve_args(cfg, *, host, port, on_gpu=None) -> list[str]  # vllm serve's arguments for cfg
+    check_servable(cfg)                                       # ConfigError: what a server cannot serve
     server_env(cfg, base=None, on_gpu=None) -> dict           # its environment (the config for the workers)
     server_command(cfg, *, host, port) -> (argv, env)         # python -m worldloop.actor.server.launch ...
     main(argv)                                                # = vllm serve ARGS, with the shims below
@@ -19,7 +20,11 @@ engine: ``model.path``, ``model.dtype`` (``auto``: float32 on CPU, bfloat16 on G
 ``actor.vllm_kv_cache_gib`` (1 GiB on CPU when null), ``run.seed``, the image limits and pixel
 bounds of a vision model, ``serve.tensor_parallel_size``, then ``serve.extra_args`` as they are;
 ``--logprobs-mode processed_logprobs`` as the in-process engine (greedy log-probs after the
-prompt-only mask); ``--generation-config vllm`` keeps the model's ``generation_config.json`` out of sampling (every
+prompt-only mask); with ``model.lora.rank`` > 0, ``--enable-lora --max-loras 1`` and
+``--max-lora-rank`` (vLLM's smallest allowed rank that holds ``model.lora.rank``): the server then
+serves adapter-only versions as its one LoRA adapter (:mod:`worldloop.actor.server.extension`),
+and :func:`check_servable` refuses ``model.lora.vision`` (vLLM adapts the language model only);
+``--generation-config vllm`` keeps the model's ``generation_config.json`` out of sampling (every
 request sends all its sampling fields anyway). The worker extension
 (:mod:`worldloop.actor.server.extension`) and the middleware (:mod:`worldloop.actor.server.app`)
 are always added. The resolved config travels to the server's processes as JSON in
@@ -70,10 +75,24 @@ def _is_vision(model_dir: str) -> bool:
         return False
 
 
+def check_servable(cfg: "Config") -> None:
+    """:class:`~worldloop.common.contracts.config.ConfigError` (key and reason) for a config no
+    server can serve: LoRA adapters on the vision tower (vLLM applies adapters to the language
+    model only)."""
+    from worldloop.common.contracts.config import ConfigError
+    from worldloop.common.lora import enabled
+
+    if enabled(cfg.model.lora) and cfg.model.lora.vision:
+        raise ConfigError("model.lora.vision", "an inference server (worldloop serve) applies LoRA adapters to the "
+                                               "language model only: set it to false")
+
+
 def serve_args(cfg: "Config", *, host: str, port: int, on_gpu: bool | None = None) -> list[str]:
     """``vllm serve``'s arguments for the config's model (see the module docstring)."""
     from worldloop.common.contracts.modeling import resolve_dtype
+    from worldloop.common.lora import enabled
 
+    check_servable(cfg)
     on_gpu = _on_gpu() if on_gpu is None else on_gpu
     a, m = cfg.actor, cfg.model
     dtype = str(resolve_dtype(m.dtype, "cuda" if on_gpu else "cpu")).removeprefix("torch.")
@@ -86,6 +105,10 @@ def serve_args(cfg: "Config", *, host: str, port: int, on_gpu: bool | None = Non
             "--worker-extension-cls", EXTENSION, "--middleware", MIDDLEWARE]
     if a.vllm_enforce_eager:
         args.append("--enforce-eager")
+    if enabled(m.lora):
+        from worldloop.actor.vllm_backend import vllm_lora_rank
+
+        args += ["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(vllm_lora_rank(m.lora.rank))]
     kv_gib = a.vllm_kv_cache_gib if a.vllm_kv_cache_gib is not None else (None if on_gpu else CPU_KV_CACHE_GIB)
     if kv_gib is not None:
         args += ["--kv-cache-memory-bytes", str(int(kv_gib * (1 << 30)))]

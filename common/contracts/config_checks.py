@@ -252,18 +252,17 @@ def check_lengths(cfg: Any) -> None:
 def check_lora(cfg: Any) -> None:
     """`model.lora.rank` > 0 (LoRA) trains with `trainer.zero_stage` 0-2 (the adapters are small;
     ZeRO-3's sharded base weights would have to be gathered for every merge). The learner then
-    publishes adapter-only versions, which the `hf` and `vllm` actor backends apply (`vllm`: to the
-    language model only, so `model.lora.vision` must be false) and the inference servers of
-    `actor.backend: server` (`worldloop serve`) do not."""
+    publishes adapter-only versions, which every actor backend applies: `hf`, `vllm` and the
+    inference servers of `actor.backend: server` (`worldloop serve`, which serve each version as
+    their LoRA adapter). vLLM adapts the language model only, so with `vllm` or `server`
+    `model.lora.vision` must be false (`worldloop serve` checks it too, whatever `actor.backend`)."""
     if cfg.model.lora.rank == 0:
         return
     if cfg.trainer.zero_stage == 3:
         raise ConfigError("trainer.zero_stage", "LoRA (model.lora.rank > 0) runs with ZeRO stage 0-2, got 3")
-    if cfg.actor.backend == "server":
-        raise ConfigError("actor.backend", "LoRA (model.lora.rank > 0) publishes adapter-only versions, which the "
-                                           "inference servers (worldloop serve) do not apply; use hf or vllm")
-    if cfg.actor.backend == "vllm" and cfg.model.lora.vision:
-        raise ConfigError("model.lora.vision", "the vllm backend applies LoRA adapters to the language model only")
+    if cfg.actor.backend in ("vllm", "server") and cfg.model.lora.vision:
+        raise ConfigError("model.lora.vision", f"the {cfg.actor.backend} backend (vLLM) applies LoRA adapters to the "
+                                               "language model only")
 
 
 # --------------------------------------------------------------------------- the weight channel
