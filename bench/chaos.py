@@ -130,16 +130,15 @@ ENV_KWARGS = {"size": 3, "min_actions_to_succeed": 2}
 
 def chaos_config(out: Path, redis_url: str, model_dir: Path, pub_port: int, fetch_port: int,
                  claim_idle_ms: int = 3000, extra: dict | None = None) -> dict:
-    """The run's config: :data:`PRESET` with :data:`FAST` and ``extra`` (``--set`` on the command line: for
-    example ``actor.loop=episode``), on the bench's Redis, ports and model."""
+    """The run's config: :data:`PRESET` with :data:`FAST` and ``extra`` (``--set``), on the bench's Redis, ports and model."""
+    from worldloop.common.contracts.config_load import set_dotted
     cfg = yaml.safe_load(PRESET.read_text())
     overrides = dict(FAST, **(extra or {}), **{"run.name": "chaos", "run.run_dir": str(out / "run"), "redis.url": redis_url,
                               "redis.namespace": NS, "redis.claim_idle_ms": claim_idle_ms,
                               "weights.pub_port": pub_port, "weights.fetch_port": fetch_port,
                               "model.path": str(model_dir)})
     for dotted, value in overrides.items():
-        section, key = dotted.split(".")
-        cfg.setdefault(section, {})[key] = value
+        set_dotted(cfg, dotted, value)
     for env in cfg["actor"]["envs"]:
         env["kwargs"] = dict(env.get("kwargs") or {}, **ENV_KWARGS)
     return cfg
@@ -572,12 +571,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-steps", type=int, default=0, help="after the soak, run on until the ledger holds this many steps")
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated fault kinds (default: all)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="a config override of the run (YAML value), e.g. --set actor.loop=episode; repeatable")
+                    help="a config override of the run (key.sub=value, YAML value), e.g. --set actor.loop=episode; repeatable")
     args = ap.parse_args(argv)
+    from worldloop.common.contracts.config_load import ConfigError, parse_override
     try:
-        overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
-    except ValueError:
-        ap.error(f"--set takes KEY=VALUE, got {args.set}")
+        overrides = dict(parse_override(s) for s in args.set)
+    except ConfigError as e:
+        ap.error(f"--set: {e}")
     kinds = tuple(k for k in args.kinds.split(",") if k)
     if set(kinds) - set(KINDS):
         ap.error(f"--kinds: unknown {sorted(set(kinds) - set(KINDS))}; known: {', '.join(KINDS)}")
