@@ -16,6 +16,7 @@ Public API::
     reference_params(model_dir) -> (names -> shapes, groups of tied aliases)
     adapter_shapes(model_dir, lora) -> names -> shapes      # an adapter-only version's tensors
     write_checked_adapter(tensors, shapes, lora, folder)     # checked, then a peft directory
+    add_checked_adapter(add_lora, request, version)          # all-or-nothing, WeightUpdateError
     vllm_lora_rank(rank) -> int                              # vLLM's max_lora_rank for model.lora.rank
     load_weights_in_place(model_runner, tensors, shapes, groups)   # validated, all-or-nothing
     sampling_kwargs(temperature, top_p, max_new_tokens, eos_token_ids, seed, forbidden=()) -> dict  # SamplingParams
@@ -244,6 +245,20 @@ def write_checked_adapter(tensors: dict[str, torch.Tensor], shapes: dict[str, tu
     :class:`VLLMBackend` and by the inference servers' worker extension."""
     _check_weights(tensors, shapes, [{k} for k in shapes])
     common_lora.write_adapter_dir(tensors, lora, folder)
+
+
+def add_checked_adapter(add: Any, request: Any, version: int) -> None:
+    """``add(request)`` (an engine's or a worker's ``add_lora``) all-or-nothing: when vLLM refuses
+    the adapter or fails on it, the request's folder is removed and :class:`WeightUpdateError` says
+    why (the adapter held before stays). Used by :class:`VLLMBackend` and the servers' extension."""
+    try:
+        if not add(request):
+            raise WeightUpdateError(f"vLLM did not add the adapter of version {version}")
+    except Exception as e:
+        shutil.rmtree(request.lora_path, ignore_errors=True)
+        if isinstance(e, WeightUpdateError):
+            raise
+        raise WeightUpdateError(f"vLLM refused the adapter of version {version}: {type(e).__name__}: {e}") from e
 
 
 def _check_weights(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], groups: list[set[str]]) -> None:
@@ -506,15 +521,7 @@ class VLLMBackend:
         new_id = (old.lora_int_id + 1) if old is not None else 1
         request = LoRARequest(f"worldloop-v{int(version)}", new_id, str(folder))
         engine = self.llm.llm_engine
-        try:
-            if not engine.add_lora(request):
-                raise WeightUpdateError(f"vLLM did not add the adapter of version {version}")
-        except WeightUpdateError:
-            shutil.rmtree(folder, ignore_errors=True)
-            raise
-        except Exception as e:
-            shutil.rmtree(folder, ignore_errors=True)
-            raise WeightUpdateError(f"vLLM refused the adapter of version {version}: {type(e).__name__}: {e}") from e
+        add_checked_adapter(engine.add_lora, request, version)
         self._lora_request = request
         if old is not None:
             engine.remove_lora(old.lora_int_id)

@@ -60,7 +60,7 @@ import socket
 import time
 from typing import Any
 
-from worldloop.actor.server.extension import server_config
+from worldloop.actor.server.extension import ADAPTER_NAME, server_config
 from worldloop.actor.server.launch import API_KEY_ENV
 from worldloop.actor.server.fingerprint import model_fingerprint
 from worldloop.common.metrics import metric
@@ -139,8 +139,6 @@ class ServerDriver:
         """Register the version-0 adapter (LoRA) with vLLM's served models: the engine loads it."""
         from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
 
-        from worldloop.actor.server.extension import ADAPTER_NAME
-
         answer = await self.models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=ADAPTER_NAME, lora_path=path))
         if ADAPTER_NAME not in self.models.lora_requests:
             raise RuntimeError(f"vLLM did not load the version-0 LoRA adapter: {answer}")
@@ -151,8 +149,6 @@ class ServerDriver:
         """The registration follows the loaded version's folder (what vLLM would reload it from)."""
         import msgspec
 
-        from worldloop.actor.server.extension import ADAPTER_NAME
-
         reg = self.models.lora_requests
         reg[ADAPTER_NAME] = msgspec.structs.replace(reg[ADAPTER_NAME], lora_path=path, load_inplace=False)
 
@@ -160,8 +156,6 @@ class ServerDriver:
         """The adapter's name for a request naming ``model`` (absent or the base model), else None."""
         if self.lora_id is None or not (model is None or (isinstance(model, str) and self.models.is_base_model(model))):
             return None
-        from worldloop.actor.server.extension import ADAPTER_NAME
-
         return ADAPTER_NAME
 
     async def _first_sync(self) -> None:

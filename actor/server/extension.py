@@ -65,8 +65,8 @@ from typing import Any, Callable
 
 from worldloop.actor.generation import WeightUpdateError
 from worldloop.actor.server.launch import CONFIG_ENV
-from worldloop.actor.vllm_backend import (adapter_shapes, install_no_torchvision_compat, load_weights_in_place,
-                                          reference_params, wrap_sampler, write_checked_adapter)
+from worldloop.actor.vllm_backend import (adapter_shapes, add_checked_adapter, install_no_torchvision_compat,
+                                          load_weights_in_place, reference_params, wrap_sampler, write_checked_adapter)
 from worldloop.common import lora as common_lora
 from worldloop.common.contracts.config import Config, config_from_dict
 from worldloop.common.exposure import warn_plain_weights
@@ -138,14 +138,7 @@ class ServedAdapter:
         from vllm.lora.request import LoRARequest
 
         folder = self._write(tensors, version)  # WeightUpdateError: nothing changed
-        try:
-            if not worker.add_lora(LoRARequest(ADAPTER_NAME, int(lora_id), folder, load_inplace=True)):
-                raise WeightUpdateError(f"vLLM did not load the adapter of version {version}")
-        except Exception as e:
-            shutil.rmtree(folder, ignore_errors=True)
-            if isinstance(e, WeightUpdateError):
-                raise
-            raise WeightUpdateError(f"vLLM refused the adapter of version {version}: {type(e).__name__}: {e}") from e
+        add_checked_adapter(worker.add_lora, LoRARequest(ADAPTER_NAME, int(lora_id), folder, load_inplace=True), version)
         old, self.path = self.path, folder
         shutil.rmtree(old, ignore_errors=True)
         return folder
