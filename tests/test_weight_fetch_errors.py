@@ -159,6 +159,7 @@ def test_the_server_weight_thread_survives_a_real_emfile_and_ends_the_process_on
         assert _failures("worldloop_server_weight_update_failures", "fetch_error") == before + 1
         made[0].n, made[0].errors = 10**9, lambda: TypeError("a bug")  # from now on every poll hits a bug
         wait_for(lambda: fatal, "the bug to end the server's weight thread", 30)
+        sync._thread.join(10)  # on_fatal runs on the thread itself, just before it returns and closes its socket
         assert isinstance(fatal[0], TypeError) and not sync._thread.is_alive()
     finally:
         sync.close()
