@@ -23,6 +23,15 @@ _CACHE = tempfile.mkdtemp(prefix="worldloop-test-cache-")
 os.environ["XDG_CACHE_HOME"] = _CACHE
 atexit.register(shutil.rmtree, _CACHE, True)
 
+# xdist workers share the cores: each worker's torch (and every process it starts, `worldloop up`'s
+# children included, which take OMP_NUM_THREADS when it is set) gets its share of them, not all of
+# them. Two workers of 2 threads each on 2 cores took twice as long as two of 1 thread each
+# (tests/README.md "Durations"). Set before anything imports torch; an OMP_NUM_THREADS already in the
+# environment wins.
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
 from worldloop.common.transport.redis_local import LocalRedis  # noqa: E402
 
 
