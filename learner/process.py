@@ -493,7 +493,8 @@ class Learner:
         """``trainer.time_limit_s``: would the next update end past it? (the same answer on every rank)"""
         limit = self.t.time_limit_s
         late = 0.0
-        if limit is not None and recent:
+        if limit is not None and recent:  # less what the final evaluation needs beyond up.final_reserve_s
+            limit -= self.trackers.final_eval_extra_s(self.cfg) if self.trackers is not None else 0.0
             late = float(time.monotonic() - started + max(recent[-STEP_TIME_WINDOW:]) > limit)
         if self.dist.world_size > 1:
             late = all_reduce_sum([late], self.dist)[0]

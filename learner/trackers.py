@@ -305,6 +305,22 @@ class WandbTracker(Tracker):
 _CLASSES = {"jsonl": JsonlTracker, "tensorboard": TensorBoardTracker, "wandb": WandbTracker}
 
 
+FINAL_EVAL_OVERHEAD_S = 15.0  # beside its episodes: the final checkpoint's load and the evaluator's exit
+
+
+def final_eval_estimate_s(record: dict | None, eval_episodes: int, final_episodes: int) -> float | None:
+    """Wall seconds the final held-out evaluation should take, from an in-run evaluation's ``record``:
+    its CPU seconds scaled from ``eval_episodes`` to ``final_episodes`` seeds per env, plus
+    :data:`FINAL_EVAL_OVERHEAD_S`. CPU seconds, not the in-run wall seconds: the in-run evaluations
+    share the cores with the actors and the learner (and wait at low priority), the final one has
+    them to itself, and its wall time is at most its CPU time (one thread or more). None without a
+    usable record."""
+    cpu = (record or {}).get("cpu_s")
+    if cpu is None or eval_episodes <= 0 or float(cpu) <= 0:
+        return None
+    return float(cpu) * final_episodes / eval_episodes + FINAL_EVAL_OVERHEAD_S
+
+
 class Trackers:
     """Every tracker of ``run.loggers``; feeds them each step and the new held-out evaluations."""
 
@@ -316,6 +332,8 @@ class Trackers:
         self.items: list[Tracker] = []
         self._eval_path = self.run_dir / "eval.jsonl"
         self.eval_versions: set[int] = set()  # the policy versions of the evaluations logged
+        self.last_in_run_eval: dict | None = None  # the newest in-run (not final) evaluation record
+        self._extra_logged = 0.0  # final_eval_extra_s as last logged
         # evaluations already in the file belong to an earlier (resumed) learner: logged there
         self._eval_offset = self._eval_path.stat().st_size if cfg.trainer.resume and self._eval_path.exists() else 0
         try:
@@ -337,6 +355,8 @@ class Trackers:
         """One evaluator record (the value of an ``{"eval": ...}`` line)."""
         step = int(record.get("step", record.get("policy_version", 0)))
         self.eval_versions.add(int(record.get("policy_version", step)))
+        if not record.get("final"):
+            self.last_in_run_eval = record
         metrics = flatten(record, "eval/")
         for t in self.items:
             self._guard(t, "log_eval", step, metrics)
@@ -357,6 +377,25 @@ class Trackers:
                 continue
             if isinstance(rec, dict) and isinstance(rec.get("eval"), dict):
                 self.log_eval(rec["eval"])
+
+    def final_eval_extra_s(self, cfg: Config) -> float:
+        """Under ``worldloop up`` with ``up.time_limit_s`` (which kept ``up.final_reserve_s`` back from
+        the learner's ``trainer.time_limit_s``): the seconds the final evaluation needs beyond that
+        reserve, by :func:`final_eval_estimate_s` of the newest in-run evaluation; 0 before one, or
+        without ``up.time_limit_s`` or an evaluator. The learner stops this much earlier, so that the
+        whole run, the final evaluation included, ends within the budget on a slow or loaded machine."""
+        t = cfg.trainer
+        if cfg.up.time_limit_s is None or t.eval_every <= 0:
+            return 0.0
+        est = final_eval_estimate_s(self.last_in_run_eval, t.eval_episodes, t.final_eval_episodes or t.eval_episodes)
+        extra = max(0.0, (est or 0.0) - cfg.up.final_reserve_s)
+        if abs(extra - self._extra_logged) >= 5.0:
+            self._extra_logged = extra
+            log.info("the final evaluation should take %.0fs (the in-run evaluation of v%s: %.1f CPU s for %d "
+                     "episodes): the learner stops %.0fs before trainer.time_limit_s, beyond up.final_reserve_s=%.0f",
+                     est or 0.0, self.last_in_run_eval.get("policy_version"), self.last_in_run_eval.get("cpu_s"),
+                     (self.last_in_run_eval.get("episodes") or {}).get("all", 0), extra, cfg.up.final_reserve_s)
+        return extra
 
     def wait_for_eval(self, version: int, alive: Callable[[], bool], timeout_s: float, *,
                       should_stop: Callable[[], bool] = lambda: False, poll_s: float = 0.5) -> bool:

@@ -12,9 +12,6 @@ import yaml
 
 from worldloop.common.contracts.config import load_config
 from worldloop.common.contracts.modeling import load_policy
-from worldloop.bootstrap.tiny_model import make_tiny_model
-from worldloop.common.contracts.config import load_config
-from worldloop.common.contracts.modeling import load_policy
 from worldloop.eval.model import ModelNotFound, resolve_model
 
 
@@ -116,3 +113,25 @@ def test_a_stopping_evaluator_takes_the_final_version_from_the_checkpoint(checkp
     backend.update_weights(got, 7)
     assert backend.version == 7
     assert torch.equal(backend.model.state_dict()[checkpoints["name"]], checkpoints["trained"])
+
+
+def test_the_final_evaluation_takes_every_core_with_an_hf_backend() -> None:
+    """worldloop up gives each child its share of the cores (OMP_NUM_THREADS); the final evaluation
+    runs alone, so an HF backend's torch takes them all, and a vLLM engine keeps its own threads."""
+    import os
+
+    import torch
+
+    from worldloop.common.contracts.config import config_from_dict
+    from worldloop.heldout import every_core
+
+    cores = len(os.sched_getaffinity(0))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert every_core(config_from_dict({"actor": {"backend": "vllm"}})) == 1
+        for backend in ("hf", "server"):  # the evaluator of a server run generates with HF itself
+            torch.set_num_threads(1)
+            assert every_core(config_from_dict({"actor": {"backend": backend}})) == cores
+    finally:
+        torch.set_num_threads(threads)

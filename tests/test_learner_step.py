@@ -23,14 +23,6 @@ from worldloop.common.transport.redis_local import LocalRedis
 from worldloop.common.contracts.schemas import encode_trajectory
 from worldloop.common.transport.streams import StreamProducer, connect
 from worldloop.common.transport.weights import WeightSubscriber
-from worldloop.common.transport.control import read_control
-from worldloop.common.contracts.keys import Keys, SCORED_GROUP
-from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate, load_policy, token_logprobs
-from worldloop.common.transport.redis_local import LocalRedis
-from worldloop.common.contracts.schemas import encode_trajectory
-from worldloop.common.transport.streams import StreamProducer, connect
-from worldloop.bootstrap.tiny_model import make_tiny_model
-from worldloop.common.transport.weights import WeightSubscriber
 from worldloop.learner import checkpoint
 from worldloop.learner.engine import init_distributed
 from worldloop.learner.process import Learner
@@ -448,3 +440,29 @@ def test_time_limit_stops_the_learner_like_total_steps(model_dir, redis_srv, tmp
     assert read_control(connect(redis_srv.url), keys)["run_state"] == "stopped"
     assert [json.loads(x)["step"] for x in (lrn.run_dir / "learner_ledger.jsonl").read_text().splitlines()] == [1]
     assert checkpoint.read_state(checkpoint.latest(lrn.ckpt_dir))["step"] == 1
+
+
+@pytest.mark.slow
+def test_a_final_evaluation_measured_longer_than_the_reserve_stops_the_learner_earlier(model_dir, redis_srv, tmp_path):
+    """Under `worldloop up` (up.time_limit_s set, up.final_reserve_s already kept back from
+    trainer.time_limit_s) an in-run evaluation in eval.jsonl whose CPU seconds, scaled to
+    final_eval_episodes, need more than the reserve moves the learner's stop earlier by the
+    difference: 100 CPU s for 64 episodes -> 512 need 800 + 15 s, 755 s beyond a 60 s reserve, more
+    than the 700 s trainer.time_limit_s, so the second update does not start. Without the record (the
+    control run) the same limit lets all 3 updates run."""
+    runs = {}
+    for name, record in (("measured", True), ("control", False)):
+        ns = f"finalreserve-{name}"
+        cfg = tiny_learner_config(model_dir, redis_srv.url, tmp_path / name, namespace=ns, total_steps=3,
+                                  checkpoint_every=3, eval_every=5, eval_episodes=64, final_eval_episodes=512,
+                                  final_eval_wait_s=0)
+        cfg.up.time_limit_s, cfg.up.final_reserve_s, cfg.trainer.time_limit_s = 900.0, 60.0, 700.0
+        (tmp_path / name).mkdir()
+        if record:  # what worldloop/heldout.py writes for the in-run evaluation of v0
+            (tmp_path / name / "eval.jsonl").write_text(json.dumps({"eval": {
+                "policy_version": 0, "final": False, "episodes": {"all": 64}, "cpu_s": 100.0, "seconds": 300.0,
+                "success_rate": {"all": 0.25}}}) + "\n")
+        lrn, rc = train_until_stopped(cfg, _trajectories(model_dir, 3 * cfg.trainer.train_batch_size, name[0].upper()))
+        assert rc == 0 and read_control(connect(redis_srv.url), Keys(ns))["run_state"] == "stopped"
+        runs[name] = lrn.step_no
+    assert runs == {"measured": 1, "control": 3}

@@ -20,7 +20,8 @@ from PIL import Image
 
 from worldloop.common.contracts.config import ConfigError, config_from_dict
 from worldloop.common.contracts.schemas import TRAJECTORY_SCHEMA, State, Trajectory, Turn
-from worldloop.learner.trackers import flatten, open_trackers, pick_samples, sample_record
+from worldloop.learner.trackers import (FINAL_EVAL_OVERHEAD_S, final_eval_estimate_s, flatten, open_trackers,
+                                       pick_samples, sample_record)
 
 # --------------------------------------------------------------------------- readers
 
@@ -192,6 +193,47 @@ def make_cfg(run_dir: Path, loggers: list[str], sample_every: int = 2, resume: b
 
 
 # --------------------------------------------------------------------------- pure parts
+
+
+def test_the_final_evaluation_estimate_scales_the_in_run_cpu_seconds():
+    # 12 CPU s for 64 episodes per env -> 512 per env take 12 * 512 / 64 = 96 s, plus the overhead
+    assert FINAL_EVAL_OVERHEAD_S == 15.0
+    assert final_eval_estimate_s({"cpu_s": 12.0, "seconds": 40.0}, 64, 512) == 96.0 + 15.0
+    assert final_eval_estimate_s({"cpu_s": 12.0}, 64, 64) == 27.0
+    for unusable in (None, {}, {"cpu_s": None}, {"cpu_s": 0.0}):
+        assert final_eval_estimate_s(unusable, 64, 512) is None
+    assert final_eval_estimate_s({"cpu_s": 12.0}, 0, 512) is None
+
+
+def test_the_learner_keeps_back_what_the_newest_in_run_evaluation_says_beyond_the_reserve(tmp_path):
+    cfg = make_cfg(tmp_path, ["jsonl"])
+    cfg.trainer.eval_every, cfg.trainer.eval_episodes, cfg.trainer.final_eval_episodes = 5, 64, 512
+    cfg.up.final_reserve_s = 60.0
+    trackers = open_trackers(tmp_path, cfg)
+    try:
+        def write(**rec):
+            with open(tmp_path / "eval.jsonl", "a") as f:
+                f.write(json.dumps({"eval": {"policy_version": rec.pop("v"), "episodes": {"all": 64}, **rec}}) + "\n")
+
+        assert trackers.final_eval_extra_s(cfg) == 0.0  # no up.time_limit_s: up kept nothing back
+        cfg.up.time_limit_s = 600.0
+        assert trackers.final_eval_extra_s(cfg) == 0.0  # no evaluation yet: the reserve alone
+        write(v=0, cpu_s=12.0, final=False)
+        trackers.poll_evals()
+        assert trackers.final_eval_extra_s(cfg) == 111.0 - 60.0
+        write(v=5, cpu_s=4.0, final=False)  # the newest decides: 4 * 8 + 15 = 47 s fits the reserve
+        write(v=5, cpu_s=90.0, final=True)  # a final record is not an in-run measurement
+        trackers.poll_evals()
+        assert trackers.final_eval_extra_s(cfg) == 0.0
+        cfg.trainer.eval_every = 0  # no evaluator
+        write(v=10, cpu_s=40.0, final=False)
+        trackers.poll_evals()
+        assert trackers.final_eval_extra_s(cfg) == 0.0
+        cfg.trainer.eval_every = 5
+        assert trackers.final_eval_extra_s(cfg) == 40.0 * 8 + 15.0 - 60.0
+    finally:
+        trackers.close()
+
 
 
 def test_flatten_keeps_every_number_on_slash_keys():

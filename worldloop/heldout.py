@@ -126,6 +126,20 @@ def checkpoint_weights(cfg: Config, run_dir: Path, version: int) -> dict | None:
         return None
 
 
+def every_core(cfg: Config) -> int:
+    """The final evaluation has the machine to itself (the actors have stopped, the learner waits):
+    an HF backend's torch takes every core, not the share ``worldloop up`` gave each child
+    (``OMP_NUM_THREADS``); a vLLM engine keeps its own threads. Returns torch's thread count."""
+    import torch
+
+    if cfg.actor.backend in ("hf", "server"):  # make_backend(local=True): HF for both
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        if torch.get_num_threads() < cores:
+            log.info("the final evaluation takes every core: %d torch threads (were %d)", cores, torch.get_num_threads())
+            torch.set_num_threads(cores)
+    return torch.get_num_threads()
+
+
 def final_episodes(cfg: Config) -> int:
     """Held-out episodes per env of the final evaluation (``trainer.final_eval_episodes``, or else
     ``trainer.eval_episodes``)."""
@@ -291,6 +305,7 @@ def _evaluate_until_final(cfg: Config, proc, backend, fetcher, evals: Evaluation
             continue
         if final is not None:
             if done != backend.version or final_episodes(cfg) != cfg.trainer.eval_episodes:
+                every_core(cfg)
                 evals.evaluate(final=True)
             return
         if done is None or backend.version >= done + cfg.trainer.eval_every:

@@ -389,7 +389,9 @@ class UpConfig(Section):
                                                    "= what is left minus up.final_reserve_s, or less if the config asks for "
                                                    "less; null = trainer.total_steps alone decides")
     final_reserve_s: Float = Field(60.0, ge=0, le=MAX_WAIT_S, json_schema_extra={"unit": "seconds"},
-                                   description="time kept back from the learner for the final held-out evaluation and shutdown")
+                                   description="time kept back from the learner for the final held-out evaluation and shutdown; "
+                                               "the learner keeps back more once an in-run evaluation's CPU seconds, "
+                                               "scaled to trainer.final_eval_episodes, say the final one needs more")
     progress_interval_s: Float = Field(2.0, gt=0, le=3600, description="seconds between progress lines on the terminal")
 
 
