@@ -57,7 +57,6 @@ import argparse
 import json
 import logging
 import time
-from pathlib import Path
 
 import torch
 

@@ -34,13 +34,6 @@ from worldloop.common.contracts.keys import Keys, SCORED_GROUP
 from worldloop.common.contracts.modeling import IMAGE_PLACEHOLDER, ChatCodec, build_sequence, collate, load_policy, token_logprobs
 from worldloop.common.contracts.schemas import decode_trajectory
 from worldloop.common.transport.streams import StreamConsumer
-from worldloop.bootstrap.tiny_model import make_tiny_model
-from worldloop.common.contracts.config import config_from_dict
-from worldloop.common.transport.control import list_processes, write_control
-from worldloop.common.contracts.keys import Keys, SCORED_GROUP
-from worldloop.common.contracts.modeling import IMAGE_PLACEHOLDER, ChatCodec, build_sequence, collate, load_policy, token_logprobs
-from worldloop.common.contracts.schemas import decode_trajectory
-from worldloop.common.transport.streams import StreamConsumer
 from procs import Child, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,9 +9,6 @@ import torch
 from worldloop.bootstrap.tiny_model import fallback_corpus
 from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate
 from worldloop.common.contracts.schemas import State, decode_trajectory, encode_trajectory
-from worldloop.bootstrap.tiny_model import fallback_corpus, make_tiny_model
-from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate
-from worldloop.common.contracts.schemas import State, decode_trajectory, encode_trajectory
 from worldloop.learner.credit import (observation_advantages, observation_char_span, observation_token_span,
                                       step_group_stats, trajectory_anchors, turn_anchor)
 from worldloop.testing.trajectories import synthetic_trajectory

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from worldloop.common.contracts.keys import Keys
-from worldloop.common.metrics import CATALOG, exported_names, free_port, port_is_free
+from worldloop.common.metrics import CATALOG, exported_names, port_is_free
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -446,7 +446,6 @@ def test_supervisord_runs_the_inference_servers_asked_for(tmp_path):
     (0) adds no process. Read with supervisord's own config parser (starting vLLM is for the
     vllm tests)."""
     script = """
-from supervisor.options import ServerOptions
 o = ServerOptions()
 o.realize(args=["-c", "%s"])
 for g in o.process_group_configs:

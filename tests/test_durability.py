@@ -25,8 +25,6 @@ from worldloop.common.contracts.schemas import decode_trajectory, encode_traject
 from worldloop.common.transport.streams import FORWARDED, Forwarder, StreamConsumer, StreamProducer, connect
 from worldloop.learner.data import DedupWindow, ScoredSource
 from worldloop.testing.trajectories import synthetic_trajectory
-from worldloop.testing.trajectories import synthetic_trajectory
-from worldloop.bootstrap.tiny_model import make_tiny_model
 
 NS = "dur"
 

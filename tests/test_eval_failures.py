@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gymnasium
-import pytest
 
 from worldloop import envs  # noqa: F401  (registers the ids)
 from worldloop.eval.failures import failure_breakdown, format_breakdown

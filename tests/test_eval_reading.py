@@ -7,17 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from pathlib import Path
 
 import gymnasium
 import pytest
 
 from worldloop import envs  # noqa: F401  (registers the ids)
 from worldloop.bootstrap.sft import make_demonstrations
-from worldloop.common.contracts.config import JudgeConfig
-from worldloop.common.contracts.modeling import ChatCodec
-from worldloop.common.contracts.schemas import state_from_info
-from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.common.contracts.config import JudgeConfig
 from worldloop.common.contracts.modeling import ChatCodec
 from worldloop.common.contracts.schemas import state_from_info

@@ -14,9 +14,6 @@ from worldloop.bootstrap.grounding import answer_loss, grounding_accuracy, groun
 from worldloop.bootstrap.tiny_model import ROPE_THETA
 from worldloop.common.contracts.config import ConfigError, load_config
 from worldloop.common.contracts.modeling import ChatCodec, freeze_vision_tower, load_policy
-from worldloop.bootstrap.tiny_model import ROPE_THETA, make_tiny_model
-from worldloop.common.contracts.config import ConfigError, load_config
-from worldloop.common.contracts.modeling import ChatCodec, freeze_vision_tower, load_policy
 
 FL = {"id": "worldloop/FrozenLake-v0",
       "kwargs": dict(size=4, is_slippery=False, max_actions_per_step=3, min_actions_to_succeed=3, image_size=112,

@@ -14,12 +14,7 @@ from worldloop.actor.hf_backend import HFBackend
 from worldloop.bootstrap.sft import run_sft
 from worldloop.common.contracts.config import Config
 from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate, load_policy, token_logprobs
-from worldloop.bootstrap.tiny_model import make_tiny_model
-from worldloop.common.contracts.config import Config
-from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate, load_policy, token_logprobs
 from worldloop.testing.prompt_only import favour_prompt_only
-from worldloop.common.contracts.config import Config
-from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate, load_policy, token_logprobs
 from worldloop.testing.trajectories import one_turn_trajectory
 
 ANSWER = "<answer>Up</answer>"

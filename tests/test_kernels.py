@@ -39,8 +39,6 @@ def test_liger_on_without_the_package_names_the_key_and_auto_stays_off():
 def test_a_learner_with_liger_on_a_cpu_fails_before_loading_models(tmp_path: Path, shared_tiny_model):
     from worldloop.learner.engine import DistInfo, build_models
     from worldloop.testing.learner import tiny_learner_config
-    from worldloop.testing.learner import tiny_learner_config
-    from worldloop.bootstrap.tiny_model import make_tiny_model
 
     model_dir = shared_tiny_model(arch="qwen2", max_image_side=112)
     cfg = tiny_learner_config(model_dir, "redis://127.0.0.1:1", tmp_path / "run", liger=True)
@@ -114,9 +112,6 @@ def test_liger_gives_the_plain_path_log_probs_entropies_and_gradients(transforme
     log-prob where no entropy is asked for, against the plain modules and the chunked head."""
     from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate, load_policy
     from worldloop.testing.trajectories import synthetic_trajectory
-    from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate, load_policy
-    from worldloop.testing.trajectories import synthetic_trajectory
-    from worldloop.bootstrap.tiny_model import make_tiny_model
 
     model_dir = shared_tiny_model(arch=arch, max_image_side=112)
     codec = ChatCodec(model_dir, max_image_side=112)

@@ -22,13 +22,6 @@ from worldloop.common.contracts.keys import Keys
 from worldloop.common.contracts.modeling import ChatCodec
 from worldloop.common.contracts.schemas import encode_trajectory
 from worldloop.common.transport.streams import StreamProducer, connect
-from worldloop.common.contracts.config import ConfigError
-from worldloop.common.transport.control import read_control
-from worldloop.common.contracts.keys import Keys
-from worldloop.common.contracts.modeling import ChatCodec
-from worldloop.common.contracts.schemas import encode_trajectory
-from worldloop.common.transport.streams import StreamProducer, connect
-from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.learner import checkpoint
 from worldloop.learner.engine import init_distributed
 from worldloop.learner.process import Learner

@@ -17,13 +17,6 @@ from worldloop.common.contracts.keys import Keys, SCORED_GROUP
 from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate
 from worldloop.common.contracts.schemas import Trajectory, decode_deadletter, encode_trajectory
 from worldloop.common.transport.streams import StreamProducer, connect
-from worldloop.common.contracts.config import ConfigError, config_from_dict
-from worldloop.common.transport.control import read_stats
-from worldloop.common.contracts.keys import Keys, SCORED_GROUP
-from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate
-from worldloop.common.contracts.schemas import Trajectory, decode_deadletter, encode_trajectory
-from worldloop.common.transport.streams import StreamProducer, connect
-from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.learner.data import (
     DedupWindow,
     ScoredSource,
@@ -35,7 +28,6 @@ from worldloop.learner.data import (
     whole_group_fraction,
 )
 from worldloop.learner.microbatch import micro_slices
-from worldloop.testing.trajectories import synthetic_trajectory
 from worldloop.testing.trajectories import synthetic_trajectory
 
 NS = "ld"

@@ -14,12 +14,7 @@ from worldloop.common.contracts.keys import Keys
 from worldloop.common.transport.lease import LearnerLease, LeaseHeld, LeaseLost
 from worldloop.common.transport.redis_link import Fenced
 from worldloop.common.transport.streams import StreamConsumer, StreamProducer, connect
-from procs import ROOT, Child
 from worldloop.bootstrap.tiny_model import make_tiny_model
-from worldloop.common.contracts.keys import Keys
-from worldloop.common.transport.lease import LearnerLease, LeaseHeld, LeaseLost
-from worldloop.common.transport.redis_link import Fenced
-from worldloop.common.transport.streams import StreamConsumer, StreamProducer, connect
 
 HOLDER = textwrap.dedent('''
     import sys, time

@@ -22,12 +22,6 @@ from worldloop.common.contracts.keys import Keys, SCORED_GROUP
 from worldloop.common.contracts.modeling import ChatCodec
 from worldloop.common.contracts.schemas import decode_trajectory, encode_trajectory
 from worldloop.common.transport.streams import StreamProducer, connect
-from worldloop.common.contracts.config import to_dict
-from worldloop.common.contracts.keys import Keys, SCORED_GROUP
-from worldloop.common.contracts.modeling import ChatCodec
-from worldloop.common.contracts.schemas import decode_trajectory, encode_trajectory
-from worldloop.common.transport.streams import StreamProducer, connect
-from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.learner import checkpoint
 from worldloop.testing.trajectories import synthetic_trajectory
 from worldloop.testing.learner import tiny_learner_config

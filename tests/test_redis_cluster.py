@@ -32,7 +32,6 @@ from worldloop.common.transport.lease import LearnerLease
 from worldloop.common.metrics import free_port
 from worldloop.common.transport.redis_cluster_local import LocalRedisCluster
 from worldloop.common.transport.redis_link import REDIS_PASSWORD_ENV, RedisLink, RedisUnreachable, connect
-from worldloop.common.transport.redis_local import LocalRedis
 from worldloop.common.contracts.schemas import decode_trajectory, encode_trajectory
 from worldloop.common.transport.streams import FORWARDED, LOST_RACE, Forwarder, StreamConsumer, StreamProducer
 from worldloop import status

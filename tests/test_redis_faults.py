@@ -139,9 +139,6 @@ def test_a_learner_step_rides_out_a_redis_restart_at_its_control_write(tmp_path:
     from worldloop.learner.process import Learner
     from worldloop.testing.trajectories import synthetic_trajectory
     from worldloop.testing.learner import tiny_learner_config
-    from worldloop.testing.trajectories import synthetic_trajectory
-    from worldloop.testing.learner import tiny_learner_config
-    from worldloop.bootstrap.tiny_model import make_tiny_model
 
     model = shared_tiny_model(max_image_side=56)
     srv = LocalRedis(data_dir=str(tmp_path / "redis"), persist=True).start()

@@ -14,14 +14,9 @@ import redis
 from redis.exceptions import RedisError
 
 from worldloop.common.contracts.keys import ROLLOUTS_GROUP, Keys
-from worldloop.common.transport.redis_link import RedisLink
 from worldloop.common.transport.redis_local import LocalRedis
 from worldloop.common.transport.streams import FORWARDED, Forwarder, StreamConsumer, StreamProducer, connect
 from procs import wait_for
-from worldloop.common.contracts.keys import ROLLOUTS_GROUP, Keys
-from worldloop.common.transport.redis_link import RedisLink
-from worldloop.common.transport.redis_local import LocalRedis
-from worldloop.common.transport.streams import FORWARDED, Forwarder, StreamConsumer, StreamProducer, connect
 
 
 def test_threads_sharing_one_forwarder_survive_redis_kills_and_forward_each_entry_once() -> None:

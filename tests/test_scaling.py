@@ -23,10 +23,6 @@ import zmq.auth
 from worldloop.common.transport.control import list_processes, write_control
 from worldloop.common.contracts.keys import Keys
 from worldloop.common.transport.redis_local import LocalRedis
-from worldloop.common.transport.control import list_processes, write_control
-from worldloop.common.contracts.keys import Keys
-from worldloop.common.metrics import free_port
-from worldloop.common.transport.redis_local import LocalRedis
 from worldloop.bootstrap.tiny_model import make_tiny_model
 from procs import Child, wait_for
 

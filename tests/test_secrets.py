@@ -56,7 +56,7 @@ def test_redaction_removes_every_credential_form_redis_py_reads() -> None:
     both = f"rediss://bob:{PW}@h:6380/2?username=bob&password=other-{PW}&ssl_password={PW}x&ssl_cert_reqs=none"
     assert strip_password(both) == "rediss://bob@h:6380/2?username=bob&ssl_cert_reqs=none"
     assert url_password(both) == PW  # the user info wins, as in redis-py
-    assert url_password(f"redis://h/0?password=a%26b%2B") == "a&b+"  # decoded as redis-py decodes it
+    assert url_password("redis://h/0?password=a%26b%2B") == "a&b+"  # decoded as redis-py decodes it
     assert strip_password(f"unix://:{PW}@/run/redis.sock?db=1") == "unix:///run/redis.sock?db=1"
     assert strip_password(f"unix:///run/redis.sock?password={PW}") == "unix:///run/redis.sock"
     assert strip_password(f"https://llm.example/v1?api_key={PW}&x=1") == "https://llm.example/v1?x=1"

@@ -233,7 +233,7 @@ def test_show_sampled_trajectories_in_a_real_browser(tmp_path: Path) -> None:
     assert len(srcs) == n_turns  # the recorded PNGs, inlined as they were
     assert base64.b64decode(srcs[0].split(",", 1)[1]) == trajs[0].turns[0].images[0]
     for t in trajs:
-        assert f"seed {t.seed}" in page and f"policy v3" in page
+        assert f"seed {t.seed}" in page and "policy v3" in page
         for turn in t.turns:
             # the agent's text beside the truth, the judge's scores and details, actions and rewards
             assert html.escape(turn.observation) in page and html.escape(turn.prediction) in page

@@ -13,10 +13,6 @@ from worldloop.common.contracts.keys import Keys
 from worldloop.common.contracts.schemas import decode_deadletter
 from worldloop.common.transport.stream_consumer import ACK_LUA, DEADLETTER_LUA
 from worldloop.common.transport.streams import StreamConsumer, StreamProducer, connect
-from worldloop.common.transport.control import read_stats
-from worldloop.common.contracts.keys import Keys
-from worldloop.common.contracts.schemas import decode_deadletter
-from worldloop.common.transport.streams import StreamConsumer, StreamProducer, connect
 
 
 @pytest.fixture

@@ -461,11 +461,6 @@ def test_a_real_learner_step_reaches_tensorboard_wandb_and_samples(tmp_path, off
     from worldloop.common.transport.redis_local import LocalRedis
     from worldloop.testing.trajectories import synthetic_trajectory
     from worldloop.testing.learner import tiny_learner_config, train_until_stopped
-    from worldloop.common.contracts.modeling import ChatCodec
-    from worldloop.common.transport.redis_local import LocalRedis
-    from worldloop.testing.trajectories import synthetic_trajectory
-    from worldloop.testing.learner import tiny_learner_config, train_until_stopped
-    from worldloop.bootstrap.tiny_model import make_tiny_model
 
     model_dir = shared_tiny_model(max_image_side=112)
     codec = ChatCodec(model_dir, max_image_side=112)

@@ -21,7 +21,6 @@ from worldloop.bootstrap.store import SHIPPED_DIR, cache_root, prepare_model, re
 from worldloop.bootstrap.tiny_model import make_tiny_model
 from worldloop.common.contracts.config import load_config
 from procs import exit_code
-from worldloop.common.contracts.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = ("tiny-frozenlake", "tiny-sokoban")
