@@ -79,7 +79,7 @@ from worldloop.learner.offpolicy import export_mismatch
 from worldloop.learner.rewards import anneal_max_turns
 from worldloop.learner.rewards import batch_reward_stats
 from worldloop.learner.trainer import PPOTrainer
-from worldloop.learner.trackers import open_trackers
+from worldloop.learner.trackers import final_eval_deadline, open_trackers
 
 STEP_TIME_WINDOW = 5  # trainer.time_limit_s judges the next update by the slowest of the last this many
 
@@ -511,7 +511,7 @@ class Learner:
                   "at the next start", type(e).__name__, e, n)
 
     def run_loop(self) -> int:
-        started = time.monotonic()
+        started, started_wall = time.monotonic(), time.time()
         recent: list[float] = []  # wall seconds of the updates so far (waiting for data included)
         timed_out = False
         while self.step_no < self.t.total_steps and not self.stop_requested:
@@ -533,7 +533,8 @@ class Learner:
         if self.step_no >= self.t.total_steps or timed_out:
             log.info("trained %d updates (policy version %d): done", self.step_no, self.version)
             if self.dist.is_main:  # the run is over: actors and judges stop instead of producing into it
-                self.lease.hset(self.keys.control, control_fields(run_state="stopped"))
+                self.lease.hset(self.keys.control, control_fields(
+                    run_state="stopped", final_eval_by=final_eval_deadline(self.cfg, started_wall) or 0))  # 0: no deadline
                 self._await_final_eval()
         return 0
 

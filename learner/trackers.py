@@ -321,6 +321,21 @@ def final_eval_estimate_s(record: dict | None, eval_episodes: int, final_episode
     return float(cpu) * final_episodes / eval_episodes + FINAL_EVAL_OVERHEAD_S
 
 
+FINAL_EXIT_S = 10.0  # after the final evaluation: worldloop up stops the children and draws the plot
+
+
+def final_eval_deadline(cfg: Config, learner_started: float) -> float | None:
+    """Under ``worldloop up`` with ``up.time_limit_s``: the wall-clock time (``time.time()``) by which the
+    final evaluation should end so that the run ends within its budget: the learner's start, plus its
+    ``trainer.time_limit_s`` and ``up.final_reserve_s`` (what up split the budget into), less
+    :data:`FINAL_EXIT_S`. The learner writes it into the control record as ``final_eval_by`` when it
+    stops the run; the evaluator stops its final evaluation at a chunk boundary before it and says so.
+    None without that budget."""
+    if cfg.up.time_limit_s is None or cfg.trainer.time_limit_s is None:
+        return None
+    return learner_started + cfg.trainer.time_limit_s + cfg.up.final_reserve_s - FINAL_EXIT_S
+
+
 class Trackers:
     """Every tracker of ``run.loggers``; feeds them each step and the new held-out evaluations."""
 

@@ -115,23 +115,74 @@ def test_a_stopping_evaluator_takes_the_final_version_from_the_checkpoint(checkp
     assert torch.equal(backend.model.state_dict()[checkpoints["name"]], checkpoints["trained"])
 
 
-def test_the_final_evaluation_takes_every_core_with_an_hf_backend() -> None:
+def test_the_final_evaluation_takes_the_idle_cores_and_never_the_busy_ones() -> None:
     """worldloop up gives each child its share of the cores (OMP_NUM_THREADS); the final evaluation
-    runs alone, so an HF backend's torch takes them all, and a vLLM engine keeps its own threads."""
-    import os
-
-    import torch
-
+    runs once the actors stopped, so an HF backend's torch takes the cores idle then (within 0.25
+    of a whole one), never fewer than it has, and a vLLM engine keeps its own threads."""
     from worldloop.common.contracts.config import config_from_dict
-    from worldloop.heldout import every_core
+    from worldloop.heldout import idle_core_threads
 
-    cores = len(os.sched_getaffinity(0))
     threads = torch.get_num_threads()
+    hf = config_from_dict({"actor": {"backend": "hf"}})
     try:
-        torch.set_num_threads(1)
-        assert every_core(config_from_dict({"actor": {"backend": "vllm"}})) == 1
-        for backend in ("hf", "server"):  # the evaluator of a server run generates with HF itself
+        for idle, want in ((1.9, 2), (1.74, 1), (1.76, 2), (0.2, 1), (None, 1), (3.0, 3)):
             torch.set_num_threads(1)
-            assert every_core(config_from_dict({"actor": {"backend": backend}})) == cores
+            assert idle_core_threads(hf, idle=lambda: idle) == want, idle
+        torch.set_num_threads(1)  # the evaluator of a server run generates with HF itself
+        assert idle_core_threads(config_from_dict({"actor": {"backend": "server"}}), idle=lambda: 2.0) == 2
+        torch.set_num_threads(1)
+        assert idle_core_threads(config_from_dict({"actor": {"backend": "vllm"}}), idle=lambda: 2.0) == 1
+        torch.set_num_threads(2)
+        assert idle_core_threads(hf, idle=lambda: 0.5) == 2  # what up gave it stays
     finally:
         torch.set_num_threads(threads)
+
+
+def test_idle_cores_counts_a_busy_process_as_busy() -> None:
+    """/proc/stat over a second: a process spinning on one core leaves at most cores - 0.5 idle
+    (other work only lowers it), and the count is never outside [0, cores]."""
+    import os
+    import subprocess
+    import sys
+
+    from worldloop.heldout import idle_cores
+
+    cores = len(os.sched_getaffinity(0))
+    quiet = idle_cores(0.5)
+    assert quiet is not None and 0.0 <= quiet <= cores + 1e-9
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        busy = idle_cores(1.0)
+    finally:
+        spin.kill()
+        spin.wait()
+    assert 0.0 <= busy <= cores - 0.5, (busy, cores)
+
+
+def test_the_final_evaluation_stops_between_chunks_at_its_deadline(shared_tiny_model) -> None:
+    """play_final: the envs interleaved (every env's first seed, then the second, ...), in chunks; no
+    deadline plays them all; a deadline already past plays the first chunk only and says so."""
+    import time
+
+    from worldloop.actor.hf_backend import HFBackend
+    from worldloop.common.contracts.config import config_from_dict
+    from worldloop.heldout import held_out_specs, play_final
+
+    kw = {"size": 3, "is_slippery": False, "min_actions_to_succeed": 2, "render_mode": "vision", "image_size": 56}
+    cfg = config_from_dict({"actor": {"envs": [{"id": "worldloop/FrozenLake-v0", "kwargs": kw},
+                                               {"id": "worldloop/FrozenLake-v0", "name": "lake-b", "kwargs": kw}],
+                                      "max_turns": 1, "max_new_tokens": 8, "num_envs": 2},
+                            "model": {"max_image_side": 112}, "trainer": {"eval_episodes": 3}})
+    backend = HFBackend(str(shared_tiny_model(seed=0, max_image_side=112)), max_image_side=112)
+    specs = held_out_specs(cfg)
+    start = cfg.eval.seed_start
+    assert [(s.env_name, s.seed - start) for s in specs][:2] == [("frozenlake", 0), ("frozenlake", 1)]
+    trajs, cut = play_final(backend, cfg, specs, by=0.0, chunk=2)
+    assert cut is None
+    assert [(t.env_name, t.seed - start) for t in trajs] == [
+        ("frozenlake", 0), ("lake-b", 0), ("frozenlake", 1), ("lake-b", 1), ("frozenlake", 2), ("lake-b", 2)]
+    trajs, cut = play_final(backend, cfg, specs, by=time.time() - 1.0, chunk=2)
+    assert [(t.env_name, t.seed - start) for t in trajs] == [("frozenlake", 0), ("lake-b", 0)]
+    assert cut is not None and (cut["planned"], cut["played"]) == (6, 2)
+    trajs, cut = play_final(backend, cfg, specs, by=time.time() + 3600.0, chunk=4)  # far off: all of them
+    assert cut is None and len(trajs) == 6

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -447,7 +448,7 @@ def test_a_final_evaluation_measured_longer_than_the_reserve_stops_the_learner_e
     """Under `worldloop up` (up.time_limit_s set, up.final_reserve_s already kept back from
     trainer.time_limit_s) an in-run evaluation in eval.jsonl whose CPU seconds, scaled to
     final_eval_episodes, need more than the reserve moves the learner's stop earlier by the
-    difference: 100 CPU s for 64 episodes -> 512 need 800 + 15 s, 755 s beyond a 60 s reserve, more
+    difference (and it says by when the final evaluation must end): 100 CPU s for 64 episodes -> 512 need 800 + 15 s, 755 s beyond a 60 s reserve, more
     than the 700 s trainer.time_limit_s, so the second update does not start. Without the record (the
     control run) the same limit lets all 3 updates run."""
     runs = {}
@@ -462,7 +463,11 @@ def test_a_final_evaluation_measured_longer_than_the_reserve_stops_the_learner_e
             (tmp_path / name / "eval.jsonl").write_text(json.dumps({"eval": {
                 "policy_version": 0, "final": False, "episodes": {"all": 64}, "cpu_s": 100.0, "seconds": 300.0,
                 "success_rate": {"all": 0.25}}}) + "\n")
+        t0 = time.time()
         lrn, rc = train_until_stopped(cfg, _trajectories(model_dir, 3 * cfg.trainer.train_batch_size, name[0].upper()))
-        assert rc == 0 and read_control(connect(redis_srv.url), Keys(ns))["run_state"] == "stopped"
+        control = read_control(connect(redis_srv.url), Keys(ns))
+        assert rc == 0 and control["run_state"] == "stopped"
+        # the final evaluation's deadline: the learner's start + 700 s + the 60 s reserve - 10 s to exit
+        assert t0 + 750.0 <= float(control["final_eval_by"]) <= time.time() + 750.0
         runs[name] = lrn.step_no
     assert runs == {"measured": 1, "control": 3}

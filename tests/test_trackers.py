@@ -20,8 +20,8 @@ from PIL import Image
 
 from worldloop.common.contracts.config import ConfigError, config_from_dict
 from worldloop.common.contracts.schemas import TRAJECTORY_SCHEMA, State, Trajectory, Turn
-from worldloop.learner.trackers import (FINAL_EVAL_OVERHEAD_S, final_eval_estimate_s, flatten, open_trackers,
-                                       pick_samples, sample_record)
+from worldloop.learner.trackers import (FINAL_EVAL_OVERHEAD_S, FINAL_EXIT_S, final_eval_deadline,
+                                       final_eval_estimate_s, flatten, open_trackers, pick_samples, sample_record)
 
 # --------------------------------------------------------------------------- readers
 
@@ -203,6 +203,15 @@ def test_the_final_evaluation_estimate_scales_the_in_run_cpu_seconds():
     for unusable in (None, {}, {"cpu_s": None}, {"cpu_s": 0.0}):
         assert final_eval_estimate_s(unusable, 64, 512) is None
     assert final_eval_estimate_s({"cpu_s": 12.0}, 0, 512) is None
+
+
+def test_the_final_evaluation_deadline_is_the_learners_share_of_the_budget_plus_the_reserve(tmp_path):
+    cfg = make_cfg(tmp_path, ["jsonl"])
+    assert final_eval_deadline(cfg, 1000.0) is None  # no up.time_limit_s
+    cfg.up.time_limit_s, cfg.up.final_reserve_s = 600.0, 60.0
+    assert final_eval_deadline(cfg, 1000.0) is None  # no trainer.time_limit_s: nothing to go by
+    cfg.trainer.time_limit_s = 500.0
+    assert FINAL_EXIT_S == 10.0 and final_eval_deadline(cfg, 1000.0) == 1000.0 + 500.0 + 60.0 - 10.0
 
 
 def test_the_learner_keeps_back_what_the_newest_in_run_evaluation_says_beyond_the_reserve(tmp_path):

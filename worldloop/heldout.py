@@ -19,7 +19,11 @@ in-run seeds and more), with the machine to itself. The learner writes a checkpo
 step before it says ``stopped`` and then closes its weight channel, so a stopping evaluator that
 has not fetched the final version takes it from that checkpoint's ``hf/`` export when it can read
 the run directory (as under ``worldloop up``); otherwise it waits up to ``FINAL_FETCH_S`` for the
-channel. Then it exits.
+channel. Then it exits. Under ``worldloop up``'s time budget the final evaluation also keeps to the
+run's end: the learner's control record says by when (``final_eval_by``), the evaluator plays in
+chunks of :data:`FINAL_CHUNK` episodes, the envs interleaved, and starts no chunk that would end
+past it (its record then says ``cut``: planned, played, by), and its HF backend takes the cores idle
+at that moment (:func:`idle_core_threads`).
 
 Each evaluation is one line ``{"eval": {...}}`` in ``<run_dir>/eval.jsonl`` and in
 ``<run_dir>/metrics.jsonl``: policy version, ``final``, episodes, successes and the success rate
@@ -61,6 +65,7 @@ log = logging.getLogger("worldloop.evaluator")
 
 POLL_S = 0.2
 FINAL_FETCH_S = 120.0  # how long a stopping evaluator waits for the learner's final version
+FINAL_CHUNK = 64  # the final evaluation's episodes between looks at the run's deadline
 OBSERVE_S = 2.0  # the run's CPU is read from the heartbeats (sent every 2 s) at most this often
 
 
@@ -126,17 +131,44 @@ def checkpoint_weights(cfg: Config, run_dir: Path, version: int) -> dict | None:
         return None
 
 
-def every_core(cfg: Config) -> int:
-    """The final evaluation has the machine to itself (the actors have stopped, the learner waits):
-    an HF backend's torch takes every core, not the share ``worldloop up`` gave each child
-    (``OMP_NUM_THREADS``); a vLLM engine keeps its own threads. Returns torch's thread count."""
+def idle_cores(sample_s: float = 1.0) -> float | None:
+    """How many of this process's cores were idle over the next ``sample_s`` seconds (the machine's
+    idle share in ``/proc/stat`` times the cores this process may use); None where there is no
+    ``/proc/stat``."""
+    def read() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+        return ticks[3] + ticks[4], sum(ticks)
+
+    try:
+        idle0, total0 = read()
+        time.sleep(sample_s)
+        idle1, total1 = read()
+    except (OSError, ValueError, IndexError):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores * (idle1 - idle0) / (total1 - total0) if total1 > total0 else 0.0
+
+
+def idle_core_threads(cfg: Config, idle=idle_cores) -> int:
+    """The final evaluation runs once the actors have stopped and the learner waits: an HF backend's
+    torch takes the cores idle now (``idle()``, rounded down unless within 0.25 of the next), when
+    that is more than the share ``worldloop up`` gave each child (``OMP_NUM_THREADS``). Never the
+    busy ones: torch's threads wait for each other at every operation, so one that other work (at a
+    higher priority than the evaluator's ``trainer.eval_nice``) keeps off its core stalls them all
+    (measured: a 512-episode final evaluation beside one busy process took 241 s and 280 CPU s on 2
+    threads, against 50 s and 90 CPU s on 2 idle cores). A vLLM engine keeps its own threads.
+    Returns torch's thread count."""
     import torch
 
-    if cfg.actor.backend in ("hf", "server"):  # make_backend(local=True): HF for both
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        if torch.get_num_threads() < cores:
-            log.info("the final evaluation takes every core: %d torch threads (were %d)", cores, torch.get_num_threads())
-            torch.set_num_threads(cores)
+    if cfg.actor.backend not in ("hf", "server"):  # make_backend(local=True): HF for both
+        return torch.get_num_threads()
+    free = idle()
+    want = 1 if free is None else max(1, int(free + 0.25))
+    if want > torch.get_num_threads():
+        log.info("the final evaluation takes the %d idle cores (%.2f idle): %d torch threads (were %d)", want,
+                 free, want, torch.get_num_threads())
+        torch.set_num_threads(want)
     return torch.get_num_threads()
 
 
@@ -247,8 +279,14 @@ class Evaluations:
         v = self.backend.version
         self.proc.set_phase(f"evaluating v{v} on {len(specs)} held-out episodes" + (" (final)" if final else ""))
         t0, cpu0 = time.monotonic(), time.process_time()
-        trajs = evaluate(self.backend, self.cfg, specs)
+        cut = None
+        if final:
+            trajs, cut = play_final(self.backend, self.cfg, specs, float(self.proc.control.get("final_eval_by") or 0))
+        else:
+            trajs = evaluate(self.backend, self.cfg, specs)
         rec = summarize(trajs, v, time.monotonic() - t0)
+        if cut is not None:
+            rec["cut"] = cut
         rec["first_turn_reading"] = first_turn_reading(trajs, self.cfg.judge)
         rec["cpu_s"] = round(time.process_time() - cpu0, 2)
         if not final:
@@ -264,6 +302,29 @@ class Evaluations:
                  rec["episodes"]["all"], rec["seconds"], rec["cpu_s"], rec["cpu"]["in_run_eval_share"],
                  " (final)" if final else "")
         return v
+
+
+def play_final(backend, cfg: Config, specs: list[EpisodeSpec], by: float,
+               chunk: int = FINAL_CHUNK) -> tuple[list, dict | None]:
+    """The final evaluation's episodes, in chunks of ``chunk`` (:data:`FINAL_CHUNK`) with the envs interleaved
+    (seed 0 of every env, then seed 1, ...), and ``(trajectories, None)``. With a deadline ``by``
+    (``time.time()``; the learner's ``final_eval_by``, 0 = none) a chunk that would end past it,
+    judged by the last chunk's time, is not started: the run's budget holds on a slow or loaded
+    machine, and the evaluation says what it played, ``cut = {planned, played, by}``. The first
+    chunk always runs."""
+    order = [s for _, s in sorted(enumerate(specs), key=lambda p: (p[1].seed, p[0]))]
+    trajs: list = []
+    last = 0.0
+    for i in range(0, len(order), chunk):
+        if i and by > 0 and time.time() + last > by:
+            log.warning("the final evaluation stops after %d of %d episodes: another %d would end past the "
+                        "run's budget (final_eval_by, %.0fs from now; the last chunk took %.0fs)", len(trajs),
+                        len(order), chunk, by - time.time(), last)
+            return trajs, {"planned": len(order), "played": len(trajs), "by": round(by, 1)}
+        t = time.monotonic()
+        trajs += evaluate(backend, cfg, order[i:i + chunk])
+        last = time.monotonic() - t
+    return trajs, None
 
 
 def _evaluate_until_final(cfg: Config, proc, backend, fetcher, evals: Evaluations) -> None:
@@ -305,7 +366,7 @@ def _evaluate_until_final(cfg: Config, proc, backend, fetcher, evals: Evaluation
             continue
         if final is not None:
             if done != backend.version or final_episodes(cfg) != cfg.trainer.eval_episodes:
-                every_core(cfg)
+                idle_core_threads(cfg)
                 evals.evaluate(final=True)
             return
         if done is None or backend.version >= done + cfg.trainer.eval_every:

@@ -570,8 +570,10 @@ def _wait_final_eval(evaluator: Child, run_dir: Path, stop: dict, limit_s: float
     last = (_last_jsonl(run_dir / "eval.jsonl") or {}).get("eval")
     if last is not None and last["policy_version"] == final:
         lo, hi = last["ci95"]["all"]
+        cut = last.get("cut")
         print(f"worldloop up: held-out success at v{final}: {last['success_rate']['all']:.3f} "
-              f"[{lo:.3f}, {hi:.3f}] over {last['episodes']['all']} episodes", flush=True)
+              f"[{lo:.3f}, {hi:.3f}] over {last['episodes']['all']} episodes"
+              + (f" (cut from {cut['planned']} at the run's time budget)" if cut else ""), flush=True)
     else:
         print(f"worldloop up: the final held-out evaluation did not finish; see {evaluator.log_path}", flush=True)
 

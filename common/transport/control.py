@@ -21,6 +21,9 @@ def read_control(r, keys: Keys) -> dict:
         "max_turns": int(d["max_turns"]) if "max_turns" in d else None,
         "run_state": d.get("run_state", "running"),
         "updated_at": float(d.get("updated_at", 0.0)),
+        # when the run stopped under worldloop up's time budget: by when (time.time()) the final
+        # held-out evaluation should end; 0 = no deadline (learner/trackers.py final_eval_deadline)
+        "final_eval_by": float(d.get("final_eval_by") or 0.0),
     }
 
 

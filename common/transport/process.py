@@ -61,7 +61,8 @@ class ProcessScaffold:
         self.install_signals = install_signals
         self.migrate_keys = migrate_keys  # rename the run's pre-hash-tag keys first (common/transport/key_migration.py)
         self.metrics_port: int | None = None
-        self.control: dict[str, Any] = {"policy_version": 0, "max_turns": None, "run_state": "running", "updated_at": 0.0}
+        self.control: dict[str, Any] = {"policy_version": 0, "max_turns": None, "run_state": "running", "updated_at": 0.0,
+                                        "final_eval_by": 0.0}
         self.control_read_at = 0.0  # monotonic time of the last successful read (0: never)
         self.phase = "starting"
         self.phase_since = time.time()
