@@ -209,3 +209,32 @@ def test_two_processes_resolving_one_recipe_build_it_once(tmp_path: Path) -> Non
     (built,) = [p for p in models.iterdir() if p.is_dir()]
     assert str(built) in paths and (built / "config.json").exists()
     assert [p.name for p in models.iterdir() if p.name.startswith(".")] == []
+
+
+def test_the_code_fingerprint_is_computed_once_per_recipe_and_code_version(tmp_path: Path, monkeypatch) -> None:
+    """store.fingerprint_of keeps code_fingerprint (a fresh tiny model and the recipe's first
+    examples) per recipe hash and code version: the second run of a recipe reads it; another recipe,
+    other package versions or an unreadable memo compute it again, and the memo holds what the code
+    computes."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    computed = []
+    real = store.code_fingerprint
+    monkeypatch.setattr(store, "code_fingerprint", lambda cfg: computed.append(recipe_hash(cfg)) or real(cfg))
+    cfg = load_config(None, TINY)
+    version = store.code_version()
+    assert version == store.code_version() and len(version) == 64
+    first = store.fingerprint_of(cfg)
+    assert first == real(cfg) and computed == [recipe_hash(cfg)]
+    assert store.fingerprint_of(cfg) == first and len(computed) == 1  # read back, not computed
+    memo = cache_root().parent / "fingerprints" / f"{recipe_hash(cfg)}-{version[:16]}.json"
+    assert json.loads(memo.read_text()) == first
+    other = load_config(None, TINY + ["sft.epochs=2"])
+    assert recipe_hash(other) != recipe_hash(cfg)
+    store.fingerprint_of(other)
+    assert computed == [recipe_hash(cfg), recipe_hash(other)]
+    memo.write_text('{"tokenizer": 1}')  # damaged: computed again and rewritten
+    assert store.fingerprint_of(cfg) == first and len(computed) == 3 and json.loads(memo.read_text()) == first
+    versions = store.package_versions()
+    monkeypatch.setattr(store, "package_versions", lambda: {**versions, "tokenizers": "0.0.0"})
+    assert store.code_version() != version
+    assert store.fingerprint_of(cfg) == first and len(computed) == 4  # another install: not trusted

@@ -8,6 +8,7 @@ Public API::
     make_model(cfg, out, *, fingerprint=None, run_dir=None) -> dict    # a reproducible build; its recipe
     shipped_models() -> dict[str, Path]               # recipe hash -> shipped model directory
     cache_root() -> Path                              # $XDG_CACHE_HOME/worldloop/models
+    fingerprint_of(cfg) -> dict                       # code_fingerprint, kept per recipe and code_version()
     SHIPPED_DIR, BUILD_THREADS, DETERMINISM
 
 **Resolution** (:func:`resolve_model`), in order; ``source`` says which one gave the model:
@@ -18,8 +19,8 @@ Public API::
 3. ``shipped``: the config's :func:`~worldloop.bootstrap.recipe.recipe_hash` is that of a model
    shipped in the package (``worldloop/warmstarts/<preset>/``): used at once, no grounding, no SFT.
 4. ``cache``: the model of this recipe and this code (the key is the recipe hash and the
-   :func:`~worldloop.bootstrap.recipe.code_fingerprint`, a few seconds to compute) in
-   :func:`cache_root`.
+   :func:`~worldloop.bootstrap.recipe.code_fingerprint`, 10-40 s to compute on 2 cores, kept per
+   recipe and :func:`code_version` by :func:`fingerprint_of`) in :func:`cache_root`.
 5. ``built``: made now into the cache (``build=False``: an error instead). The build runs in a
    temporary sibling folder and is renamed into place when whole, under an exclusive lock on
    ``<key>.lock``: concurrent runs of one recipe build it once (the others wait and take it), a
@@ -95,6 +96,52 @@ def cache_key(rhash: str, fingerprint: dict) -> str:
 
     blob = json.dumps({"recipe": rhash, **fingerprint}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# worldloop's own packages, whose files decide what code_fingerprint computes (the shipped warm starts aside)
+CODE_PACKAGES = ("worldloop", "worldloop.common", "worldloop.envs", "worldloop.actor", "worldloop.learner",
+                 "worldloop.judge")
+
+
+def code_version() -> str:
+    """sha256 over every file of :data:`CODE_PACKAGES` (paths and bytes; not ``__pycache__`` nor the
+    shipped warm starts) and :func:`~worldloop.common.versions.package_versions`: what the code that
+    makes a model's tokenizer and data is, read in milliseconds."""
+    import hashlib
+    import importlib.util
+
+    h = hashlib.sha256(json.dumps(package_versions(), sort_keys=True).encode())
+    for name in CODE_PACKAGES:
+        for root in importlib.util.find_spec(name).submodule_search_locations or []:
+            root = Path(root)
+            for p in sorted(root.rglob("*")):
+                rel = p.relative_to(root)
+                if p.is_file() and "__pycache__" not in rel.parts and rel.parts[0] != "warmstarts":
+                    h.update(f"{name}/{rel.as_posix()}\0".encode())
+                    h.update(hashlib.sha256(p.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def fingerprint_of(cfg: Config) -> dict:
+    """:func:`~worldloop.bootstrap.recipe.code_fingerprint` of ``cfg``, kept per recipe and
+    :func:`code_version` in ``<cache_root>/../fingerprints/`` (computing it builds a fresh tiny model
+    and the recipe's first examples: 10-40 s on 2 cores, for every run of a recipe that is not
+    shipped, a cache hit included). The same worldloop files and package versions give the same
+    fingerprint; a change of a system library the envs render with (libcairo, fonts) is not seen:
+    delete the folder after one."""
+    path = cache_root().parent / "fingerprints" / f"{recipe_hash(cfg)}-{code_version()[:16]}.json"
+    try:
+        got = json.loads(path.read_text())
+        if isinstance(got, dict) and set(got) == {"tokenizer", "data"} and all(isinstance(v, str) for v in got.values()):
+            return got
+    except (OSError, ValueError):
+        pass
+    fingerprint = code_fingerprint(cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(fingerprint))
+    os.replace(tmp, path)
+    return fingerprint
 
 
 def shipped_models(root: Path = SHIPPED_DIR) -> dict[str, Path]:
@@ -247,7 +294,7 @@ def resolve_model(cfg: Config, *, build: bool = True, run_dir: str | Path | None
     if shipped is not None:
         return ResolvedModel(shipped, "shipped", rhash, recipe=read_recipe(shipped))
     log.info("model: recipe %s is not shipped; looking for it in %s", rhash, cache_root())
-    fingerprint = code_fingerprint(cfg)
+    fingerprint = fingerprint_of(cfg)
     key = cache_key(rhash, fingerprint)
     target = cache_root() / key
     if _ready(target):
@@ -294,7 +341,7 @@ def model_command(cfg: Config, args) -> int:
     if args.out:
         out, recipe = Path(args.out), make_model(cfg, args.out, replace=True)
     else:
-        fingerprint = code_fingerprint(cfg)
+        fingerprint = fingerprint_of(cfg)
         out, recipe = build_into_cache(cfg, cache_key(recipe_hash(cfg), fingerprint), fingerprint, replace=True)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     print(f"worldloop model build: {out} ({size / 2**20:.1f} MiB), recipe {recipe['recipe_hash']}, builder "
