@@ -446,6 +446,7 @@ def test_supervisord_runs_the_inference_servers_asked_for(tmp_path):
     (0) adds no process. Read with supervisord's own config parser (starting vLLM is for the
     vllm tests)."""
     script = """
+from supervisor.options import ServerOptions
 o = ServerOptions()
 o.realize(args=["-c", "%s"])
 for g in o.process_group_configs:
