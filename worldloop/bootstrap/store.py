@@ -19,7 +19,7 @@ Public API::
 3. ``shipped``: the config's :func:`~worldloop.bootstrap.recipe.recipe_hash` is that of a model
    shipped in the package (``worldloop/warmstarts/<preset>/``): used at once, no grounding, no SFT.
 4. ``cache``: the model of this recipe and this code (the key is the recipe hash and the
-   :func:`~worldloop.bootstrap.recipe.code_fingerprint`, 10-40 s to compute on 2 cores, kept per
+   :func:`~worldloop.bootstrap.recipe.code_fingerprint`, seconds to compute, 30-40 s under load, kept per
    recipe and :func:`code_version` by :func:`fingerprint_of`) in :func:`cache_root`.
 5. ``built``: made now into the cache (``build=False``: an error instead). The build runs in a
    temporary sibling folder and is renamed into place when whole, under an exclusive lock on
@@ -125,7 +125,7 @@ def code_version() -> str:
 def fingerprint_of(cfg: Config) -> dict:
     """:func:`~worldloop.bootstrap.recipe.code_fingerprint` of ``cfg``, kept per recipe and
     :func:`code_version` in ``<cache_root>/../fingerprints/`` (computing it builds a fresh tiny model
-    and the recipe's first examples: 10-40 s on 2 cores, for every run of a recipe that is not
+    and the recipe's first examples: seconds, 30-40 s on 2 loaded cores, for every run of a recipe that is not
     shipped, a cache hit included). The same worldloop files and package versions give the same
     fingerprint; a change of a system library the envs render with (libcairo, fonts) is not seen:
     delete the folder after one."""
