@@ -29,8 +29,9 @@ atexit.register(shutil.rmtree, _CACHE, True)
 # (tests/README.md "Durations"). Set before anything imports torch; an OMP_NUM_THREADS already in the
 # environment wins.
 if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+    from worldloop.up import child_threads  # imports no torch
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(child_threads(int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 from worldloop.common.transport.redis_local import LocalRedis  # noqa: E402
 

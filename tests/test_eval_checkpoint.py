@@ -145,7 +145,7 @@ def test_idle_cores_counts_a_busy_process_as_busy() -> None:
     import subprocess
     import sys
 
-    from worldloop.heldout import idle_cores
+    from worldloop.eval.cpu import idle_cores
 
     cores = len(os.sched_getaffinity(0))
     quiet = idle_cores(0.5)

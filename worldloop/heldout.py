@@ -57,7 +57,7 @@ from worldloop.common.files import append_lines
 from worldloop.common.metrics import metric
 from worldloop.common.transport.process import ProcessScaffold
 from worldloop.common.contracts.schemas import total_turn_reward
-from worldloop.eval.cpu import CpuBudget
+from worldloop.eval.cpu import CpuBudget, idle_cores
 from worldloop.eval.reading import first_turn_reading
 from worldloop.eval.stats import wilson_interval
 
@@ -129,25 +129,6 @@ def checkpoint_weights(cfg: Config, run_dir: Path, version: int) -> dict | None:
     except Exception as e:  # an unreadable export: fall back to the weight channel
         log.warning("cannot load v%d from %s: %s: %s", version, ref.path, type(e).__name__, e)
         return None
-
-
-def idle_cores(sample_s: float = 1.0) -> float | None:
-    """How many of this process's cores were idle over the next ``sample_s`` seconds (the machine's
-    idle share in ``/proc/stat`` times the cores this process may use); None where there is no
-    ``/proc/stat``."""
-    def read() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
-        return ticks[3] + ticks[4], sum(ticks)
-
-    try:
-        idle0, total0 = read()
-        time.sleep(sample_s)
-        idle1, total1 = read()
-    except (OSError, ValueError, IndexError):
-        return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cores * (idle1 - idle0) / (total1 - total0) if total1 > total0 else 0.0
 
 
 def idle_core_threads(cfg: Config, idle=idle_cores) -> int:
@@ -281,7 +262,7 @@ class Evaluations:
         t0, cpu0 = time.monotonic(), time.process_time()
         cut = None
         if final:
-            trajs, cut = play_final(self.backend, self.cfg, specs, float(self.proc.control.get("final_eval_by") or 0))
+            trajs, cut = play_final(self.backend, self.cfg, specs, self.proc.control.get("final_eval_by", 0.0))
         else:
             trajs = evaluate(self.backend, self.cfg, specs)
         rec = summarize(trajs, v, time.monotonic() - t0)
@@ -312,7 +293,7 @@ def play_final(backend, cfg: Config, specs: list[EpisodeSpec], by: float,
     judged by the last chunk's time, is not started: the run's budget holds on a slow or loaded
     machine, and the evaluation says what it played, ``cut = {planned, played, by}``. The first
     chunk always runs."""
-    order = [s for _, s in sorted(enumerate(specs), key=lambda p: (p[1].seed, p[0]))]
+    order = sorted(specs, key=lambda s: s.seed)  # stable: within a seed, the envs in their order
     trajs: list = []
     last = 0.0
     for i in range(0, len(order), chunk):

@@ -54,6 +54,7 @@ from worldloop.common.transport.key_migration import migrate_legacy_keys
 from worldloop.common.contracts.keys import Keys
 from worldloop.common.secrets import password_to_env, redacted
 from worldloop.common.versions import write_versions
+from worldloop.eval.cpu import usable_cores
 from worldloop.plot import plot_metrics
 from worldloop.serve import plan_local_servers
 
@@ -549,9 +550,7 @@ def learner_time_budget(cfg: Config, elapsed_s: float) -> float | None:
 
 def child_threads(n_children: int, cores: int | None = None) -> int:
     """Threads per child process so that the children together use about every core once."""
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, n_children))
+    return max(1, (usable_cores() if cores is None else cores) // max(1, n_children))
 
 
 def _final_version(run_dir: Path) -> int | None:

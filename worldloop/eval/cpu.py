@@ -8,6 +8,8 @@ Public API::
         .charge(cpu_s)                  # an in-run evaluation took cpu_s CPU seconds
         .run_cpu() -> float, .share() -> float | None, .snapshot() -> dict
     cpu_by_role(last_values) -> dict    # `worldloop up`: CPU seconds per role from the last scrapes
+    usable_cores() -> int               # the cores this process may run on
+    idle_cores(sample_s=1.0) -> float | None   # how many of them were idle over the next sample_s seconds
 
 **The rule.** Every process of a run puts its CPU seconds so far (``time.process_time()``, all its
 threads) into its heartbeat (``cpu_s``, :func:`worldloop.common.transport.control.register_process`). The
@@ -28,6 +30,7 @@ The clock and the counters are arguments, so the rule is tested with explicit nu
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable, Iterable
 
@@ -92,3 +95,26 @@ def cpu_by_role(last_values: dict[str, dict]) -> dict:
     total = sum(seconds.values())
     return {"seconds": {k: round(v, 1) for k, v in sorted(seconds.items())}, "total_s": round(total, 1),
             "share": {k: round(v / total, 4) for k, v in sorted(seconds.items())} if total > 0 else {}}
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the platform has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def idle_cores(sample_s: float = 1.0) -> float | None:
+    """How many of this process's cores were idle over the next ``sample_s`` seconds (the machine's
+    idle share in ``/proc/stat`` times the cores this process may use); None where there is no
+    ``/proc/stat``."""
+    def read() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+        return ticks[3] + ticks[4], sum(ticks)
+
+    try:
+        idle0, total0 = read()
+        time.sleep(sample_s)
+        idle1, total1 = read()
+    except (OSError, ValueError, IndexError):
+        return None
+    return usable_cores() * (idle1 - idle0) / (total1 - total0) if total1 > total0 else 0.0
