@@ -57,6 +57,7 @@ from worldloop.common.lora import adapter_tensors
 from worldloop.common.lora import enabled as lora_enabled
 from worldloop.common.contracts.logprobs import model_inputs, token_logprobs
 from worldloop.common.contracts.modeling import ChatCodec, freeze_vision_tower, load_policy
+from worldloop.learner.varlen import use_varlen
 from worldloop.learner.kernels import (apply_checkpointing, apply_liger, checkpointing_mode, configure_attention,
                                        kernel_report, use_liger)
 
@@ -301,10 +302,12 @@ def assemble_models(cfg: Config, dist: DistInfo, codec: ChatCodec, hf: torch.nn.
     bf16 = use_bf16(cfg, dist.device)
     conf = ds_config(cfg, dist, bf16=bf16)
     make = engine_fn or _engine
-    if liger:
-        for m in (hf, backbone, reference):
-            if m is not None:
+    for m in (hf, backbone, reference):
+        if m is not None:
+            if liger:
                 apply_liger(m)
+            if t.packing:  # packed rows attend within each trajectory, with no mask (learner/varlen.py)
+                use_varlen(m)
     hf.train()
     if cfg.model.freeze_vision:
         freeze_vision_tower(hf)

@@ -191,7 +191,12 @@ def kernel_report(cfg: Config, device: torch.device, liger: bool) -> str:
         kernels = (f"Liger off: liger-kernel {'.'.join(map(str, found))} is older than "
                    f"{'.'.join(map(str, LIGER_MIN_VERSION))}; chunked LM head")
     attn = "sdpa without cuDNN" if device.type == "cuda" else "sdpa"
-    layout = "packed rows (varlen by position ids)" if cfg.trainer.packing else "padded rows"
+    if cfg.trainer.packing:  # learner/varlen.py
+        varlen = ("torch varlen_attn (flash) in bf16/fp16, per-trajectory sdpa in fp32" if device.type == "cuda"
+                  else "per-trajectory causal sdpa")
+        attn, layout = f"varlen: {varlen}", "packed rows"
+    else:
+        layout = "padded rows"
     return (f"kernels: {kernels}; attention {attn}, {layout}; activation checkpointing "
             f"{checkpointing_mode(cfg.trainer)}")
 

@@ -19,13 +19,12 @@ Two layouts (``trainer.packing``)
 *Padded* (``packing: false``): a micro-batch is ``len(rows)`` rows, each right-padded to the
 longest (rounded up to ``pad_to``), with an attention mask. Its cost is rows x longest.
 
-*Packed* (``packing: true``; the default is padded, docs/benchmarks.md "Learner"): a micro-batch is ONE row, the whole trajectories laid
+*Packed* (``packing: true``, the default): a micro-batch is ONE row, the whole trajectories laid
 end to end (each trajectory's real tokens only) and right-padded once to a multiple of
 ``pad_to``; no attention mask. What keeps the trajectories apart:
 
 * position ids restart at 0 at every trajectory. For Qwen2.5-VL they are ``[4, 1, T]``: row 0 the
-  text positions (restarting: transformers derives the sequence boundaries from them, a block-
-  diagonal causal mask under SDPA / eager, ``cu_seqlens`` under flash-attention-2), rows 1-3 the
+  text positions (restarting), rows 1-3 the
   3D M-RoPE ids, computed for each trajectory alone by the model's own ``get_rope_index`` (so an
   image's temporal/height/width ids depend only on its own trajectory: :func:`rope_positions`,
   once per update on the collated batch) and concatenated. Text-only models get ``[1, T]``;
@@ -33,7 +32,9 @@ end to end (each trajectory's real tokens only) and right-padded once to a multi
   position: a token's log-prob is read from the hidden state before it, which at a trajectory's
   start belongs to the previous trajectory. The padded layout gives 0 there (position 0), and so
   does the packed one (``logprob_mask`` is cleared there, the critic zeroes its values);
-* the tail padding forms a "trajectory" of its own (positions 0, 1, ...), every mask 0.
+* the tail padding forms a "trajectory" of its own (positions 0, 1, ...), every mask 0;
+* attention stays within each trajectory by its boundaries (``segments``): the learner's models
+  run learner/varlen.py, which costs each trajectory its own length squared and builds no mask.
 
 Packed micro-batches are planned by first-fit decreasing on real token counts: the rows sorted
 longest first, each into the first micro-batch it fits (sum of lengths, rounded up to ``pad_to``,
@@ -49,6 +50,8 @@ from __future__ import annotations
 import inspect
 
 import torch
+
+from worldloop.common.contracts.logprobs import segments_of
 
 PAD_TO = 8  # the default multiple micro-batch lengths are rounded up to (trainer.pad_to_multiple)
 _SPANS = ("pixel_values", "image_grid_thw")
@@ -224,7 +227,8 @@ def packed_slices(batch: dict[str, torch.Tensor], rows: list[int], image_counts:
     """Rows ``rows`` of a collated batch as ONE packed row (module docstring): every [B, L] field
     as [1, T] (T = sum of the rows' ``lengths`` rounded up to ``pad_to``), ``position_ids``
     ([4, 1, T] with the batch's ``rope_positions``, else [1, T]), ``seq_start`` (1 at each
-    trajectory's first token), ``logprob_mask`` cleared there, ``pack_index`` (the flat [B * L]
+    trajectory's first token), ``segments`` (the bounds of each trajectory and of the padding
+    tail, for learner/varlen.py; not a tensor), ``logprob_mask`` cleared there, ``pack_index`` (the flat [B * L]
     index of every real token, in packed order) and the rows' images."""
     total = _padded(sum(int(lengths[r]) for r in rows), pad_to)
     n_real = sum(int(lengths[r]) for r in rows)
@@ -240,6 +244,7 @@ def packed_slices(batch: dict[str, torch.Tensor], rows: list[int], image_counts:
     else:
         out["position_ids"] = text[None]
     out["seq_start"] = start[None]
+    out["segments"] = segments_of([int(lengths[r]) for r in rows] + ([total - n_real] if total > n_real else []))
     if "logprob_mask" in out:
         out["logprob_mask"] = out["logprob_mask"] * (1.0 - out["seq_start"])
     width = batch["input_ids"].shape[1]

@@ -34,11 +34,11 @@ An iteration, for this rank's contiguous slice of the global batch:
    aggregate whatever the padding or rank split. The critic's loss is always the token mean.
 
 Micro-batches (step 2 and 4; planned and laid out by ``worldloop.learner.microbatch``):
-``trainer.packing`` true (off by default) packs whole trajectories end to end into one row per
+``trainer.packing`` true (the default) packs whole trajectories end to end into one row per
 micro-batch, position ids restarting at each trajectory (Qwen2.5-VL's M-RoPE ids computed per
 trajectory), no padding but the last ``pad_to_multiple`` rounding, attention kept within each
-trajectory (transformers' packed-sequence masks: block-diagonal under SDPA, ``cu_seqlens`` under
-flash-attention-2); false keeps padded rows, each micro-batch padded to its longest.
+trajectory by varlen attention (learner/varlen.py: no mask, each trajectory costs its own length
+squared); false keeps padded rows, each micro-batch padded to its longest.
 ``trainer.micro_batch_tokens`` = 0 takes ``micro_batch_size`` trajectories at a time in
 mini-batch order; > 0 forms micro-batches by a token budget over the rows of the mini-batch (or,
 for step 2, of the local batch), longest first: packed, first-fit decreasing on real tokens;

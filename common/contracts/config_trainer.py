@@ -35,12 +35,13 @@ class TrainerConfig(Section):
                        "sorted by length within each mini-batch, learner/trainer.py); 0 = micro_batch_size rows; auto: "
                        "on CUDA the budget the GPU's free memory holds by the memory model (learner/memory.py), on CPU "
                        "micro_batch_size x the update's longest trajectory")
-    # off by default: on one H100 (3B, SDPA) packed rows ran at 0.69x the padded ones (a dense block-diagonal
-    # mask over the whole row, no varlen kernel), on the CPU at 0.99-1.08x (docs/benchmarks.md, Learner)
-    packing: bool = Field(False, description="pack whole trajectories end to end into one row per micro-batch "
-                                             "(position ids restart per trajectory, M-RoPE ids per trajectory, attention "
-                                             "kept within each; no padding but the pad_to_multiple rounding); false = "
-                                             "padded rows (learner/microbatch.py)")
+    # on by default since its varlen attention (learner/varlen.py): on the CPU packed rows ran at 1.01-1.30x the
+    # padded ones' tokens/s, the same losses within 1e-5 (docs/benchmarks.md "Packed vs padded micro-batches").
+    # The earlier block-diagonal mask ran at 0.69x on an H100; the varlen path has not run on a GPU yet.
+    packing: bool = Field(True, description="pack whole trajectories end to end into one row per micro-batch "
+                                            "(position ids restart per trajectory, M-RoPE ids per trajectory, varlen "
+                                            "attention within each trajectory, learner/varlen.py; no padding but the "
+                                            "pad_to_multiple rounding); false = padded rows (learner/microbatch.py)")
     pad_to_multiple: Annotated[int | Literal["auto"], Rule("must be auto or an integer in [1, 4096]",
                                                         lambda v: v == "auto" or 1 <= v <= 4096)] = Field(
         "auto", description="every micro-batch is right-padded to a multiple of this many tokens so that its shapes "

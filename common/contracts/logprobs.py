@@ -3,6 +3,7 @@
 Public API::
 
     MODEL_KEYS; model_inputs(batch, device, dtype) -> the model's keyword inputs of a collated batch
+    Segments; segments_of(lengths) -> Segments   # a packed row's trajectory bounds (learner/varlen.py)
     token_logprobs(model, batch, temperature=1.0, chunk_size=512, return_entropy=False, only=None, fused=False,
                    positions=None, masked_ids=None) -> (logprobs [B, L], entropy [B, L] | None)
     linear_logprobs(hidden, head, targets, temperature=1.0, chunk_size=512, return_entropy=False, fused=False,
@@ -51,6 +52,9 @@ Fallbacks and the fused kernel
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -70,13 +74,40 @@ def _ids(masked_ids, device) -> torch.Tensor | None:
     return None if not masked_ids else torch.as_tensor(list(masked_ids), dtype=torch.long, device=device)
 
 
+@dataclass(frozen=True)
+class Segments:
+    """A packed row's trajectories: ``bounds`` (host ints: 0, each end), ``max_len`` and the same
+    boundaries as an int32 tensor (``cu``), moved to the compute device by :meth:`on`."""
+
+    bounds: tuple[int, ...]
+    max_len: int
+    cu: torch.Tensor
+
+    def on(self, device: torch.device) -> "Segments":
+        if self.cu.device == torch.device(device):
+            return self
+        return Segments(self.bounds, self.max_len, self.cu.to(device, non_blocking=True))
+
+
+def segments_of(lengths) -> Segments:
+    """The :class:`Segments` of a packed row whose trajectories (and padding tail) have ``lengths``
+    tokens, in order (host ints, all > 0)."""
+    lengths = [int(n) for n in lengths]
+    if not lengths or min(lengths) <= 0:
+        raise ValueError(f"a packed row needs segments of at least one token, got lengths {lengths[:8]}")
+    bounds = (0, *itertools.accumulate(lengths))
+    return Segments(bounds, max(lengths), torch.tensor(bounds, dtype=torch.int32))
+
+
 def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The model's keyword inputs of a collated batch on ``device`` (pixel values in ``dtype``). A
     packed batch (``position_ids`` restarting at each sequence, learner/microbatch.py) goes without
-    its attention mask: transformers then keeps attention within each sequence."""
+    its attention mask and with its ``segments`` as ``worldloop_segments`` (learner/varlen.py)."""
     keys = [k for k in MODEL_KEYS if k in batch and not (k == "attention_mask" and "position_ids" in batch)]
     non_blocking = torch.device(device).type == "cuda"
     kwargs = {k: _to(batch[k], device, non_blocking) for k in keys}
+    if "segments" in batch:  # a packed row's trajectory boundaries, for the varlen attention
+        kwargs["worldloop_segments"] = batch["segments"].on(device)
     if "pixel_values" in kwargs:
         kwargs["pixel_values"] = kwargs["pixel_values"].to(dtype)
     return kwargs
