@@ -2,12 +2,15 @@
 loop (``actor.loop: episode``), for the ``hf`` backend and a real ``worldloop serve`` (vLLM, CPU).
 
     python bench/rollouts.py [--episodes 24] [--concurrency 8] [--max-new-tokens 48] [--no-server]
-                             [--updates 3] [--update-tokens 512]
+                             [--updates 3] [--update-tokens 512] [--model DIR]
 
 The suite mixes FrozenLake (2 turns), Sokoban (4), Navigation (3) and SVG (1 turn, a slow env step:
 it renders and scores an SVG), vision mode, with the embedded tiny Qwen2.5-VL model at temperature
 0.7 / top-p 0.95 and keyed sampling, so both loops play the same episodes with the same samples
-(the table's ``same`` column checks it). Each backend runs lockstep first, then the per-episode
+(the table's ``same`` column checks it). ``--model`` plays another model directory instead, for
+example the shipped FrozenLake warm start (``worldloop/warmstarts/tiny-frozenlake``), whose
+responses end on their own at different lengths, where the random tiny model's all run to
+``--max-new-tokens``: the per-episode loop can only gain where responses differ. Each backend runs lockstep first, then the per-episode
 loop, one after the other (never two at once); one warm-up episode per backend is not timed.
 Columns: episodes/s, generated tokens/s, the share of the run with no generation request in
 flight (``idle``: 1 - busy seconds / wall seconds, from the engine's own accounting), and the
@@ -142,13 +145,15 @@ def main() -> None:
     ap.add_argument("--no-server", action="store_true", help="only the hf backend")
     ap.add_argument("--updates", type=int, default=3, help="weight versions published per update mode (0: no update rows)")
     ap.add_argument("--update-tokens", type=int, default=512, help="tokens of each request in flight during an update")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="a model directory to play (default: the embedded random tiny model, made on the spot)")
     args = ap.parse_args()
     from worldloop import envs  # noqa: F401
     from worldloop.actor.hf_backend import HFBackend
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        model = bench_actor._model(Path(tmp) / "vl")
+        model = args.model.resolve() if args.model else bench_actor._model(Path(tmp) / "vl")
         hf = HFBackend(model, max_image_side=112)
         rows += _rows("hf", hf, args)
         hf.close()
@@ -173,6 +178,11 @@ def main() -> None:
 def _print_rows(rows: list[tuple], args) -> None:
     print(f"\n{args.episodes} episodes of FrozenLake/Sokoban/Navigation/SVG (2/4/3/1 turns), concurrency "
           f"{args.concurrency}, max_new_tokens {args.max_new_tokens}, keyed sampling")
+    lengths = [len(t) for tr in rows[0][2]["responses"] for t in tr]
+    if lengths:
+        print(f"model {args.model or 'the embedded random tiny model'}: {len(lengths)} responses of {min(lengths)}-"
+              f"{max(lengths)} tokens (mean {sum(lengths) / len(lengths):.1f}), "
+              f"{sum(n >= args.max_new_tokens for n in lengths) / len(lengths):.0%} at max_new_tokens")
     print(f"{'backend':<8}{'loop':<10}{'seconds':>9}{'episodes/s':>12}{'tokens/s':>10}{'idle':>7}{'ratio':>7}{'same':>6}")
     for name, loop, r, ratio, same in rows:
         idle = max(0.0, 1.0 - r["busy"] / r["wall"])
