@@ -134,6 +134,11 @@ def _version_latency(model: Path, tmp: Path, mode: str, args) -> list[float]:
     finally:
         bench_actor._stop(proc)
         pub.close()
+        log = Path(tmp) / f"serve-{mode}.log"
+        for line in (log.read_text(errors="replace").splitlines() if log.exists() else []):
+            for what in ("fetched weights v", "applied weights v"):  # the server's own account of each version
+                if what in line:
+                    print(f"  {mode}: {line[line.index(what):]}", flush=True)
     return out
 
 

@@ -208,6 +208,33 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def ephemeral_range() -> tuple[int, int]:
+    """The OS's ephemeral ports (``ip_local_port_range``: bind to port 0, outgoing connections);
+    Linux's default where that file cannot be read."""
+    try:
+        low, high = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def unassigned_port(host: str = "127.0.0.1", low: int = 10000, tries: int = 100) -> int:
+    """A port free now for another process to bind later, drawn at random below the ephemeral range:
+    no outgoing connection and no ``free_port()`` of any process lands there meanwhile, so only
+    another explicit pick among ~20,000 ports could take it (an OS-given port can go to a client
+    socket's local end within the same second). :func:`free_port` where that range is too small."""
+    import random
+
+    top = ephemeral_range()[0]
+    if top - low >= 1000:
+        draw = random.SystemRandom()
+        for _ in range(tries):
+            port = draw.randrange(low, top)
+            if port_is_free(port, host):
+                return port
+    return free_port(host)
+
+
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     """Whether a TCP socket can bind ``host``:``port`` right now (a hint: another process may take it next)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -49,3 +49,37 @@ def test_every_declared_metric_is_used_by_the_code() -> None:
             source += text
     unused = [name for name in CATALOG if f'"{name}"' not in source]
     assert not unused, f"declared in CATALOG but never updated: {unused}"
+
+
+# --------------------------------------------------------------------------- ports for other processes
+
+
+def test_unassigned_ports_are_free_and_below_the_ephemeral_range() -> None:
+    import socket
+
+    from worldloop.common.metrics import ephemeral_range, free_port, unassigned_port
+
+    low, high = ephemeral_range()
+    assert 1024 <= low < high <= 65535
+    ports = {unassigned_port() for _ in range(20)}
+    assert all(10000 <= p < low for p in ports) and len(ports) > 1  # drawn, not one fixed port
+    assert low <= free_port() <= high  # the OS's own pick lies in the range these avoid
+    with socket.socket() as s:  # free: this process can bind each
+        s.bind(("127.0.0.1", ports.pop()))
+
+
+def test_an_unassigned_port_skips_one_in_use_and_falls_back_where_the_range_is_too_small(monkeypatch) -> None:
+    import socket
+
+    import worldloop.common.metrics as metrics
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        taken = busy.getsockname()[1]
+        draws = iter([taken, taken, 23456])
+        monkeypatch.setattr("random.SystemRandom.randrange", lambda self, a, b: next(draws))
+        monkeypatch.setattr(metrics, "port_is_free", lambda port, host="127.0.0.1": port != taken)
+        assert metrics.unassigned_port() == 23456
+    low = metrics.ephemeral_range()[0]
+    monkeypatch.setattr(metrics, "ephemeral_range", lambda: (10500, 60999))  # fewer than 1,000 ports below it
+    assert metrics.unassigned_port() >= low  # the OS's pick (free_port), not a draw below 10,500

@@ -321,7 +321,7 @@ def _local_services(cfg: Config, run_dir: Path) -> LocalRedis | None:
     """A private redis-server when ``redis.url`` is null (returned, to close at the end; else None)
     and free ports for the weight channel's ports left at 0, so several local runs can share a
     machine; the config is updated to name them."""
-    from worldloop.common.metrics import free_port
+    from worldloop.common.metrics import unassigned_port
     from worldloop.common.transport.redis_local import LocalRedis
 
     local_redis = None
@@ -330,10 +330,14 @@ def _local_services(cfg: Config, run_dir: Path) -> LocalRedis | None:
         local_redis = LocalRedis(data_dir=str(run_dir / "redis"), persist=True, appendfsync=cfg.redis.appendfsync).start()
         cfg.redis.url = local_redis.url
         print(f"worldloop up: started a local redis-server at {cfg.redis.url}", flush=True)
+    # every child is told these ports before the learner binds them, and a learner restarted on a
+    # taken port fails again: drawn below the ephemeral range, where no client socket lands meanwhile
     if cfg.weights.pub_port == 0:
-        cfg.weights.pub_port = free_port()
+        cfg.weights.pub_port = unassigned_port()
     if cfg.weights.fetch_port == 0:
-        cfg.weights.fetch_port = free_port()
+        cfg.weights.fetch_port = unassigned_port()
+        while cfg.weights.fetch_port == cfg.weights.pub_port:
+            cfg.weights.fetch_port = unassigned_port()
     return local_redis
 
 
