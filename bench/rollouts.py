@@ -109,6 +109,11 @@ def _version_latency(model: Path, tmp: Path, mode: str, args) -> list[float]:
         sb = ServerBackend([url], model, max_image_side=112, max_model_len=4096, mixed_versions=mode == "interrupt")
         try:
             prompt = sb.codec.encode_obs("Count to a thousand.", [], system="Talk.", first=True).ids
+            # warm-up: a fresh engine's first steps at this batch shape are slow on the CPU (measured: a
+            # utility call waited 1.8 s behind them, in both modes), which is start-up, not the update
+            for f in [sb.submit(GenRequest(prompt, session=f"warm-{i}"), temperature=1.0, top_p=1.0,
+                                max_new_tokens=args.update_tokens, seed=i) for i in range(args.concurrency)]:
+                f.result(timeout=900)
             for v in range(1, args.updates + 1):
                 for attempt in range(20):  # a random model ends some responses early on an EOS
                     futures = [sb.submit(GenRequest(prompt, session=f"u{v}-{attempt}-{i}"), temperature=1.0, top_p=1.0,
