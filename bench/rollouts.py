@@ -10,8 +10,9 @@ it renders and scores an SVG), vision mode, with the embedded tiny Qwen2.5-VL mo
 (the table's ``same`` column checks it). ``--model`` plays another model directory instead, for
 example the shipped FrozenLake warm start (``worldloop/warmstarts/tiny-frozenlake``), whose
 responses end on their own at different lengths, where the random tiny model's all run to
-``--max-new-tokens``: the per-episode loop can only gain where responses differ. Each backend runs lockstep first, then the per-episode
-loop, one after the other (never two at once); one warm-up episode per backend is not timed.
+``--max-new-tokens``: the per-episode loop can only gain where responses differ. Each backend runs
+lockstep first, then the per-episode loop, one after the other (never two at once); one warm-up
+episode per backend is not timed.
 Columns: episodes/s, generated tokens/s, the share of the run with no generation request in
 flight (``idle``: 1 - busy seconds / wall seconds, from the engine's own accounting), and the
 per-episode loop's ratio to lockstep on the same backend in the same run.
@@ -19,7 +20,9 @@ per-episode loop's ratio to lockstep on the same backend in the same run.
 The weight-update rows start a server that follows a weight channel of this process, once with
 ``actor.weight_update: wait`` and once with ``interrupt``, keep ``concurrency`` requests of
 ``--update-tokens`` tokens decoding, publish a version, and time publish -> the server serving it
-(``/worldloop/info``: it resumes with that version, so its next engine step samples with it).
+(``/worldloop/info``: it resumes with that version, so its next engine step samples with it),
+after one untimed round of the same requests (a fresh engine's first steps are start-up), and
+prints the server's own fetch and apply lines for each version.
 """
 
 from __future__ import annotations

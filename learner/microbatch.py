@@ -24,10 +24,10 @@ end to end (each trajectory's real tokens only) and right-padded once to a multi
 ``pad_to``; no attention mask. What keeps the trajectories apart:
 
 * position ids restart at 0 at every trajectory. For Qwen2.5-VL they are ``[4, 1, T]``: row 0 the
-  text positions (restarting), rows 1-3 the
-  3D M-RoPE ids, computed for each trajectory alone by the model's own ``get_rope_index`` (so an
-  image's temporal/height/width ids depend only on its own trajectory: :func:`rope_positions`,
-  once per update on the collated batch) and concatenated. Text-only models get ``[1, T]``;
+  text positions (restarting), rows 1-3 the 3D M-RoPE ids, computed for each trajectory alone by
+  the model's own ``get_rope_index`` (so an image's temporal/height/width ids depend only on its
+  own trajectory: :func:`rope_positions`, once per update on the collated batch) and
+  concatenated. Text-only models get ``[1, T]``;
 * the first position of each trajectory (``seq_start``) is never a log-prob, entropy or value
   position: a token's log-prob is read from the hidden state before it, which at a trajectory's
   start belongs to the previous trajectory. The padded layout gives 0 there (position 0), and so
