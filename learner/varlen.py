@@ -72,6 +72,11 @@ def _per_segment(query, key, value, seg: Segments, scaling):
     return torch.cat(outs, dim=2).transpose(1, 2)
 
 
+def _flash_ok(query: torch.Tensor) -> bool:
+    """Whether torch's varlen kernel applies: CUDA, half precision."""
+    return query.device.type == "cuda" and query.dtype in (torch.bfloat16, torch.float16)
+
+
 def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      is_causal: bool | None = None, worldloop_segments: Segments | None = None, **kwargs):
@@ -86,12 +91,12 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         raise ValueError("varlen attention has no dropout (the learner trains with attention dropout 0)")
     if query.shape[2] != worldloop_segments.bounds[-1]:
         raise ValueError(f"segments cover {worldloop_segments.bounds[-1]} tokens, the row has {query.shape[2]}")
-    if query.device.type == "cuda" and query.dtype in (torch.bfloat16, torch.float16) and not _FLASH_FAILED:
+    if _flash_ok(query) and not _FLASH_FAILED:
         try:
             return _flash_varlen(query, key, value, worldloop_segments, scaling), None
         except torch.OutOfMemoryError:
             raise
-        except (RuntimeError, NotImplementedError, ImportError) as e:  # no kernel for this GPU / build
+        except Exception as e:  # no kernel for this GPU, build or layout: the path below is exact too
             _FLASH_FAILED.append(repr(e))
             log.warning("torch varlen_attn failed (%r): packed rows use one SDPA call per trajectory from now on", e)
     return _per_segment(query, key, value, worldloop_segments, scaling), None

@@ -9,7 +9,9 @@
 * ``segments_of``: bounds, longest segment and the int32 tensor of generated lengths; bad lengths
   are refused;
 * the mask function builds no mask without a padding mask, and SDPA's with one;
-* ``assemble_models`` with ``trainer.packing`` puts every model on it; without, on SDPA.
+* ``assemble_models`` with ``trainer.packing`` puts every model on it; without, on SDPA;
+* a failing varlen kernel (the CUDA branch, made to apply and fail on the CPU) is tried once,
+  logged once, and the per-trajectory path answers; out of memory is raised, not absorbed.
 The packed-equals-padded checks of whole models are in tests/test_packing.py.
 """
 
@@ -164,3 +166,34 @@ def test_assembled_models_run_varlen_only_when_packing(tmp_path, packing):
     for m in (models.policy_hf, models.critic.module.backbone, models.reference.hf):
         assert m.config._attn_implementation == want
         assert m.config.get_text_config()._attn_implementation == want
+
+
+def test_a_failing_flash_kernel_falls_back_once_and_out_of_memory_is_raised(monkeypatch, caplog):
+    """The CUDA branch's error handling, on the CPU: the kernel is made to apply and to fail."""
+    q, k, v = _qkv(9)
+    seg = segments_of([4, 5])
+    expected, _ = varlen.varlen_attention(_Module(), q, k, v, None, scaling=0.3, worldloop_segments=seg)
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("no varlen kernel for this device")
+
+    monkeypatch.setattr(varlen, "_flash_ok", lambda query: True)
+    monkeypatch.setattr(varlen, "_flash_varlen", broken)
+    monkeypatch.setattr(varlen, "_FLASH_FAILED", [])
+    with caplog.at_level("WARNING", logger="worldloop.learner.varlen"):
+        for _ in range(3):
+            out, _ = varlen.varlen_attention(_Module(), q, k, v, None, scaling=0.3, worldloop_segments=seg)
+            assert torch.equal(out, expected)
+    assert len(calls) == 1 and "no varlen kernel" in varlen._FLASH_FAILED[0]  # tried once, then never again
+    assert sum("varlen_attn failed" in r.getMessage() for r in caplog.records) == 1
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(varlen, "_FLASH_FAILED", [])
+    monkeypatch.setattr(varlen, "_flash_varlen", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError, match="out of memory"):
+        varlen.varlen_attention(_Module(), q, k, v, None, scaling=0.3, worldloop_segments=seg)
+    assert varlen._FLASH_FAILED == []
