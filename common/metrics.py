@@ -212,7 +212,8 @@ def ephemeral_range() -> tuple[int, int]:
     """The OS's ephemeral ports (``ip_local_port_range``: bind to port 0, outgoing connections);
     Linux's default where that file cannot be read."""
     try:
-        low, high = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
         return low, high
     except (OSError, ValueError):
         return 32768, 60999
