@@ -45,7 +45,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +53,7 @@ import torch
 
 from worldloop.common.contracts.config import Config, ConfigError
 from worldloop.common.lora import adapter_tensors
+from worldloop.common.metrics import free_port
 from worldloop.common.lora import enabled as lora_enabled
 from worldloop.common.contracts.logprobs import model_inputs, token_logprobs
 from worldloop.common.contracts.modeling import ChatCodec, freeze_vision_tower, load_policy
@@ -80,12 +80,6 @@ class DistInfo:
         return self.rank == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def resolve_device(cfg: Config, local_rank: int) -> torch.device:
     want = cfg.trainer.device
     if want == "cuda" and not torch.cuda.is_available():
@@ -105,7 +99,7 @@ def init_distributed(cfg: Config) -> DistInfo:
 
     added: list[str] = []
     if "RANK" not in os.environ:
-        single = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+        single = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
         added = [k for k in single if k not in os.environ]
         os.environ.update({k: single[k] for k in added})
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
