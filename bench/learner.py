@@ -4,7 +4,7 @@
     python bench/learner.py --size 0.5b --size 3b                             # on a GPU (bf16)
         [--engines torch,zero2,zero3] [--steps 3] [--peak-tflops 989] [--json out.json]
         [--lengths fixed|varied] [--micro-tokens 0,auto,4096] [--batch TRAIN,MINI,MICRO]
-        [--packing on,off] [--checkpointing default,full,selective,none] [--offload none,cpu]
+        [--packing on,off] [--checkpointing default,full,selective,none] [--offload none,cpu] [--vision-cache on,off]
         [--logprobs chunked,full] [--logprob-chunk 512]
     python bench/learner.py --size tiny-bigvocab --engines torch --logprobs chunked,full --steps 1   # CPU, 3 min
 
@@ -25,7 +25,8 @@ micro-batch, learner/microbatch.py), off = padded rows; ``--micro-tokens`` 0 = m
 trajectories per micro-batch, N = a token budget, auto = the trainer's (CPU: micro_batch_size x
 the longest; CUDA: the memory model's); ``--checkpointing`` = ``trainer.activation_checkpointing``
 (default: the size's own); ``--offload cpu`` = ZeRO's ``offload_optimizer`` on the host
-(``trainer.offload_optimizer``); ``--logprobs full`` = the counterfactual of the chunked LM head
+(``trainer.offload_optimizer``); ``--vision-cache off`` = every pass runs the frozen vision tower
+(``trainer.vision_cache``, learner/vision.py); ``--logprobs full`` = the counterfactual of the chunked LM head
 (the whole [N, V] logits with autograd, patched into the variant's process only).
 
 Columns: ``pad`` the share of the computed token slots (all forwards of the update) that are
@@ -90,8 +91,9 @@ QWEN25_VL_3B_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, n
 
 SIZES = {
     # trainer overrides, trajectory shape
+    # the tower frozen as in the tiny presets (configs/tiny-*.yaml model.freeze_vision)
     "tiny": dict(trainer=dict(train_batch_size=8, ppo_mini_batch_size=4, micro_batch_size=2, estimator="bilevel_gae"),
-                 turns=2, filler=0, response=24, images=True),
+                 turns=2, filler=0, response=24, images=True, model=dict(freeze_vision=True)),
     "0.5b": dict(trainer=dict(train_batch_size=16, ppo_mini_batch_size=8, micro_batch_size=4, estimator="bilevel_gae"),
                  turns=3, filler=220, response=110, images=False),
     # the trajectories are text-only, so the vision tower gets no gradient: frozen, its 0.67 B
@@ -302,7 +304,7 @@ def _shapes(size: str, lengths: str, step: int, n: int) -> list[tuple[int, int, 
 
 def _trainer_overrides(v: dict) -> dict:
     """The trainer keys of a variant's flags (``--packing``, ``--checkpointing``, ``--offload``)."""
-    out = {"packing": v.get("packing", "on") == "on"}
+    out = {"packing": v.get("packing", "on") == "on", "vision_cache": v.get("vision_cache", "on") == "on"}
     if v.get("checkpointing", "default") != "default":
         out["activation_checkpointing"] = v["checkpointing"]
     if v.get("offload", "none") != "none":
@@ -442,7 +444,7 @@ def peak_flops(arg: float | None) -> float | None:
     return None
 
 
-_FLAGS = ("packing", "checkpointing", "offload")
+_FLAGS = ("packing", "checkpointing", "offload", "vision_cache")
 
 
 def _cells(r: dict, rows: list[dict], peak: float | None) -> str:
@@ -468,7 +470,8 @@ def _cells(r: dict, rows: list[dict], peak: float | None) -> str:
     if r.get("budget") == "auto":
         how = f"auto: {how}"
     lp = r.get("logprobs", "chunked") + (f" ({r['logprob_chunk']})" if r.get("logprobs") != "full" else "")
-    return (f"| {r['size']} | {r['engine']} | {r.get('packing', 'on')} | {r.get('checkpointing', 'default')} | "
+    cache = "" if r.get("vision_cache", "on") == "on" else " (no vision cache)"
+    return (f"| {r['size']} | {r['engine']} | {r.get('packing', 'on')}{cache} | {r.get('checkpointing', 'default')} | "
             f"{r.get('offload', 'none')} | {lp} | {how} | {r['micro_batches']:g} | {r['padding_fraction']:.3f} | "
             f"{r['tokens_per_update']:,} | {r['seconds']:.2f} | {r['cpu_s']:.1f} | {r['tokens_per_s']:,.0f} | "
             f"{ratio} | {vs_padded} | {mfu} | {r['forward_s']:.2f} | {r['backward_s']:.2f} | {r['publish_s']:.2f} | "
@@ -494,6 +497,12 @@ def print_table(rows: list[dict], lengths: str, peak: float | None) -> None:
         if "padding_fraction" in r:
             print(f"padding share of token slots: {r['size']} {r['engine']} packing {r.get('packing')} "
                   f"ckpt {r.get('checkpointing')}: {100 * r['padding_fraction']:.1f} %")
+    for r in rows:  # the vision cache's gain: the same variant with --vision-cache off
+        off = next((b for b in rows if "seconds" in b and b.get("vision_cache") == "off" and all(
+            b.get(k) == r.get(k) for k in ("size", "engine", "budget", "logprobs", "packing", "checkpointing", "offload"))), None)
+        if "seconds" in r and r.get("vision_cache", "on") == "on" and off:
+            print(f"vision cache: {r['size']} {r['engine']} packing {r.get('packing')}: {r['tokens_per_s']:,.0f} vs "
+                  f"{off['tokens_per_s']:,.0f} tokens/s without it: {r['tokens_per_s'] / off['tokens_per_s']:.2f}x")
     if peak:
         print(f"\nMFU against {peak / 1e12:.0f} TFLOP/s (bf16 dense peak); model FLOPs as in the module docstring.")
 
@@ -518,6 +527,7 @@ def main() -> int:
     ap.add_argument("--checkpointing", default="default",
                     help="comma list of default/full/selective/none (trainer.activation_checkpointing)")
     ap.add_argument("--offload", default="none", help="comma list of none/cpu (trainer.offload_optimizer, ZeRO only)")
+    ap.add_argument("--vision-cache", default="on", help="comma list of on/off (trainer.vision_cache), one variant each")
     ap.add_argument("--train-vision", action="store_true", help="3b: train the vision tower (model.freeze_vision false)")
     ap.add_argument("--logprobs", default="chunked",
                     help="comma list, one variant each: chunked (the learner's) or full (all [N, V] logits with autograd)")
@@ -536,16 +546,17 @@ def main() -> int:
         return 0
     variants = itertools.product(args.size or ["tiny"], _split(args.engines), _split(args.micro_tokens),
                                  _split(args.logprobs), _split(args.packing), _split(args.checkpointing),
-                                 _split(args.offload))
+                                 _split(args.offload), _split(args.vision_cache))
     rows = []
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")}
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
     env.setdefault("PYTHONUNBUFFERED", "1")
     with tempfile.TemporaryDirectory() as d:
-        for size, engine, budget, logprobs, packing, ckpt, offload in variants:
+        for size, engine, budget, logprobs, packing, ckpt, offload, vcache in variants:
             if offload != "none" and engine in ("torch", "zero0"):
                 continue  # optimizer offload is ZeRO's
-            flags = {"packing": packing, "checkpointing": ckpt, "offload": offload, "train_vision": args.train_vision}
+            flags = {"packing": packing, "checkpointing": ckpt, "offload": offload, "vision_cache": vcache,
+                     "train_vision": args.train_vision}
             rows.append(_run_one(args, size, engine, budget, logprobs, flags, Path(d), env))
             if args.json:  # after every variant, so a run cut short keeps what it measured
                 Path(args.json).write_text(json.dumps(rows, indent=2))

@@ -225,7 +225,7 @@ class CriticModule(torch.nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         p = next(self.backbone.parameters())
-        out = self.backbone(**model_inputs(batch, p.device, p.dtype), use_cache=False)
+        out = self.backbone(**model_inputs(batch, p.device, p.dtype, owner=self.backbone), use_cache=False)
         v = self.value_head(out.last_hidden_state).squeeze(-1).float()
         v = torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
         if "seq_start" in batch:  # a packed row: no value from the previous sequence's last token

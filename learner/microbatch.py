@@ -148,8 +148,10 @@ def image_patch_rows(batch: dict[str, torch.Tensor], image_counts: list[int]) ->
     return spans
 
 
-def _images_of(batch: dict[str, torch.Tensor], rows: list[int], image_counts: list[int]) -> dict[str, torch.Tensor]:
-    """``pixel_values`` / ``image_grid_thw`` of ``rows``, in row order ({} without images)."""
+def _images_of(batch: dict[str, torch.Tensor], rows: list[int], image_counts: list[int]) -> dict:
+    """``pixel_values`` / ``image_grid_thw`` of ``rows``, in row order, and ``image_ids`` (each
+    image's index in the collated batch, a tuple: the key of learner/vision.py's cache); {} without
+    images."""
     if "pixel_values" not in batch:
         return {}
     spans = image_patch_rows(batch, image_counts)
@@ -157,7 +159,8 @@ def _images_of(batch: dict[str, torch.Tensor], rows: list[int], image_counts: li
     grid = [batch["image_grid_thw"][spans[r][2] : spans[r][3]] for r in rows]
     if not sum(x.shape[0] for x in pix):
         return {}
-    return {"pixel_values": torch.cat(pix), "image_grid_thw": torch.cat(grid)}
+    ids = tuple(i for r in rows for i in range(spans[r][2], spans[r][3]))
+    return {"pixel_values": torch.cat(pix), "image_grid_thw": torch.cat(grid), "image_ids": ids}
 
 
 def micro_slices(batch: dict[str, torch.Tensor], rows: list[int], image_counts: list[int], pad_to: int = 8) -> dict[str, torch.Tensor]:

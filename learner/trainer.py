@@ -86,6 +86,7 @@ from worldloop.learner.offpolicy import apply_correction
 from worldloop.learner.losses import (aggregation_normaliser, aggregation_weights, kl_penalty, masked_mean, policy_loss,
                                       stats_floats, value_loss, weighted_sum)
 from worldloop.learner.rewards import assemble_token_rewards, place_turn_rewards, turn_rewards
+from worldloop.learner.vision import TowerGroups, VisionCache
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +180,9 @@ class PPOTrainer:
         self.pad = pad_multiple(cfg, self.device)
         self.packing = bool(self.t.packing)
         self._cuda_budget: int | None = None  # micro_batch_tokens auto on CUDA, set at the first update
+        self._towers = TowerGroups() if self.t.vision_cache else None  # learner/vision.py
+        self._vision: VisionCache | None = None  # this update's image features
+        self.last_vision_tower_calls: int | None = None
         self._grad_norm_now: dict[str, float] = {}
         if not self.spec.reads_values and models.critic is not None:
             log.warning("trainer.estimator=%s does not read values: the critic (trainer.use_critic) is trained for nothing",
@@ -231,8 +235,12 @@ class PPOTrainer:
     def _slices(self, batch: dict, rows: list[int], image_counts: list[int], lengths: list[int]) -> dict:
         """One micro-batch of ``rows``: one packed row, or padded rows (``trainer.packing``)."""
         if self.packing:
-            return packed_slices(batch, rows, image_counts, lengths, self.pad)
-        return micro_slices(batch, rows, image_counts, self.pad)
+            mb = packed_slices(batch, rows, image_counts, lengths, self.pad)
+        else:
+            mb = micro_slices(batch, rows, image_counts, self.pad)
+        if self._vision is not None and "image_ids" in mb:
+            mb["vision_cache"] = self._vision
+        return mb
 
     @staticmethod
     def _count_slots(mb: dict, timing: dict) -> None:
@@ -304,6 +312,14 @@ class PPOTrainer:
         rows = self._local_rows()
         local = trajectories[rows.start : rows.stop]
         batch, image_counts, lengths = self._collate(local)
+        self._vision = VisionCache(self._towers) if self._towers is not None else None
+        try:
+            return self._update(batch, image_counts, lengths, trajectories, local, step, version, timing)
+        finally:
+            self._vision = None  # the features are this update's only
+
+    def _update(self, batch: dict, image_counts: list[int], lengths: list[int], trajectories: list[Trajectory],
+                local: list[Trajectory], step: int, version: int | None, timing: dict) -> dict:
         self._sync()
         t0 = time.perf_counter()
         pre = self._precompute(batch, image_counts, lengths, timing)
@@ -327,6 +343,8 @@ class PPOTrainer:
         stats["mismatch"] = mismatch
         if credit:
             stats["credit"] = credit
+        # the vision tower's calls this rank made through the cache in this update (learner/vision.py)
+        self.last_vision_tower_calls = self._vision.tower_calls if self._vision is not None else None
         return stats
 
     def _collate(self, local: list[Trajectory]) -> tuple[dict, list[int], list[int]]:

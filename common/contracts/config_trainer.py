@@ -42,6 +42,10 @@ class TrainerConfig(Section):
                                             "(position ids restart per trajectory, M-RoPE ids per trajectory, varlen "
                                             "attention within each trajectory, learner/varlen.py; no padding but the "
                                             "pad_to_multiple rounding); false = padded rows (learner/microbatch.py)")
+    vision_cache: bool = Field(True, description="a frozen vision tower (model.freeze_vision) runs once per image per "
+                                                 "update: its image features are kept for the update's other passes "
+                                                 "and shared by the models whose towers are equal (learner/vision.py); "
+                                                 "false = every pass runs the tower")
     pad_to_multiple: Annotated[int | Literal["auto"], Rule("must be auto or an integer in [1, 4096]",
                                                         lambda v: v == "auto" or 1 <= v <= 4096)] = Field(
         "auto", description="every micro-batch is right-padded to a multiple of this many tokens so that its shapes "

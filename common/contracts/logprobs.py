@@ -99,13 +99,24 @@ def segments_of(lengths) -> Segments:
     return Segments(bounds, max(lengths), torch.tensor(bounds, dtype=torch.int32))
 
 
-def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+                 owner: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
     """The model's keyword inputs of a collated batch on ``device`` (pixel values in ``dtype``). A
     packed batch (``position_ids`` restarting at each sequence, learner/microbatch.py) goes without
-    its attention mask and with its ``segments`` as ``worldloop_segments`` (learner/varlen.py)."""
+    its attention mask and with its ``segments`` as ``worldloop_segments`` (learner/varlen.py).
+    With a ``vision_cache`` in the batch (learner/vision.py) that holds ``owner``'s image features,
+    the images go as those features (``mm_encoder_outputs``) instead of ``pixel_values``."""
     keys = [k for k in MODEL_KEYS if k in batch and not (k == "attention_mask" and "position_ids" in batch)]
     non_blocking = torch.device(device).type == "cuda"
+    cache = batch.get("vision_cache") if owner is not None else None
+    feats = cache.features(owner, batch) if cache is not None else None
+    if feats is not None:
+        keys.remove("pixel_values")
     kwargs = {k: _to(batch[k], device, non_blocking) for k in keys}
+    if feats is not None:
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        kwargs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=feats)}
     if "segments" in batch:  # a packed row's trajectory boundaries, for the varlen attention
         kwargs["worldloop_segments"] = batch["segments"].on(device)
     if "pixel_values" in kwargs:
@@ -278,7 +289,7 @@ def _hidden_states(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> to
     inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
     device = next(inner.parameters()).device
     dtype = next(inner.parameters()).dtype
-    out = inner.model(**model_inputs(batch, device, dtype), use_cache=False)
+    out = inner.model(**model_inputs(batch, device, dtype, owner=inner.model), use_cache=False)
     return out.last_hidden_state
 
 

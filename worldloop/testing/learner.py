@@ -15,15 +15,17 @@ from worldloop.common.contracts.config import Config, config_from_dict
 
 
 def tiny_learner_config(model_dir, redis_url: str, run_dir, namespace: str = "wl", max_image_side: int = 112,
-                        **trainer) -> Config:
-    """A learner config for the tiny model on CPU: 4 trajectories per update, 2 per mini-batch."""
+                        freeze_vision: bool = False, **trainer) -> Config:
+    """A learner config for the tiny model on CPU: 4 trajectories per update, 2 per mini-batch
+    (``freeze_vision``: ``model.freeze_vision``; ``trainer``: trainer keys)."""
     base = {"train_batch_size": 4, "ppo_mini_batch_size": 2, "micro_batch_size": 1, "total_steps": 2,
             "checkpoint_every": 2, "actor_lr": 1e-3, "critic_lr": 1e-3, "device": "cpu"}
     base.update(trainer)
     return config_from_dict({
         "run": {"run_dir": str(run_dir)},
         "redis": {"url": redis_url, "namespace": namespace, "block_ms": 200},
-        "model": {"path": str(model_dir), "max_image_side": max_image_side, "make_tiny_if_missing": False},
+        "model": {"path": str(model_dir), "max_image_side": max_image_side, "make_tiny_if_missing": False,
+                  "freeze_vision": freeze_vision},
         "metrics": {"enabled": False},
         "weights": {"pub_port": 0, "fetch_port": 0},
         "trainer": base,

@@ -1,0 +1,144 @@
+"""The frozen vision tower's image features, computed once per update and reused by every pass.
+
+    cache = VisionCache(models)                  # one per update (PPOTrainer.update)
+    mb["vision_cache"], mb["image_ids"]          # set by the trainer on each micro-batch
+    model_inputs(mb, device, dtype, owner=m)     # common/contracts/logprobs.py asks the cache
+
+Why: an update runs the same images through the vision tower up to five times per micro-batch:
+the proximal, reference and value passes, then the policy's and the critic's training forwards.
+With the tower frozen (``model.freeze_vision``, the tiny presets' default) every one of those runs
+gives the same features: nothing trains the tower, and it has no dropout. On the tiny model the
+tower was 29 % of an update (docs/benchmarks.md, "Packed vs padded micro-batches").
+
+How:
+* **Lazily, per image.** The first pass that meets an image computes the features of the
+  micro-batch's images it has not seen, in one call of the tower (the call the model would have
+  made), under ``torch.no_grad``; every later pass, whatever its micro-batch plan, takes them from
+  here and hands them to the model as ``mm_encoder_outputs`` instead of ``pixel_values``.
+* **Shared between models whose towers are the same.** The policy, reference and critic each own
+  a tower. Towers that hold equal weights in the same dtype and device (compared once, at the first
+  update) share one set of features: on the tiny presets the tower runs once per image per update.
+  A tower partitioned by ZeRO-3 is compared with none (its own features), and a tower with any
+  parameter that trains (``freeze_vision: false``, LoRA on the tower) is never cached.
+* **Kept for one update.** Features live on the device until the update ends: images x merged
+  tokens per image x hidden size in the model's dtype (3B, 256 tokens an image: 1 MiB an image).
+
+``trainer.vision_cache: false`` turns it off (every pass runs the tower, as before).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_VISION = "visual"  # Qwen2-VL / Qwen2.5-VL: the tower (and its merger) is the submodule ``visual``
+
+
+def _tower_params(owner: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in owner.named_parameters() if f".{_VISION}." in f".{n}"]
+
+
+def cacheable(owner: torch.nn.Module) -> bool:
+    """Whether ``owner`` (a model whose forward takes ``pixel_values``) has a vision tower whose
+    features may be reused: a frozen tower, ``get_image_features``, and a forward that accepts
+    ``mm_encoder_outputs`` (transformers 5)."""
+    params = _tower_params(owner)
+    if not params or any(p.requires_grad for _, p in params):
+        return False
+    if not callable(getattr(owner, "get_image_features", None)):
+        return False
+    try:
+        return "mm_encoder_outputs" in inspect.signature(owner.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _same_tower(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    """Equal tower weights in the same dtype and on the same device; never for ZeRO-3 partitions."""
+    pa, pb = _tower_params(a), _tower_params(b)
+    if len(pa) != len(pb):
+        return False
+    for (na, x), (nb, y) in zip(pa, pb):
+        if hasattr(x, "ds_id") or hasattr(y, "ds_id"):  # ZeRO-3: the local tensor is a placeholder
+            return False
+        if na.split(f"{_VISION}.", 1)[-1] != nb.split(f"{_VISION}.", 1)[-1]:
+            return False
+        if x.shape != y.shape or x.dtype != y.dtype or x.device != y.device or not torch.equal(x, y):
+            return False
+    return True
+
+
+class TowerGroups:
+    """Which models share a vision tower's features: a group per set of identical frozen towers,
+    decided once per model (by identity) and kept for the trainer's life."""
+
+    def __init__(self) -> None:
+        self._group: dict[int, int | None] = {}
+        self._reps: list[torch.nn.Module] = []
+        self._owners: list[torch.nn.Module] = []  # kept alive, so their ids are never reused
+
+    def of(self, owner: torch.nn.Module) -> int | None:
+        key = id(owner)
+        if key not in self._group:
+            self._owners.append(owner)
+            group = None
+            if cacheable(owner):
+                group = next((i for i, rep in enumerate(self._reps) if rep is owner or _same_tower(rep, owner)), None)
+                if group is None:
+                    self._reps.append(owner)
+                    group = len(self._reps) - 1
+            self._group[key] = group
+            log.info("vision features of %s: %s", type(owner).__name__,
+                     "not cached (the tower trains, or the model cannot take them)" if group is None
+                     else f"cached once per update (tower group {group})")
+        return self._group[key]
+
+
+class VisionCache:
+    """One update's image features, per tower group and image index of the collated batch."""
+
+    def __init__(self, groups: TowerGroups) -> None:
+        self.groups = groups
+        self._features: dict[tuple[int, int], torch.Tensor] = {}
+        self.tower_calls = 0  # calls of a tower made here (one per micro-batch with unseen images)
+        self.images_computed = 0
+
+    def features(self, owner: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, ...] | None:
+        """The per-image features of ``batch``'s images (``image_ids``, in order) for ``owner``, on
+        ``owner``'s device; None when ``owner``'s tower is not cached (the model runs it itself)."""
+        ids = batch.get("image_ids")
+        if ids is None or "pixel_values" not in batch:
+            return None
+        group = self.groups.of(owner)
+        if group is None:
+            return None
+        missing = [i for i, image in enumerate(ids) if (group, image) not in self._features]
+        if missing:
+            self._compute(owner, group, batch, missing)
+        return tuple(self._features[(group, image)] for image in ids)
+
+    @torch.no_grad()
+    def _compute(self, owner: torch.nn.Module, group: int, batch: dict[str, Any], missing: list[int]) -> None:
+        grid = batch["image_grid_thw"]
+        patches = grid.prod(-1).tolist()
+        starts = [0]
+        for n in patches:
+            starts.append(starts[-1] + int(n))
+        p = next(owner.parameters())
+        pix = torch.cat([batch["pixel_values"][starts[i]: starts[i + 1]] for i in missing])
+        out = owner.get_image_features(pix.to(p.device, p.dtype), grid[missing].to(p.device))
+        pooled = out.pooler_output if hasattr(out, "pooler_output") else out
+        if len(pooled) != len(missing):
+            raise RuntimeError(f"the vision tower gave {len(pooled)} feature sets for {len(missing)} images")
+        for i, feats in zip(missing, pooled):
+            self._features[(group, batch["image_ids"][i])] = feats.detach()
+        self.tower_calls += 1
+        self.images_computed += len(missing)
+
+
+__all__ = ["TowerGroups", "VisionCache", "cacheable"]

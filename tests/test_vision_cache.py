@@ -1,0 +1,161 @@
+"""The frozen vision tower's features, computed once per image per update (learner/vision.py).
+
+* with ``model.freeze_vision`` the tower runs once per micro-batch of the proximal pass, on each
+  image once, where it ran in every pass of every model before; the update (losses, gradients at
+  both optimizer steps, weights) equals the update without the cache, packed and padded;
+* a tower that trains (``freeze_vision: false``) is never cached: every pass runs it;
+* towers with different weights get their own features: a critic whose tower differs reads its
+  own, and its values equal those of the uncached path;
+* ``cacheable`` and the grouping on small modules.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from test_microbatch import _recording_engine, _trajectories, assert_same_update  # noqa: E402
+
+from worldloop.learner.vision import TowerGroups, VisionCache, cacheable  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_dir(shared_tiny_model) -> Path:
+    return shared_tiny_model(max_image_side=112)
+
+
+def _towers(models) -> list[torch.nn.Module]:
+    """The vision towers of the policy, the critic and the reference (three distinct modules)."""
+    mods = [models.policy.module.hf, models.critic.module.backbone, models.reference.hf]
+    return [next(m for name, m in mod.named_modules() if name.endswith("visual")) for mod in mods]
+
+
+def _run(model_dir: Path, *, vision_cache: bool, freeze_vision: bool = True, packing: bool = True,
+         perturb_critic_tower: bool = False, precompute_only: bool = False, zero_stage: int = 0):
+    """One update (or only its proximal pass) on fresh models: (result, tower calls per model, trainer)."""
+    from worldloop.common.contracts.modeling import ChatCodec, load_policy
+    from worldloop.learner.engine import assemble_models, init_distributed, load_backbone
+    from worldloop.learner.trainer import PPOTrainer
+    from worldloop.testing.learner import tiny_learner_config
+
+    cfg = tiny_learner_config(model_dir, "redis://127.0.0.1:1", model_dir.parent / "run", train_batch_size=8,
+                              ppo_mini_batch_size=4, micro_batch_size=2, micro_batch_tokens=0, zero_stage=zero_stage,
+                              kl_coef=0.01, estimator="bilevel_gae", packing=packing, vision_cache=vision_cache,
+                              freeze_vision=freeze_vision)
+    codec = ChatCodec(model_dir, max_image_side=112)
+    optimizers: dict = {}
+    torch.manual_seed(0)
+    backbone = load_backbone(model_dir)
+    if perturb_critic_tower:
+        with torch.no_grad():
+            for name, p in backbone.named_parameters():
+                if name.startswith("visual.") and p.dim() == 2:
+                    p.add_(0.05 * torch.randn_like(p))
+    models = assemble_models(cfg, init_distributed(cfg), codec, load_policy(model_dir), backbone, load_policy(model_dir),
+                             engine_fn=_recording_engine(optimizers))
+    torch.nn.init.normal_(models.critic.module.value_head.weight, std=0.5)  # values that are not all 0
+    calls = {"policy": 0, "critic": 0, "reference": 0}
+    for name, tower in zip(calls, _towers(models)):
+        tower.register_forward_hook(lambda *_, n=name: calls.__setitem__(n, calls[n] + 1))
+    trainer = PPOTrainer(cfg, models, seed=3)
+    trajs = _trajectories(codec, 8)
+    if precompute_only:
+        batch, counts, lengths = trainer._collate(trajs)
+        trainer._vision = VisionCache(trainer._towers) if trainer._towers is not None else None
+        result = trainer._precompute(batch, counts, lengths, {"slots": 0.0, "real": 0.0})
+        return result, calls, trainer
+    stats = trainer.update(trajs, step=1)
+    params = {"policy": [p.detach().clone() for p in models.policy.module.parameters()],
+              "critic": [p.detach().clone() for p in models.critic.module.parameters()]}
+    return (stats, {k: o.seen for k, o in optimizers.items()}, params), calls, trainer
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_a_frozen_tower_runs_once_per_image_and_the_update_is_unchanged(model_dir, packing):
+    plain, plain_calls, _ = _run(model_dir, vision_cache=False, packing=packing)
+    cached, cached_calls, trainer = _run(model_dir, vision_cache=True, packing=packing)
+    n_micro = int(plain[0]["micro_batches"])  # training micro-batches (two mini-batches)
+    # without the cache: every proximal, reference and value pass and every training forward runs a
+    # tower (8 rows, 2 per micro-batch: 4 proximal micro-batches, then n_micro training ones)
+    assert plain_calls == {"policy": 4 + n_micro, "critic": 4 + n_micro, "reference": 4}
+    # with it: the policy's tower, once per proximal micro-batch; the critic and reference share its
+    # features (equal towers), and the training passes find every image already computed
+    assert cached_calls == {"policy": 4, "critic": 0, "reference": 0}
+    assert trainer.last_vision_tower_calls == 4
+    assert_same_update(plain, cached)
+
+
+def test_zero3_towers_are_cached_apart_and_the_update_is_unchanged(model_dir):
+    """ZeRO-3 partitions the policy's and the critic's towers: no tower is compared with another
+    (each model computes its own features once per image), and the update is the uncached one."""
+    plain, plain_calls, _ = _run(model_dir, vision_cache=False, zero_stage=3)
+    cached, calls, trainer = _run(model_dir, vision_cache=True, zero_stage=3)
+    n_micro = int(plain[0]["micro_batches"])
+    assert plain_calls == {"policy": 4 + n_micro, "critic": 4 + n_micro, "reference": 4}
+    assert calls == {"policy": 4, "critic": 4, "reference": 4}
+    assert trainer.last_vision_tower_calls == 12
+    assert_same_update(plain, cached)
+
+
+def test_a_tower_that_trains_is_never_cached(model_dir):
+    _, calls, trainer = _run(model_dir, vision_cache=True, freeze_vision=False, precompute_only=True)
+    assert calls == {"policy": 4, "critic": 4, "reference": 4}  # every model ran its own, every pass
+    # the frozen reference's tower is cached (its own group: it runs once per image, here one pass),
+    # the policy's and the critic's train and never are
+    assert trainer._vision.tower_calls == 4
+    assert trainer._towers.of(trainer.models.policy.module.hf.model) is None
+    assert trainer._towers.of(trainer.models.critic.module.backbone) is None
+    assert trainer._towers.of(trainer.models.reference.hf.model) == 0
+
+
+def test_a_critic_whose_tower_differs_reads_its_own_features(model_dir):
+    plain, plain_calls, _ = _run(model_dir, vision_cache=False, perturb_critic_tower=True, precompute_only=True)
+    cached, calls, trainer = _run(model_dir, vision_cache=True, perturb_critic_tower=True, precompute_only=True)
+    assert calls == {"policy": 4, "critic": 4, "reference": 0}  # the reference shares the policy's
+    groups = trainer._towers
+    assert groups.of(trainer.models.critic.module.backbone) != groups.of(trainer.models.policy.module.hf.model)
+    for key in ("old_logprobs", "ref_logprobs", "old_values"):
+        assert float(plain[key].abs().max()) > 0.01, key
+        assert torch.allclose(cached[key], plain[key], atol=1e-5, rtol=0), (key, float((cached[key] - plain[key]).abs().max()))
+    # (the perturbation reached the values: a shared tower would have given other ones)
+    shared, _, _ = _run(model_dir, vision_cache=False, precompute_only=True)
+    assert not torch.allclose(shared["old_values"], plain["old_values"], atol=1e-4)
+
+
+class _Tower(torch.nn.Module):
+    def __init__(self, seed: int = 0, dtype=torch.float32):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.visual = torch.nn.Linear(3, 3).to(dtype)
+        self.lm = torch.nn.Linear(3, 3)
+
+    def get_image_features(self, pixel_values, image_grid_thw):  # pragma: no cover - never called here
+        raise AssertionError
+
+    def forward(self, input_ids=None, mm_encoder_outputs=None):  # pragma: no cover
+        raise AssertionError
+
+
+class _OldForward(_Tower):
+    def forward(self, input_ids=None, pixel_values=None):  # pragma: no cover - no mm_encoder_outputs
+        raise AssertionError
+
+
+def test_cacheable_and_the_groups_of_small_modules():
+    a, same, other, half = _Tower(0), _Tower(0), _Tower(1), _Tower(0, torch.float64)
+    for m in (a, same, other, half):
+        m.visual.requires_grad_(False)
+    assert cacheable(a) and not cacheable(_OldForward(0).requires_grad_(False))
+    trains = _Tower(0)
+    assert not cacheable(trains)  # its tower's parameters train
+    no_tower = torch.nn.Linear(2, 2).requires_grad_(False)
+    assert not cacheable(no_tower)
+    groups = TowerGroups()
+    assert [groups.of(m) for m in (a, same, other, half, trains, a)] == [0, 0, 1, 2, None, 0]
