@@ -91,10 +91,20 @@ class Child:
 def wait_for(pred, what: str, timeout: float, children: list[Child] = (), extra=None):
     """Poll ``pred`` until it returns something truthy and return that (a liveness bound, never a
     speed assertion). Fails at once if a child exits; on timeout, with every child's stacks and log.
-    ``extra`` is a callable whose text (e.g. stream lengths) is added to the failure message."""
+    ``extra`` is a callable whose text (e.g. stream lengths) is added to the failure message.
+
+    A Redis read in ``pred`` that gets no answer within its client's socket timeout (redis-py's
+    default 5 s: once seen on a loaded 2-core VM while a ``worldloop up`` started) is "not yet",
+    not a failure: the state is asked again until the deadline, and the message counts such reads."""
+    import redis
+
     deadline = time.monotonic() + timeout
+    slow_reads = 0
     while True:
-        got = pred()
+        try:
+            got = pred()
+        except redis.exceptions.TimeoutError:
+            got, slow_reads = None, slow_reads + 1
         if got:
             return got
         for c in children:
@@ -104,7 +114,8 @@ def wait_for(pred, what: str, timeout: float, children: list[Child] = (), extra=
             for c in children:
                 c.dump_stacks()
             time.sleep(1.0 if children else 0.0)
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}" + _context(children, extra))
+            slow = f" ({slow_reads} Redis reads got no answer in time)" if slow_reads else ""
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{slow}" + _context(children, extra))
         time.sleep(0.05)
 
 
