@@ -312,11 +312,21 @@ class PPOTrainer:
         rows = self._local_rows()
         local = trajectories[rows.start : rows.stop]
         batch, image_counts, lengths = self._collate(local)
+        if self._towers is not None:
+            self._towers.prepare(self._vision_owners())  # once: the same gathers on every rank
         self._vision = VisionCache(self._towers) if self._towers is not None else None
         try:
             return self._update(batch, image_counts, lengths, trajectories, local, step, version, timing)
         finally:
             self._vision = None  # the features are this update's only
+
+    def _vision_owners(self) -> list[torch.nn.Module]:
+        """The modules whose forward runs a vision tower (common/contracts/logprobs.py ``owner``): the
+        policy's and the reference's inner models, the critic's backbone."""
+        m = self.models
+        found = [getattr(getattr(x, "hf", None), "model", None) for x in (m.policy.module, m.reference)]
+        found.append(m.critic.module.backbone if m.critic is not None else None)
+        return [x for x in found if isinstance(x, torch.nn.Module)]
 
     def _update(self, batch: dict, image_counts: list[int], lengths: list[int], trajectories: list[Trajectory],
                 local: list[Trajectory], step: int, version: int | None, timing: dict) -> dict:

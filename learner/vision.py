@@ -16,10 +16,12 @@ How:
   made), under ``torch.no_grad``; every later pass, whatever its micro-batch plan, takes them from
   here and hands them to the model as ``mm_encoder_outputs`` instead of ``pixel_values``.
 * **Shared between models whose towers are the same.** The policy, reference and critic each own
-  a tower. Towers that hold equal weights in the same dtype and device (compared once, at the first
-  update) share one set of features: on the tiny presets the tower runs once per image per update.
-  A tower partitioned by ZeRO-3 is compared with none (its own features), and a tower with any
-  parameter that trains (``freeze_vision: false``, LoRA on the tower) is never cached.
+  a tower. Towers that hold equal weights in the same dtype and device share one set of features:
+  on the tiny presets the tower runs once per image per update. The trainer has them compared once,
+  at its first update, on every rank in the same order (:meth:`TowerGroups.prepare`): a tower
+  partitioned by ZeRO-3 is gathered for it one parameter pair at a time, a collective every rank
+  makes. A tower with any parameter that trains (``freeze_vision: false``, LoRA on the tower) is
+  never cached.
 * **Kept for one update.** Features live on the device until the update ends: images x merged
   tokens per image x hidden size in the model's dtype (3B, 256 tokens an image: 1 MiB an image).
 
@@ -28,6 +30,7 @@ How:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from typing import Any
@@ -58,18 +61,31 @@ def cacheable(owner: torch.nn.Module) -> bool:
         return False
 
 
+def _partitioned(owner: torch.nn.Module) -> bool:
+    return any(hasattr(p, "ds_id") for _, p in _tower_params(owner))  # ZeRO-3: local tensors are placeholders
+
+
+def _whole(params: list[torch.nn.Parameter]):
+    """A context in which ZeRO-3 partitioned ``params`` hold their whole tensors (a collective: every
+    rank must enter it with the same parameters); nothing for plain ones."""
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    return contextlib.nullcontext()
+
+
 def _same_tower(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    """Equal tower weights in the same dtype and on the same device; never for ZeRO-3 partitions."""
+    """Equal tower weights in the same dtype and on the same device (ZeRO-3 partitions gathered a
+    pair at a time: every rank holds the same whole tensors, so every rank stops at the same pair)."""
     pa, pb = _tower_params(a), _tower_params(b)
-    if len(pa) != len(pb):
+    if len(pa) != len(pb) or any(na.split(f"{_VISION}.", 1)[-1] != nb.split(f"{_VISION}.", 1)[-1]
+                                 for (na, _), (nb, _) in zip(pa, pb)):
         return False
-    for (na, x), (nb, y) in zip(pa, pb):
-        if hasattr(x, "ds_id") or hasattr(y, "ds_id"):  # ZeRO-3: the local tensor is a placeholder
-            return False
-        if na.split(f"{_VISION}.", 1)[-1] != nb.split(f"{_VISION}.", 1)[-1]:
-            return False
-        if x.shape != y.shape or x.dtype != y.dtype or x.device != y.device or not torch.equal(x, y):
-            return False
+    for (_, x), (_, y) in zip(pa, pb):
+        with _whole([x, y]):
+            if x.shape != y.shape or x.dtype != y.dtype or x.device != y.device or not torch.equal(x, y):
+                return False
     return True
 
 
@@ -82,13 +98,25 @@ class TowerGroups:
         self._reps: list[torch.nn.Module] = []
         self._owners: list[torch.nn.Module] = []  # kept alive, so their ids are never reused
 
-    def of(self, owner: torch.nn.Module) -> int | None:
+    def prepare(self, owners: list[torch.nn.Module]) -> None:
+        """Decide the groups of ``owners``, in this order; the trainer calls it on every rank before
+        its first forward, so that the gathers of ZeRO-3 towers are the same collectives everywhere."""
+        for owner in owners:
+            self.of(owner, compare_partitioned=True)
+
+    def of(self, owner: torch.nn.Module, compare_partitioned: bool = False) -> int | None:
+        """``owner``'s group (None: not cached). Met for the first time outside :meth:`prepare`, a
+        partitioned tower gets a group of its own: a gather there might not happen on every rank."""
         key = id(owner)
         if key not in self._group:
             self._owners.append(owner)
             group = None
             if cacheable(owner):
-                group = next((i for i, rep in enumerate(self._reps) if rep is owner or _same_tower(rep, owner)), None)
+                def may_compare(rep: torch.nn.Module) -> bool:
+                    return compare_partitioned or not (_partitioned(owner) or _partitioned(rep))
+
+                group = next((i for i, rep in enumerate(self._reps)
+                              if rep is owner or (may_compare(rep) and _same_tower(rep, owner))), None)
                 if group is None:
                     self._reps.append(owner)
                     group = len(self._reps) - 1

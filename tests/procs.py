@@ -172,3 +172,40 @@ def returns_within(fn, what: str, timeout: float):
     if "error" in box:
         raise box["error"]
     return box["result"]
+
+
+# --------------------------------------------------------------------------- two ranks under torchrun
+
+_RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def two_ranks(script: Path, args: list[str], out: Path, what: str, timeout: float = 600) -> dict:
+    """``script --worker *args out`` on 2 ranks under ``torch.distributed.run`` (gloo on the CPU),
+    from the repository root with ``tests/`` importable; the JSON that rank 0 wrote to ``out``."""
+    import json
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k not in _RANK_ENV}
+    env["PYTHONPATH"] = str(root) + os.pathsep + str(root / "tests")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(script), "--worker", *args, str(out)]
+    done = run_to_end(cmd, timeout, what, cwd=root, env=env)
+    assert done.returncode == 0, done.stdout.decode()[-2000:] + done.stderr.decode()[-4000:]
+    return json.loads(Path(out).read_text())
+
+
+def rank0_compares(out: str | Path, check, **facts) -> None:
+    """In a worker of :func:`two_ranks`: rank 0 runs ``check()`` (assertions) and writes
+    ``{"same": "ok" or the failure's tail, **facts}`` to ``out``; then every rank meets at a barrier."""
+    import json
+
+    import torch.distributed as tdist
+
+    if int(os.environ["RANK"]) == 0:
+        try:
+            check()
+            same = "ok"
+        except AssertionError:
+            same = "differ: " + traceback.format_exc()[-1500:]
+        Path(out).write_text(json.dumps({"same": same, **facts}))
+    tdist.barrier()

@@ -12,10 +12,8 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
@@ -26,7 +24,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from worldloop.learner.microbatch import split_micro_batches, token_budget_micro_batches  # noqa: E402
-from procs import run_to_end  # noqa: E402
+from procs import two_ranks  # noqa: E402
 
 # --------------------------------------------------------------------------- planning, by hand
 
@@ -219,40 +217,26 @@ def test_per_trajectory_aggregation_is_exact_whatever_the_split(model_dir, mode)
 
 def _worker(model_dir: str, out: str) -> None:
     """Run under torchrun: both modes on the same global batch, ZeRO-2; rank 0 writes the result."""
+    from procs import rank0_compares
+
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
     runs = {}
     # 16 trajectories, 8 per rank, mini-batches of 4 per rank: the shapes (and so the plans) differ by rank
     for tokens in (0, BUDGET):
         runs[tokens] = run_update(Path(model_dir), micro_batch_tokens=tokens, zero_stage=2, train_batch_size=16, mini=8, micro=2)
-    import torch.distributed as tdist
-
-    if int(os.environ["RANK"]) == 0:
-        s0, s1 = runs[0][0], runs[BUDGET][0]
-        try:
-            assert_same_update(runs[0], runs[BUDGET])
-            same = "ok"
-        except AssertionError:
-            same = "differ: " + traceback.format_exc()[-1500:]
-        Path(out).write_text(json.dumps({"same": same, "micro_fixed": s0["micro_batches"], "micro_budget": s1["micro_batches"],
-                                         "pad_fixed": s0["padding_fraction"], "pad_budget": s1["padding_fraction"]}))
-    tdist.barrier()
+    s0, s1 = runs[0][0], runs[BUDGET][0]
+    rank0_compares(out, lambda: assert_same_update(runs[0], runs[BUDGET]), micro_fixed=s0["micro_batches"],
+                   micro_budget=s1["micro_batches"], pad_fixed=s0["padding_fraction"], pad_budget=s1["padding_fraction"])
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(800)  # the two ranks are waited on for up to 600 s
 def test_two_ranks_with_different_plans_run_the_same_micro_batch_count(model_dir, tmp_path):
-    out = tmp_path / "result.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = str(ROOT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(Path(__file__).resolve()), "--worker", str(model_dir), str(out)]
-    done = run_to_end(cmd, 600, "two ranks under torch.distributed.run", cwd=ROOT, env=env)
-    assert done.returncode == 0, done.stdout.decode()[-2000:] + done.stderr.decode()[-4000:]
-    res = json.loads(out.read_text())
+    res = two_ranks(Path(__file__).resolve(), [str(model_dir)], tmp_path / "result.json",
+                    "two ranks under torch.distributed.run")
     assert res["same"] == "ok", res
     assert res["micro_fixed"] == 4 and res["micro_budget"] != 4
     assert res["pad_budget"] < res["pad_fixed"]
-
 
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--worker":
     _worker(sys.argv[2], sys.argv[3])

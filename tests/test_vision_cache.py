@@ -6,11 +6,14 @@
 * a tower that trains (``freeze_vision: false``) is never cached: every pass runs it;
 * towers with different weights get their own features: a critic whose tower differs reads its
   own, and its values equal those of the uncached path;
+* ZeRO-3 towers are gathered to be compared (once, at the first update) and shared too, on one
+  rank and on two under torchrun (the gathers are collectives: a rank that skipped one would hang);
 * ``cacheable`` and the grouping on small modules.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -92,16 +95,43 @@ def test_a_frozen_tower_runs_once_per_image_and_the_update_is_unchanged(model_di
     assert_same_update(plain, cached)
 
 
-def test_zero3_towers_are_cached_apart_and_the_update_is_unchanged(model_dir):
-    """ZeRO-3 partitions the policy's and the critic's towers: no tower is compared with another
-    (each model computes its own features once per image), and the update is the uncached one."""
+def test_zero3_towers_are_gathered_compared_and_shared(model_dir):
+    """ZeRO-3 partitions the policy's and the critic's towers: they are gathered (a pair of
+    parameters at a time) to be compared with each other and with the plain reference, and shared;
+    the update is the uncached one."""
     plain, plain_calls, _ = _run(model_dir, vision_cache=False, zero_stage=3)
     cached, calls, trainer = _run(model_dir, vision_cache=True, zero_stage=3)
     n_micro = int(plain[0]["micro_batches"])
     assert plain_calls == {"policy": 4 + n_micro, "critic": 4 + n_micro, "reference": 4}
-    assert calls == {"policy": 4, "critic": 4, "reference": 4}
-    assert trainer.last_vision_tower_calls == 12
+    assert calls == {"policy": 4, "critic": 0, "reference": 0}
+    assert trainer.last_vision_tower_calls == 4
+    assert any(hasattr(p, "ds_id") for p in trainer.models.critic.module.backbone.parameters())  # partitioned
     assert_same_update(plain, cached)
+
+
+def _worker(model_dir: str, out: str) -> None:
+    """Under torchrun (2 ranks, ZeRO-3): the update with and without the cache; rank 0 writes."""
+    from procs import rank0_compares
+
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
+    plain, plain_calls, _ = _run(Path(model_dir), vision_cache=False, zero_stage=3)
+    cached, calls, trainer = _run(Path(model_dir), vision_cache=True, zero_stage=3)
+    rank0_compares(out, lambda: assert_same_update(plain, cached), plain=plain_calls, cached=calls,
+                   tower_calls=trainer.last_vision_tower_calls, micro=plain[0]["micro_batches"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(800)  # the two ranks are waited on for up to 600 s
+def test_two_zero3_ranks_compare_their_towers_in_step(model_dir, tmp_path):
+    from procs import two_ranks
+
+    res = two_ranks(Path(__file__).resolve(), [str(model_dir)], tmp_path / "result.json",
+                    "two ZeRO-3 ranks under torch.distributed.run")
+    assert res["same"] == "ok", res
+    # per rank: 4 of the 8 rows, 2 proximal micro-batches, then 2 training ones (one per mini-batch)
+    assert res["micro"] == 2
+    assert res["plain"] == {"policy": 4, "critic": 4, "reference": 2}
+    assert res["cached"] == {"policy": 2, "critic": 0, "reference": 0} and res["tower_calls"] == 2
 
 
 def test_a_tower_that_trains_is_never_cached(model_dir):
@@ -159,3 +189,7 @@ def test_cacheable_and_the_groups_of_small_modules():
     assert not cacheable(no_tower)
     groups = TowerGroups()
     assert [groups.of(m) for m in (a, same, other, half, trains, a)] == [0, 0, 1, 2, None, 0]
+
+
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--worker":
+    _worker(sys.argv[2], sys.argv[3])
