@@ -1,6 +1,7 @@
 """The frozen vision tower's image features, computed once per update and reused by every pass.
 
-    cache = VisionCache(models)                  # one per update (PPOTrainer.update)
+    groups = TowerGroups(); groups.prepare(owners)   # once per trainer, on every rank in one order
+    cache = VisionCache(groups)                  # one per update (PPOTrainer.update)
     mb["vision_cache"], mb["image_ids"]          # set by the trainer on each micro-batch
     model_inputs(mb, device, dtype, owner=m)     # common/contracts/logprobs.py asks the cache
 
