@@ -447,16 +447,16 @@ def peak_flops(arg: float | None) -> float | None:
 _FLAGS = ("packing", "checkpointing", "offload", "vision_cache")
 
 
+def _twin(r: dict, rows: list[dict], keys=("engine", "budget"), **changed) -> dict | None:
+    """The measured row of ``rows`` with ``r``'s size, log-probs, ``keys`` and flags, but ``changed``."""
+    want = {k: r.get(k) for k in ("size", "logprobs", *keys, *_FLAGS)} | changed
+    return next((b for b in rows if "seconds" in b and all(b.get(k) == v for k, v in want.items())), None)
+
+
 def _cells(r: dict, rows: list[dict], peak: float | None) -> str:
     """One measured row of the table."""
-    def same(b, **kw):
-        return (b.get("size") == r["size"] and "seconds" in b and b.get("logprobs") == r.get("logprobs")
-                and all(b.get(k) == v for k, v in kw.items()))
-
-    flags = {k: r.get(k) for k in _FLAGS}
-    base = next((b for b in rows if same(b, engine="torch", micro_batch_tokens=r["micro_batch_tokens"], **flags)), None)
-    padded = next((b for b in rows if same(b, engine=r["engine"], **dict(flags, packing="off"))
-                   and b.get("budget") == r.get("budget")), None)
+    base = _twin(r, rows, keys=("micro_batch_tokens",), engine="torch")
+    padded = _twin(r, rows, packing="off")
     ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
     vs_padded = f"{r['tokens_per_s'] / padded['tokens_per_s']:.2f}" if padded else "-"
     mfu = f"{r['flops_per_s'] / peak:.3f}" if peak else "-"
@@ -498,8 +498,7 @@ def print_table(rows: list[dict], lengths: str, peak: float | None) -> None:
             print(f"padding share of token slots: {r['size']} {r['engine']} packing {r.get('packing')} "
                   f"ckpt {r.get('checkpointing')}: {100 * r['padding_fraction']:.1f} %")
     for r in rows:  # the vision cache's gain: the same variant with --vision-cache off
-        off = next((b for b in rows if "seconds" in b and b.get("vision_cache") == "off" and all(
-            b.get(k) == r.get(k) for k in ("size", "engine", "budget", "logprobs", "packing", "checkpointing", "offload"))), None)
+        off = _twin(r, rows, vision_cache="off")
         if "seconds" in r and r.get("vision_cache", "on") == "on" and off:
             print(f"vision cache: {r['size']} {r['engine']} packing {r.get('packing')}: {r['tokens_per_s']:,.0f} vs "
                   f"{off['tokens_per_s']:,.0f} tokens/s without it: {r['tokens_per_s'] / off['tokens_per_s']:.2f}x")

@@ -314,7 +314,7 @@ class PPOTrainer:
         batch, image_counts, lengths = self._collate(local)
         if self._towers is not None:
             self._towers.prepare(self._vision_owners())  # once: the same gathers on every rank
-        self._vision = VisionCache(self._towers) if self._towers is not None else None
+            self._vision = VisionCache(self._towers)
         try:
             return self._update(batch, image_counts, lengths, trajectories, local, step, version, timing)
         finally:

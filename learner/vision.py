@@ -135,7 +135,6 @@ class VisionCache:
         self.groups = groups
         self._features: dict[tuple[int, int], torch.Tensor] = {}
         self.tower_calls = 0  # calls of a tower made here (one per micro-batch with unseen images)
-        self.images_computed = 0
 
     def features(self, owner: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, ...] | None:
         """The per-image features of ``batch``'s images (``image_ids``, in order) for ``owner``, on
@@ -167,7 +166,6 @@ class VisionCache:
         for i, feats in zip(missing, pooled):
             self._features[(group, batch["image_ids"][i])] = feats.detach()
         self.tower_calls += 1
-        self.images_computed += len(missing)
 
 
 __all__ = ["TowerGroups", "VisionCache", "cacheable"]

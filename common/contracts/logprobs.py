@@ -2,7 +2,8 @@
 
 Public API::
 
-    MODEL_KEYS; model_inputs(batch, device, dtype) -> the model's keyword inputs of a collated batch
+    MODEL_KEYS; model_inputs(batch, device, dtype, owner=None) -> the model's keyword inputs of a collated batch
+        # owner: the module called, whose image features a batch's vision_cache may hold (learner/vision.py)
     Segments; segments_of(lengths) -> Segments   # a packed row's trajectory bounds (learner/varlen.py)
     token_logprobs(model, batch, temperature=1.0, chunk_size=512, return_entropy=False, only=None, fused=False,
                    positions=None, masked_ids=None) -> (logprobs [B, L], entropy [B, L] | None)

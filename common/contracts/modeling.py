@@ -19,7 +19,7 @@ Public API::
     token_logprobs(model, batch, temperature=1.0, chunk_size=512, return_entropy=False, only=None, fused=False,
                    masked_ids=None)
         -> (logprobs [B, L], entropy [B, L] | None)     # from worldloop.common.contracts.logprobs (chunked LM head)
-    model_inputs(batch, device, dtype) -> dict          # from worldloop.common.contracts.logprobs
+    model_inputs(batch, device, dtype, owner=None) -> dict   # from worldloop.common.contracts.logprobs
 
 Layout of a multi-turn episode
 ------------------------------
