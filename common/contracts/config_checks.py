@@ -29,7 +29,7 @@ from worldloop.common.contracts.algorithms import estimator_spec
 from worldloop.common.contracts.config_fields import ConfigError
 
 SFT_PROBE_SEEDS = 8  # format probes played after the demonstrations (worldloop/bootstrap/pipeline.py warm_start)
-GROUNDING_EVAL_BOARDS = 128  # held-out boards of grounding pre-training (worldloop/bootstrap/grounding.py)
+GROUNDING_EVAL_BOARDS = 256  # held-out boards of grounding pre-training (worldloop/bootstrap/grounding.py)
 # the envs whose prompt follows judge.rule_mode (their kwarg relation_prompt, envs/grid/grid_env.py), per mode:
 # the grid family's GridFamily.relation_prompts (envs/grid/truth.py), copied (see the module docstring)
 RELATION_PROMPT_ENVS = {"vagen": ("worldloop/Sokoban-v0", "worldloop/FrozenLake-v0"),
@@ -201,7 +201,7 @@ def check_demonstration_seeds(cfg: Any) -> None:
 def check_grounding_seeds(cfg: Any) -> None:
     """With `model.tiny_grounding_steps` > 0, the grounding pre-training levels
     [`model.tiny_grounding_seed_start`, + steps x `model.tiny_grounding_batch_size` + `GROUNDING_EVAL_BOARDS` =
-    128 held-out boards) overlap none of the RL, held-out eval or (with `sft.enabled`) demonstration seeds."""
+    256 held-out boards) overlap none of the RL, held-out eval or (with `sft.enabled`) demonstration seeds."""
     if not cfg.model.tiny_grounding_steps:
         return
     others = _rl_and_eval_seeds(cfg)
