@@ -166,9 +166,9 @@ def test_held_out_seeds_must_miss_every_training_range() -> None:
     ranges = {what.split(" [")[0]: (lo, hi) for what, lo, hi in training_seed_ranges(cfg)}
     assert ranges == {"the RL seeds": (0, 1_000_000),
                       "the SFT demonstration seeds": (5_000_000, 5_000_000 + cfg.sft.episodes + 8),
-                      "the grounding pre-training seeds": (30_000_000, 30_000_000 + 1000 * 32 + 128)}
+                      "the grounding pre-training seeds": (30_000_000, 30_000_000 + 1000 * 32 + 256)}
     check_held_out_seeds(cfg, 10_000_000, 512)  # the bench's held-out seeds
-    for lo, what in ((999_999, "RL"), (4_999_999, "demonstration"), (30_032_127, "grounding")):
+    for lo, what in ((999_999, "RL"), (4_999_999, "demonstration"), (30_032_255, "grounding")):
         with pytest.raises(ConfigError, match=what) as e:
             check_held_out_seeds(cfg, lo, 2, key="--seed-start")
         assert e.value.key == "--seed-start"
