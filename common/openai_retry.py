@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-import openai
+if TYPE_CHECKING:  # the package is imported where an error is classified: a judge with rule scorers only never loads it
+    import openai
 
 RETRY_AFTER_CAP_S = 30.0
 
@@ -55,6 +56,8 @@ def classify(e: BaseException) -> RetryableError | PermanentError | None:
     """The retry class of an exception raised by one request (None: not an endpoint error)."""
     if isinstance(e, (RetryableError, PermanentError)):
         return e
+    import openai  # ~1 s on first import; loaded once, by the first error of a process that talks to an endpoint
+
     if isinstance(e, (openai.APITimeoutError, asyncio.TimeoutError)):
         return RetryableError("timeout")
     if isinstance(e, openai.APIStatusError):

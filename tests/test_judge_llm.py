@@ -370,3 +370,21 @@ def test_prompt_parsers() -> None:
                      ("{not json", "no JSON array in reply '{not json'")):
         with pytest.raises(ValueError, match=re.escape(why)):
             parse_extraction(bad)
+
+
+def test_a_rule_judge_process_never_loads_openai() -> None:
+    """The openai package (about 1 s of CPU to import) is loaded by the LLM client and by the first
+    endpoint error classified, never by a judge with rule scorers (nor by the actor, learner or
+    evaluator processes, which never import the judge's client)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, worldloop.judge.process, worldloop.actor.process, worldloop.learner.process, worldloop.heldout\n"
+            "import worldloop.common.openai_retry as r\n"
+            "print('openai' in sys.modules)\n"
+            "assert r.classify(ValueError('x')).reason == 'bad_response'\n"
+            "print('openai' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # not loaded by the imports; loaded by the first classification, which needs its error types
+    assert out.stdout.split() == ["False", "True"], out.stdout
