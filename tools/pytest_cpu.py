@@ -43,15 +43,18 @@ def _cpu() -> tuple[float, float]:
     return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
 
 
-def _worker() -> str:
-    return os.environ.get("PYTEST_XDIST_WORKER", "main")
+def _worker(config) -> str | None:
+    """The xdist worker's id ("gw0", ...), None in the controller or a run without xdist. Read from the
+    config, not from $PYTEST_XDIST_WORKER, which a pytest started by a test on a worker inherits."""
+    workerinput = getattr(config, "workerinput", None)
+    return None if workerinput is None else str(workerinput["workerid"])
 
 
 # ------------------------------------------------------------------ the plugin (pytest hooks)
 
 def pytest_sessionstart(session) -> None:
     """The controller (or a run without xdist) empties the folder; xdist workers only append."""
-    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+    if _worker(session.config) is None:
         out = _out_dir()
         out.mkdir(parents=True, exist_ok=True)
         for old in out.glob("*.jsonl"):
@@ -68,7 +71,7 @@ def pytest_runtest_protocol(item, nextitem):  # noqa: ARG001 (pytest's signature
     out.mkdir(parents=True, exist_ok=True)
     record = {"id": item.nodeid, "wall": round(time.monotonic() - t0, 3), "self": round(own1 - own0, 3),
               "children": round(kids1 - kids0, 3)}
-    with open(out / f"{_worker()}.jsonl", "a") as f:
+    with open(out / f"{_worker(item.config) or 'main'}.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
 
 
