@@ -34,7 +34,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-
 from worldloop.common.contracts.config import JudgeConfig
 from worldloop.common.metrics import metric
 from worldloop.common.openai_retry import PermanentError, RetryableError, call_with_retries
