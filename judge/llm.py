@@ -73,7 +73,8 @@ class LLMClient:
         if not found:
             log.info("judge: $%s is not set; using a dummy API key (fine for local endpoints)", cfg.api_key_env)
         self._key = key
-        from openai import AsyncOpenAI  # here, not at the top: a judge with rule scorers only never loads openai (~1 s)
+        # imported here, not at the top: a judge with rule scorers only never loads openai (~1.3 s of CPU)
+        from openai import AsyncOpenAI
 
         self._client = AsyncOpenAI(api_key=key, base_url=cfg.base_url, max_retries=0, timeout=cfg.timeout_s)
         self._sem = asyncio.Semaphore(cfg.concurrency)

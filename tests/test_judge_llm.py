@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -373,12 +375,9 @@ def test_prompt_parsers() -> None:
 
 
 def test_a_rule_judge_process_never_loads_openai() -> None:
-    """The openai package (about 1 s of CPU to import) is loaded by the LLM client and by the first
+    """The openai package (about 1.3 s of CPU to import on the 2-core VM) is loaded by the LLM client and by the first
     endpoint error classified, never by a judge with rule scorers (nor by the actor, learner or
     evaluator processes, which never import the judge's client)."""
-    import subprocess
-    import sys
-
     code = ("import sys, worldloop.judge.process, worldloop.actor.process, worldloop.learner.process, worldloop.heldout\n"
             "import worldloop.common.openai_retry as r\n"
             "print('openai' in sys.modules)\n"

@@ -53,10 +53,11 @@ def _worker(config) -> str | None:
 # ------------------------------------------------------------------ the plugin (pytest hooks)
 
 def pytest_sessionstart(session) -> None:
-    """The controller (or a run without xdist) empties the folder; xdist workers only append."""
+    """Every process makes the folder; the controller (or a run without xdist) empties it, and xdist
+    workers only append (their first record comes at the end of their first test)."""
+    out = _out_dir()
+    out.mkdir(parents=True, exist_ok=True)
     if _worker(session.config) is None:
-        out = _out_dir()
-        out.mkdir(parents=True, exist_ok=True)
         for old in out.glob("*.jsonl"):
             old.unlink()
 
@@ -67,11 +68,9 @@ def pytest_runtest_protocol(item, nextitem):  # noqa: ARG001 (pytest's signature
     t0 = time.monotonic()
     yield
     own1, kids1 = _cpu()
-    out = _out_dir()
-    out.mkdir(parents=True, exist_ok=True)
     record = {"id": item.nodeid, "wall": round(time.monotonic() - t0, 3), "self": round(own1 - own0, 3),
               "children": round(kids1 - kids0, 3)}
-    with open(out / f"{_worker(item.config) or 'main'}.jsonl", "a") as f:
+    with open(_out_dir() / f"{_worker(item.config) or 'main'}.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
 
 
