@@ -26,6 +26,8 @@ from worldloop.common.transport.streams import FORWARDED, Forwarder, StreamConsu
 from worldloop.learner.data import DedupWindow, ScoredSource
 from worldloop.testing.trajectories import synthetic_trajectory
 
+from procs import wait_for
+
 NS = "dur"
 
 
@@ -57,10 +59,16 @@ class Run:
         self.learner.recover()
 
     def produce(self, tids: list[str], acked_at: dict[str, int]) -> None:
+        r = connect(self.srv.url)
         for tid in tids:
             traj = synthetic_trajectory(self.codec, trajectory_id=tid, seed=len(acked_at), turns=2, response_tokens=4)
             self.producer.add(encode_trajectory(traj))
-            acked_at[tid] = self.srv.aof_file().stat().st_size  # the AOF holds this XADD once it returned
+            # the AOF file holds this XADD once Redis has written its AOF buffer: under everysec Redis
+            # acknowledges first and may postpone the write by up to 2 s while a background fsync runs
+            # (a busy disk), so the file's size right after the reply can still lack it
+            wait_for(lambda: r.info("persistence")["aof_buffer_length"] == 0,
+                     "Redis to write its AOF buffer", 30)
+            acked_at[tid] = self.srv.aof_file().stat().st_size
 
     def judge_pass(self, n: int) -> int:
         done = 0
