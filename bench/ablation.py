@@ -2,6 +2,7 @@
 
     python bench/ablation.py [--suite methods|strategies|all] [--envs sokoban,frozenlake]
                              [--seeds 3] [--steps N] [--eval-episodes 64] [--warm-start build|shipped]
+                             [--arms A,B] [--paired BASE,NEW [--paired-episodes 1024]]
                              [--out runs/bench-ablation] [key.sub=value ...]
 
 Two suites, every arm on the same compute budget (the preset's batch, the same ``--steps`` learner
@@ -38,6 +39,15 @@ start from the same model, and the strategies from the same grounded base. The t
 paper's layout (rows = arms, columns = envs and overall); each cell is the mean over run seeds
 with its 95% t-interval and, beside it, the warm start's mean. Every row names the judge's scoring
 mode (``judge.rule_mode``) and the estimator.
+
+``--arms`` runs only the named arms of the chosen suite. ``--paired BASE,NEW`` adds the paired test
+of two of them: after the runs, each arm's final policy of each (env, run seed) plays
+``--paired-episodes`` held-out seeds with ``worldloop eval`` (keyed sampling, the run's own config:
+``eval.seed_start`` on, checked disjoint from its training seeds), and the two arms' outcomes are
+paired by (env, run seed, held-out seed): seeds only NEW solved against seeds only BASE solved, the
+two-sided sign test (``worldloop.eval.compare``), per run seed and pooled. The pooled test holds the
+trained policies fixed: it asks whether these policies differ, while the spread between run seeds
+(the t-intervals of the table) is what says how much a method's result varies from run to run.
 
 Resume: every finished run leaves ``done.json`` in its folder and is not run again; progress goes
 to stdout, and ``ablation-<suite>.md`` (and ``.json``) is rewritten after every run with the runs
@@ -126,18 +136,19 @@ def prepare_model(cfg: dict, grounded: Path, warm: Path) -> None:
     for e in base.actor.envs:
         e.kwargs["prompt_format"] = GWM
 
-    def ground(work: Path) -> None:
+    # the stages are not named ``ground``: that name is the pipeline's step, which the stage calls
+    def grounding_stage(work: Path) -> None:
         make_tiny(base, work)
         report = ground(base, work) if base.model.tiny_grounding_steps else {}
         (work / "grounding.json").write_text(json.dumps(report, indent=2))
 
-    def sft(work: Path) -> None:
+    def sft_stage(work: Path) -> None:
         shutil.copytree(grounded, work)
         report = warm_start(arm, work) if arm.sft.enabled else {}
         (work / "sft.json").write_text(json.dumps(report, indent=2))
 
-    _stage(grounded, ground)
-    _stage(warm, sft)
+    _stage(grounded, grounding_stage)
+    _stage(warm, sft_stage)
 
 
 def shipped_warm_start(env: str, overrides: list[str]) -> Path:
@@ -183,6 +194,42 @@ def run_one(cfg: dict, run_dir: Path, grounded: Path, warm: Path, shipped: Path 
     return row
 
 
+def paired_eval(cfg: dict, run_dir: Path, episodes: int) -> dict:
+    """The run's final policy on ``episodes`` held-out seeds, keyed (``worldloop eval`` into
+    ``<run_dir>/eval-paired``, resumable): ``{(env name, seed): success}``."""
+    from worldloop.common.contracts.config import check_held_out_seeds, config_from_dict
+    from worldloop.eval.compare import outcomes
+
+    check_held_out_seeds(config_from_dict(cfg), cfg["eval"]["seed_start"], episodes, key="--paired-episodes")
+    out = run_dir / "eval-paired"
+    a = cfg["actor"]
+    args = ["eval", "--config", str(run_dir / "config.yaml"), "--model", str(run_dir), "--output", str(out),
+            "--episodes", str(episodes), "--max-tokens", str(a["max_new_tokens"]), "--max-turns", str(a["max_turns"]),
+            "--temperature", str(a["temperature"]), "--concurrency", "32", "eval.sampling=keyed"]
+    with open(run_dir / "eval-paired.log", "wb") as f:
+        rc = subprocess.run([sys.executable, "-m", "worldloop", *args], cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                            stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise RuntimeError(f"worldloop eval exited {rc}; see {run_dir / 'eval-paired.log'}")
+    return outcomes(out)
+
+
+def paired_report(base: str, new: str, per_seed: dict) -> str:
+    """The paired rows: per (env, run seed) and pooled. ``per_seed``: {(env, seed): (base outcomes,
+    new outcomes)}."""
+    from worldloop.eval.compare import HEADER, paired
+
+    lines = [f"### paired: {new} (new) against {base} (base), keyed, the same held-out seeds\n", HEADER]
+    pooled_base: dict = {}
+    pooled_new: dict = {}
+    for (env, seed), (b, n) in sorted(per_seed.items()):
+        lines.append(paired(b, n).row(f"{ENV_TITLES.get(env, env)}, run seed {seed}"))
+        pooled_base.update({(env, seed, *k): v for k, v in b.items()})
+        pooled_new.update({(env, seed, *k): v for k, v in n.items()})
+    lines.append(paired(pooled_base, pooled_new).row("pooled"))
+    return "\n".join(lines)
+
+
 def cell(values: list[float]) -> str:
     if not values:
         return "-"
@@ -220,6 +267,9 @@ def main() -> int:
     ap.add_argument("--eval-episodes", type=int, default=64)
     ap.add_argument("--warm-start", choices=["build", "shipped"], default="build",
                     help="build: a model per run seed (the docstring); shipped: the preset's shipped warm start")
+    ap.add_argument("--arms", default="", help="comma-separated arm names of the suite (default: all)")
+    ap.add_argument("--paired", default="", help="BASE,NEW: two arms to compare seed by seed (the docstring)")
+    ap.add_argument("--paired-episodes", type=int, default=1024, help="held-out seeds per final policy for --paired")
     ap.add_argument("--out", default="runs/bench-ablation")
     ap.add_argument("overrides", nargs="*", help="key.sub=value for every run")
     args = ap.parse_args()
@@ -231,8 +281,18 @@ def main() -> int:
     chosen = list(suites) if args.suite == "all" else [args.suite]
     if args.warm_start == "shipped" and chosen != ["methods"]:
         ap.error("--warm-start shipped: the methods suite only (the strategies need warm starts in their own formats)")
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    pair = [a.strip() for a in args.paired.split(",") if a.strip()]
+    known = {name for suite in chosen for name in suites[suite]}
+    if set(arms + pair) - known:
+        ap.error(f"--arms/--paired: unknown {sorted(set(arms + pair) - known)}; known: {', '.join(sorted(known))}")
+    if args.paired and (len(pair) != 2 or (arms and set(pair) - set(arms))):
+        ap.error("--paired: two arms, both among --arms when --arms is given")
+    if arms:
+        suites = {suite: {n: a for n, a in arms_.items() if n in arms} for suite, arms_ in suites.items()}
     plan = [(suite, name, env, seed) for suite in chosen for name in suites[suite] for env in envs
             for seed in range(args.seeds)]
+    configs: dict = {}
     results: dict[str, dict] = {s: {} for s in chosen}
     shipped = {env: shipped_warm_start(env, args.overrides) if args.warm_start == "shipped" else None for env in envs}
     t_start = time.monotonic()
@@ -248,10 +308,26 @@ def main() -> int:
         print(f"[ablation {i}/{len(plan)}, {time.monotonic() - t_start:.0f}s] {suite}: {name} on {env}, seed {seed} ({status})",
               flush=True)
         row = run_one(cfg, run_dir, grounded, warm, shipped[env])
+        configs[(name, env, seed)] = (cfg, run_dir)
         results[suite].setdefault((name, env), []).append(row)
         print(f"    held-out success {row['start']:.3f} -> {row['final']:.3f} (n={row['n']}, {row['wall_s']:.0f}s)", flush=True)
         write_report(out, chosen, suites, results, envs, args.seeds, partial=i < len(plan))
     print(write_report(out, chosen, suites, results, envs, args.seeds, partial=False))
+    if pair:
+        per_seed = {}
+        for env in envs:
+            for seed in range(args.seeds):
+                got = []
+                for name in pair:
+                    cfg, run_dir = configs[(name, env, seed)]
+                    t0 = time.monotonic()
+                    got.append(paired_eval(cfg, run_dir, args.paired_episodes))
+                    print(f"[ablation paired] {name} on {env}, seed {seed}: solved {sum(got[-1].values())}/"
+                          f"{len(got[-1])} ({time.monotonic() - t0:.0f}s)", flush=True)
+                per_seed[(env, seed)] = tuple(got)
+        text = paired_report(pair[0], pair[1], per_seed)
+        (out / "ablation-paired.md").write_text(text + "\n")
+        print(text)
     return 0
 
 

@@ -206,8 +206,6 @@ def model_estimate(size: str, engine: str, cfg, tiny_dir: Path, lengths: list[in
     its largest micro-batch is micro_batch_size rows of the longest trajectory (or the token budget)."""
     from worldloop.common.contracts.modeling import freeze_vision_tower
     from worldloop.learner.kernels import checkpointing_mode, use_liger
-    from worldloop.common.contracts.modeling import freeze_vision_tower
-    from worldloop.learner.kernels import use_liger
     from worldloop.learner.memory import estimate, shape_of
 
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -53,3 +54,22 @@ def test_compare_says_what_is_wrong(tmp_path: Path, capsys) -> None:
     assert main([str(a), str(tmp_path / "bad")]) == 2
     assert "episodes.jsonl:1: not an episode record" in capsys.readouterr().err
     assert main([str(a), str(tmp_path / "missing")]) == 2
+
+
+def test_ablation_pairs_two_arms_per_run_seed_and_pools_without_merging_seeds() -> None:
+    """bench/ablation.py --paired: each run seed's rows, then the pooled row over (env, run seed,
+    held-out seed), where held-out seed 1 of run seed 0 and of run seed 1 are two pairs, not one."""
+    spec = importlib.util.spec_from_file_location("bench_ablation", Path(__file__).resolve().parent.parent / "bench" / "ablation.py")
+    ablation = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ablation)
+    per_seed = {("frozenlake", 0): ({("FrozenLake", 1): True, ("FrozenLake", 2): False},
+                                    {("FrozenLake", 1): False, ("FrozenLake", 2): True}),
+                ("frozenlake", 1): ({("FrozenLake", 1): False, ("FrozenLake", 2): False},
+                                    {("FrozenLake", 1): True, ("FrozenLake", 2): True})}
+    rows = ablation.paired_report("VAGEN-Base", "VAGEN-Full", per_seed).splitlines()
+    seed0, seed1, pooled = rows[-3:]
+    # seed 0: one seed each way (p 1); seed 1: two only-new, none only-base (p 2 x 1/4 = 0.5)
+    assert seed0.startswith("| FrozenLake, run seed 0 | 2 | 0.500") and "| 1 / 1 | 1.000 |" in seed0
+    assert seed1.startswith("| FrozenLake, run seed 1 | 2 | 0.000") and "| 2 / 0 | 0.500 |" in seed1
+    # pooled: 4 pairs, base solved 1, new 3; 3 only-new against 1 only-base: p = 2 x (4 + 1) / 16
+    assert pooled.startswith("| pooled | 4 | 0.250") and "| 0.750 [" in pooled and "| 3 / 1 | 0.625 |" in pooled
