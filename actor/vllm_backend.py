@@ -20,6 +20,7 @@ Public API::
     vllm_lora_rank(rank) -> int                              # vLLM's max_lora_rank for model.lora.rank
     load_weights_in_place(model_runner, tensors, shapes, groups)   # validated, all-or-nothing
     sampling_kwargs(temperature, top_p, max_new_tokens, eos_token_ids, seed, forbidden=()) -> dict  # SamplingParams
+    whole_prefills(max_model_len, per_step) -> dict          # the CPU engine's arguments: no chunked prefill
     request_seeds(requests, seed) -> list[int | None]                                   # per-request seeds
 
 It follows every convention of :mod:`worldloop.actor.generation` (read that first). How each one is met:
@@ -317,6 +318,21 @@ def load_weights_in_place(runner: Any, tensors: dict[str, torch.Tensor], shapes:
 # --------------------------------------------------------------------------- backend
 
 
+def whole_prefills(max_model_len: int, per_step: int) -> dict[str, Any]:
+    """vLLM engine arguments for the CPU: every prompt is prefilled in one engine step, never in chunks.
+
+    Every worldloop request carries a seed (its sample key, or ``seed + i``), and vLLM gives a seeded
+    request its own ``torch.Generator``. When a step prefills only part of a prompt (chunked prefill:
+    long prompts arriving together, or the requests that ``actor.weight_update: interrupt``
+    recomputes under new weights), vLLM discards that step's sampled token and rewinds the
+    request's generator with ``set_offset``, which torch's CPU generators lack: the engine died with
+    "CPU Generator does not use offset" (8 seeded prompts of 3,624 tokens on a CPU ``worldloop
+    serve``, 2026-11-29). So on the CPU chunked prefill is off and a step holds up to ``per_step``
+    tokens (vLLM's CPU default: 4096 in-process, 2048 for a server), at least ``max_model_len``, so
+    that any prompt fits one step. GPUs keep chunked prefill (CUDA generators rewind)."""
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(int(max_model_len), int(per_step))}
+
+
 def sampling_kwargs(temperature: float, top_p: float, max_new_tokens: int, eos_token_ids: list[int],
                     seed: int | None, forbidden: tuple[str, ...] | list[str] = ()) -> dict[str, Any]:
     """vLLM ``SamplingParams`` fields of one request (the in-process engine's and, as JSON, the
@@ -388,6 +404,8 @@ class VLLMBackend:
             skip_tokenizer_init=False,
             logprobs_mode=LOGPROBS_MODE,
         )
+        if on_cpu:
+            kwargs.update(whole_prefills(self.max_model_len, 4096))
         self.lora = lora if common_lora.enabled(lora) else None
         self._lora_request: Any = None  # the adapter of the version held (None: the base model, version 0)
         if self.lora is not None:

@@ -31,7 +31,7 @@ import yaml
 
 from procs import Child, wait_for
 from test_hf_backend import _recomputed, _requests
-from test_vllm_backend import SIDE, _require_vllm, make_vllm_tiny_model
+from test_vllm_backend import SIDE, _require_vllm, long_prompts, make_vllm_tiny_model
 from worldloop.actor.generation import GenRequest
 from worldloop.common.contracts.config import ConfigError
 from worldloop.common.metrics import free_port
@@ -514,3 +514,13 @@ def test_prompt_only_tokens_are_never_sampled(served, backend, tmp_path) -> None
             assert res.response_ids and not set(res.response_ids) & set(codec.prompt_only_ids), res.response_ids
             ref = _recomputed(model, codec, req, res.response_ids, t or 1.0)  # masked_ids: the learner's
             assert torch.allclose(torch.tensor(res.logprobs), ref, atol=2e-4), (t, res.logprobs, ref)
+
+
+def test_seeded_prompts_longer_than_a_steps_budget_leave_the_server_serving(served, backend) -> None:
+    """A CPU server with chunked prefill died on seeded prompts that a step prefilled in part (torch's
+    CPU generators cannot rewind): 8 prompts of ~1,000 tokens exceed a server's default step budget
+    of 2,048 tokens. Now each is prefilled whole (launch.serve_args on the CPU)."""
+    reqs = long_prompts(backend.codec, 8, MAX_LEN)
+    results = backend.generate(reqs, temperature=1.0, top_p=1.0, max_new_tokens=4)
+    assert [r.error is None and len(r.response_ids) >= 1 for r in results] == [True] * 8
+    assert served.info()["ready"] and not served.info()["error"]

@@ -99,6 +99,30 @@ def test_keyed_sampling_does_not_depend_on_the_batch(backend) -> None:
     assert len({tuple(gen([key(b, k)])[0].response_ids) for k in range(12, 17)}) > 1
 
 
+def long_prompts(codec, n: int, max_model_len: int) -> list[GenRequest]:
+    """``n`` seeded text prompts of nearly ``max_model_len`` tokens each, more together than one
+    engine step's token budget holds: with chunked prefill a step prefills some of them in part."""
+    size = lambda k: len(codec.encode_obs("Count on. " * k, [], system="Talk.", first=True).ids)  # noqa: E731
+    per = (size(101) - size(1)) / 100  # tokens per repetition
+    text = "Count on. " * int((max_model_len - 48 - size(0)) / per)
+    # each prompt starts differently: no prompt is served from another's prefix cache
+    prompts = [codec.encode_obs(f"Prompt {i}. {text}", [], system="Talk.", first=True).ids for i in range(n)]
+    assert all(max_model_len - 96 < len(ids) <= max_model_len - 8 for ids in prompts), [len(ids) for ids in prompts]
+    return [GenRequest(ids, [], sample_key=1000 + i) for i, ids in enumerate(prompts)]
+
+
+def test_seeded_prompts_longer_than_a_steps_budget_are_prefilled_whole(backend) -> None:
+    """Chunked prefill on the CPU killed the engine: a step that prefills part of a seeded prompt
+    rewinds its generator, which torch's CPU generators cannot ("CPU Generator does not use offset").
+    8 prompts of ~1,000 tokens exceed the CPU default step budget of 4,096; each gets its own sample."""
+    reqs = long_prompts(backend.codec, 8, backend.max_model_len)
+    results = backend.generate(reqs, temperature=1.0, top_p=1.0, max_new_tokens=4)
+    assert [len(r.response_ids) >= 1 and len(r.logprobs) == len(r.response_ids) for r in results] == [True] * 8
+    # and the engine still serves: the same keys give the same samples
+    again = backend.generate(reqs[:2], temperature=1.0, top_p=1.0, max_new_tokens=4)
+    assert [r.response_ids for r in again] == [r.response_ids for r in results[:2]]
+
+
 def test_bad_requests_raise_clear_errors(backend) -> None:
     req = _requests(backend.codec)[0]
     with pytest.raises(ValueError, match="image"):

@@ -25,7 +25,9 @@ prompt-only mask); with ``model.lora.rank`` > 0, ``--enable-lora --max-loras 1``
 serves adapter-only versions as its one LoRA adapter (:mod:`worldloop.actor.server.extension`),
 and :func:`check_servable` refuses ``model.lora.vision`` (vLLM adapts the language model only);
 ``--generation-config vllm`` keeps the model's ``generation_config.json`` out of sampling (every
-request sends all its sampling fields anyway). The worker extension
+request sends all its sampling fields anyway); on the CPU, ``--no-enable-chunked-prefill`` and a
+step budget of at least ``model.max_model_len`` tokens (seeded requests cannot be prefilled in
+chunks there: :func:`~worldloop.actor.vllm_backend.whole_prefills`). The worker extension
 (:mod:`worldloop.actor.server.extension`) and the middleware (:mod:`worldloop.actor.server.app`)
 are always added. The resolved config travels to the server's processes as JSON in
 ``$WORLDLOOP_SERVE_CONFIG`` (weights channel, CURVE key files, Redis for the heartbeat), and the
@@ -105,6 +107,11 @@ def serve_args(cfg: "Config", *, host: str, port: int, on_gpu: bool | None = Non
             "--worker-extension-cls", EXTENSION, "--middleware", MIDDLEWARE]
     if a.vllm_enforce_eager:
         args.append("--enforce-eager")
+    if not on_gpu:  # seeded requests on CPU generators: no chunked prefill (vllm_backend.whole_prefills)
+        from worldloop.actor.vllm_backend import whole_prefills
+
+        cpu = whole_prefills(m.max_model_len, 2048)
+        args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(cpu["max_num_batched_tokens"])]
     if enabled(m.lora):
         from worldloop.actor.vllm_backend import vllm_lora_rank
 
