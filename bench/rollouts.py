@@ -2,7 +2,7 @@
 loop (``actor.loop: episode``), for the ``hf`` backend and a real ``worldloop serve`` (vLLM, CPU).
 
     python bench/rollouts.py [--episodes 24] [--concurrency 8] [--max-new-tokens 48] [--no-server]
-                             [--updates 3] [--update-tokens 512] [--model DIR]
+                             [--updates 3] [--update-tokens 3900] [--model DIR]
 
 The suite mixes FrozenLake (2 turns), Sokoban (4), Navigation (3) and SVG (1 turn, a slow env step:
 it renders and scores an SVG), vision mode, with the embedded tiny Qwen2.5-VL model at temperature
@@ -19,7 +19,9 @@ per-episode loop's ratio to lockstep on the same backend in the same run.
 
 The weight-update rows start a server that follows a weight channel of this process, once with
 ``actor.weight_update: wait`` and once with ``interrupt``, keep ``concurrency`` requests of
-``--update-tokens`` tokens decoding, publish a version, and time publish -> the server serving it
+exactly ``--update-tokens`` tokens decoding (vLLM's ``ignore_eos``: the tiny models end most
+responses early on an EOS, and what ``wait`` pays is the drain of responses that run long), publish
+a version half a second into them, and time publish -> the server serving it
 (``/worldloop/info``: it resumes with that version, so its next engine step samples with it),
 after one untimed round of the same requests (a fresh engine's first steps are start-up), and
 prints the server's own fetch and apply lines for each version.
@@ -89,56 +91,78 @@ def _rows(name: str, backend, args) -> list[tuple]:
     return [(name, "lockstep", lock, None, same), (name, "episode", ep, ep["episodes"] / ep["wall"] / (lock["episodes"] / lock["wall"]), same)]
 
 
-def _version_latency(model: Path, tmp: Path, mode: str, args) -> list[float]:
-    """Seconds from ``publish(v)`` to the server serving v (its next engine step samples with it),
-    while ``concurrency`` long requests (``--update-tokens`` each) are in flight; one per version."""
+def _long_requests(url: str, prompt: list[int], codec, n: int, tokens: int, seed: int):
+    """``n`` requests of exactly ``tokens`` tokens each (``ignore_eos``: the tiny models end most
+    responses early on an EOS, and a drain needs responses that run long), posted in threads to the
+    server's generate path as the actor's client posts them; returns the threads' futures (each: the
+    tokens it got, checked to be ``tokens``)."""
+    import concurrent.futures
+    import json
+    import urllib.request
+
+    from worldloop.actor.server.client import GENERATE_PATH
+    from worldloop.actor.vllm_backend import sampling_kwargs
+
+    def post(i: int) -> int:
+        # no EOS and no stop token ends it: exactly ``tokens`` tokens
+        params = dict(sampling_kwargs(1.0, 1.0, tokens, [], seed + i, codec.prompt_only_tokens), ignore_eos=True)
+        body = json.dumps({"token_ids": prompt, "sampling_params": params, "return_token_ids": True,
+                           "output_mode": "tokens"}).encode()
+        req = urllib.request.Request(url + GENERATE_PATH, data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=900) as resp:
+            got = len(json.loads(resp.read())["choices"][0]["token_ids"])
+        if got != tokens:
+            raise RuntimeError(f"a request for {tokens} tokens got {got}")
+        return got
+
+    pool = concurrent.futures.ThreadPoolExecutor(n)
+    futures = [pool.submit(post, i) for i in range(n)]
+    pool.shutdown(wait=False)
+    return futures
+
+
+def _version_latency(model: Path, tmp: Path, mode: str, args) -> list[tuple[float, float]]:
+    """Per version: seconds from calling ``publish(v)``, and from its return (v on the channel), to
+    the server serving v (its next engine step samples with it), while ``concurrency`` requests of
+    ``--update-tokens`` tokens each are decoding."""
     import json
     import urllib.request
 
     import torch
 
-    from worldloop.actor.generation import GenRequest
-    from worldloop.actor.server.client import ServerBackend
-    from worldloop.common.contracts.modeling import load_policy
+    from worldloop.common.contracts.modeling import ChatCodec, load_policy
     from worldloop.common.transport.weights import WeightPublisher
 
     pub = WeightPublisher("127.0.0.1", 0, 0, announce_interval_s=0.05)
     base = {k: v for k, v in load_policy(model, dtype="float32").state_dict().items() if k != "lm_head.weight"}
+    codec = ChatCodec(model, max_image_side=112)
+    prompt = [int(t) for t in codec.encode_obs("Count to a thousand.", [], system="Talk.", first=True).ids]
     url, proc = bench_actor._serve(model, tmp, f"serve-{mode}", actor={"weight_update": mode},
                                    weights={"host": "127.0.0.1", "pub_port": pub.pub_port, "fetch_port": pub.fetch_port})
-    info = lambda: json.loads(urllib.request.urlopen(url + "/worldloop/info", timeout=5).read())
+    info = lambda: json.loads(urllib.request.urlopen(url + "/worldloop/info", timeout=5).read())  # noqa: E731
     out = []
     try:
-        sb = ServerBackend([url], model, max_image_side=112, max_model_len=4096, mixed_versions=mode == "interrupt")
-        try:
-            prompt = sb.codec.encode_obs("Count to a thousand.", [], system="Talk.", first=True).ids
-            # warm-up: a fresh engine's first steps at this batch shape are slow on the CPU (measured: a
-            # utility call waited 1.8 s behind them, in both modes), which is start-up, not the update
-            for f in [sb.submit(GenRequest(prompt, session=f"warm-{i}"), temperature=1.0, top_p=1.0,
-                                max_new_tokens=args.update_tokens, seed=i) for i in range(args.concurrency)]:
+        # warm-up: a fresh engine's first steps at this batch shape are slow on the CPU (measured: a
+        # utility call waited 1.8 s behind them, in both modes), which is start-up, not the update
+        for f in _long_requests(url, prompt, codec, args.concurrency, args.update_tokens, 0):
+            f.result(timeout=900)
+        for v in range(1, args.updates + 1):
+            futures = _long_requests(url, prompt, codec, args.concurrency, args.update_tokens, v * 1000)
+            time.sleep(0.5)  # the requests are decoding
+            ended = [f for f in futures if f.done()]
+            if ended:
+                f = ended[0]
+                why = f"failed: {f.exception()!r}" if f.exception() else "ended (use more --update-tokens)"
+                raise RuntimeError(f"a request of {args.update_tokens} tokens {why} within its first half second")
+            gen = torch.Generator().manual_seed(v)
+            t0 = time.perf_counter()
+            pub.publish({k: t + 1e-3 * torch.randn(t.shape, generator=gen) for k, t in base.items()}, v, wait=True)
+            t1 = time.perf_counter()  # the version is on the channel
+            while info()["version"] != v:
+                time.sleep(0.005)
+            out.append((time.perf_counter() - t0, time.perf_counter() - t1))
+            for f in futures:
                 f.result(timeout=900)
-            for v in range(1, args.updates + 1):
-                for attempt in range(20):  # a random model ends some responses early on an EOS
-                    futures = [sb.submit(GenRequest(prompt, session=f"u{v}-{attempt}-{i}"), temperature=1.0, top_p=1.0,
-                                         max_new_tokens=args.update_tokens, seed=v * 1000 + attempt * 100 + i)
-                               for i in range(args.concurrency)]
-                    time.sleep(0.5)  # the requests are decoding
-                    if sum(not f.done() for f in futures) >= args.concurrency // 2:
-                        break
-                    for f in futures:
-                        f.result(timeout=900)
-                else:
-                    raise RuntimeError("no requests stayed in flight long enough to publish during them")
-                gen = torch.Generator().manual_seed(v)
-                t0 = time.perf_counter()
-                pub.publish({k: t + 1e-3 * torch.randn(t.shape, generator=gen) for k, t in base.items()}, v, wait=True)
-                while info()["version"] != v:
-                    time.sleep(0.005)
-                out.append(time.perf_counter() - t0)
-                for f in futures:
-                    f.result(timeout=900)
-        finally:
-            sb.close()
     finally:
         bench_actor._stop(proc)
         pub.close()
@@ -157,7 +181,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--no-server", action="store_true", help="only the hf backend")
     ap.add_argument("--updates", type=int, default=3, help="weight versions published per update mode (0: no update rows)")
-    ap.add_argument("--update-tokens", type=int, default=512, help="tokens of each request in flight during an update")
+    ap.add_argument("--update-tokens", type=int, default=3900,
+                    help="tokens of each request in flight during an update (its prompt + these <= 4096)")
     ap.add_argument("--model", type=Path, default=None,
                     help="a model directory to play (default: the embedded random tiny model, made on the spot)")
     args = ap.parse_args()
@@ -206,13 +231,15 @@ def _print_rows(rows: list[tuple], args) -> None:
 def _print_latency(latency: dict, args) -> None:
     import statistics
 
-    print(f"\nweight update with {args.concurrency} requests of {args.update_tokens} tokens in flight: seconds from "
-          f"publish to the server sampling with the version ({args.updates} versions each)")
-    print(f"{'actor.weight_update':<20}{'median':>8}{'max':>8}{'ratio':>7}")
-    wait = statistics.median(latency["wait"])
+    print(f"\nweight update with {args.concurrency} requests of {args.update_tokens} tokens in flight: seconds to the "
+          f"server sampling with the version ({args.updates} versions each), from the publish call (the learner's "
+          f"hand-over included, the same in both modes) and from the version being on the channel")
+    print(f"{'actor.weight_update':<20}{'from call':>10}{'max':>8}{'ratio':>7}{'from channel':>14}{'max':>8}{'ratio':>7}")
+    med = {mode: [statistics.median(x[i] for x in latency[mode]) for i in (0, 1)] for mode in latency}
     for mode in ("wait", "interrupt"):
-        med = statistics.median(latency[mode])
-        print(f"{mode:<20}{med:>8.2f}{max(latency[mode]):>8.2f}{wait / med:>7.2f}")
+        call, chan = med[mode]
+        print(f"{mode:<20}{call:>10.2f}{max(x[0] for x in latency[mode]):>8.2f}{med['wait'][0] / call:>7.2f}"
+              f"{chan:>14.2f}{max(x[1] for x in latency[mode]):>8.2f}{med['wait'][1] / chan:>7.2f}")
 
 
 if __name__ == "__main__":
