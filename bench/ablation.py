@@ -162,6 +162,15 @@ def shipped_warm_start(env: str, overrides: list[str]) -> Path:
     return resolved.path
 
 
+def _worldloop(args: list[str], log: Path) -> None:
+    """``python -m worldloop ARGS`` from the repository, its output to ``log``; raise if it fails."""
+    with open(log, "wb") as f:
+        rc = subprocess.run([sys.executable, "-m", "worldloop", *args], cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                            stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise RuntimeError(f"worldloop {args[0]} exited {rc}; see {log}")
+
+
 def run_one(cfg: dict, run_dir: Path, grounded: Path, warm: Path, shipped: Path | None = None) -> dict:
     """One ``worldloop up``; its warm start is ``shipped`` as is, or else prepared in ``grounded`` / ``warm``."""
     done = run_dir / "done.json"
@@ -179,11 +188,7 @@ def run_one(cfg: dict, run_dir: Path, grounded: Path, warm: Path, shipped: Path 
             shutil.copy(model / report, run_dir / report)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     t0 = time.monotonic()
-    with open(run_dir / "up.log", "wb") as f:
-        rc = subprocess.run([sys.executable, "-m", "worldloop", "up", str(run_dir / "config.yaml")], cwd=ROOT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=f, stderr=subprocess.STDOUT).returncode
-    if rc != 0:
-        raise RuntimeError(f"worldloop up exited {rc}; see {run_dir / 'up.log'}")
+    _worldloop(["up", str(run_dir / "config.yaml")], run_dir / "up.log")
     evals = [json.loads(line)["eval"] for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     start = next(e for e in evals if e["policy_version"] == 0)
     final = evals[-1]
@@ -206,11 +211,7 @@ def paired_eval(cfg: dict, run_dir: Path, episodes: int) -> dict:
     args = ["eval", "--config", str(run_dir / "config.yaml"), "--model", str(run_dir), "--output", str(out),
             "--episodes", str(episodes), "--max-tokens", str(a["max_new_tokens"]), "--max-turns", str(a["max_turns"]),
             "--temperature", str(a["temperature"]), "--concurrency", "32", "eval.sampling=keyed"]
-    with open(run_dir / "eval-paired.log", "wb") as f:
-        rc = subprocess.run([sys.executable, "-m", "worldloop", *args], cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                            stdout=f, stderr=subprocess.STDOUT).returncode
-    if rc != 0:
-        raise RuntimeError(f"worldloop eval exited {rc}; see {run_dir / 'eval-paired.log'}")
+    _worldloop(args, run_dir / "eval-paired.log")
     return outcomes(out)
 
 

@@ -523,4 +523,5 @@ def test_seeded_prompts_longer_than_a_steps_budget_leave_the_server_serving(serv
     reqs = long_prompts(backend.codec, 8, MAX_LEN)
     results = backend.generate(reqs, temperature=1.0, top_p=1.0, max_new_tokens=4)
     assert [r.error is None and len(r.response_ids) >= 1 for r in results] == [True] * 8
-    assert served.info()["ready"] and not served.info()["error"]
+    info = served.info()
+    assert info["ready"] and not info["error"]
