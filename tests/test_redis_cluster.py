@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections import Counter
@@ -29,7 +30,7 @@ from worldloop.common.contracts.config import ConfigError, load_config
 from worldloop.common.transport.key_migration import LegacyKeysClash, legacy_keys_left, migrate_legacy_keys
 from worldloop.common.contracts.keys import KEY_NAMES, ROLLOUTS_GROUP, SCORED_GROUP, Keys
 from worldloop.common.transport.lease import LearnerLease
-from worldloop.common.metrics import free_port
+from worldloop.common.metrics import ephemeral_range, free_port
 from worldloop.common.transport.redis_cluster_local import LocalRedisCluster
 from worldloop.common.transport.redis_link import REDIS_PASSWORD_ENV, RedisLink, RedisUnreachable, connect
 from worldloop.common.contracts.schemas import decode_trajectory, encode_trajectory
@@ -217,6 +218,30 @@ def test_a_cluster_url_that_no_node_answers_fails_at_start_up_not_at_constructio
     with pytest.raises(RedisUnreachable, match=r"cannot reach Redis at cluster 127\.0\.0\.1:\d+ for 0\.5s"):
         link.call(lambda r: r.ping())
     link.close()
+
+
+def test_a_node_whose_port_was_taken_meanwhile_starts_again_on_another() -> None:
+    """The suite once failed when another process bound a node's drawn port before the node did:
+    the node exited at its bind and the cluster waited 30 s for it. Here a listening socket holds the
+    first node's port from the draw on; the node starts again on a new pair, and the cluster forms."""
+    c = LocalRedisCluster(primaries=3, replicas=0, node_timeout_ms=500)
+    held = c.ports[0]
+    blocker = socket.socket()
+    try:
+        blocker.bind(("127.0.0.1", held))
+        blocker.listen()
+        with c:
+            assert held not in c.ports and len(set(c.ports)) == 3
+            assert all(p < ephemeral_range()[0] and p + 10000 < ephemeral_range()[0] for p in c.ports)
+            assert sorted(c.primary_ports()) == sorted(c.ports)
+            r = redis.RedisCluster.from_url(c.url.replace("redis+cluster", "redis"))
+            r.set("{t}:a", "1")
+            assert r.get("{t}:a") == b"1"
+            r.close()
+            assert "Address already in use" in (c.data_dir / str(held) / "redis.log").read_text()
+    finally:
+        blocker.close()
+        c.close()
 
 
 def test_a_link_waits_out_clusterdown_until_the_cluster_is_whole_again() -> None:

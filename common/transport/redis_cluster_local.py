@@ -3,7 +3,8 @@
 
 For the tests of worldloop on a cluster (tests/test_redis_cluster.py) and for trying a
 ``redis+cluster://`` URL by hand; never for production (a real cluster spans machines).
-Each node listens on a free port P and its cluster bus on P + 10000; everything lives in a
+Each node listens on a free port P and its cluster bus on P + 10000, both below the ephemeral range
+(a node whose port was taken before it bound starts again on another pair); everything lives in a
 temporary folder that :meth:`LocalRedisCluster.close` removes. ``kill_primary_of(key)`` kills
 -9 the primary that serves a key's slot and :meth:`wait_failover` waits until one of its
 replicas took over and the cluster says ``cluster_state:ok`` again.
@@ -12,24 +13,35 @@ replicas took over and the cluster says ``cluster_state:ok`` again.
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from worldloop.common.metrics import free_port, port_is_free
+from worldloop.common.metrics import ephemeral_range, free_port, port_is_free
 from worldloop.common.transport.redis_local import find_redis_server
 
 _BUS_OFFSET = 10000
 
 
-def _node_ports(n: int) -> list[int]:
-    """``n`` free ports whose cluster-bus ports (+10000) are free too."""
+def _node_ports(n: int, taken: tuple[int, ...] = ()) -> list[int]:
+    """``n`` free ports whose cluster-bus ports (+10000) are free too, both drawn below the ephemeral
+    range where no client socket or OS-given port of another process lands meanwhile (in the suite,
+    another test's outgoing connection once took a node's port between the draw and the node's bind);
+    OS-given ports where that range is too small. ``taken``: ports not to return (the other nodes')."""
+    top = ephemeral_range()[0] - _BUS_OFFSET
+    draw = random.SystemRandom()
     ports: list[int] = []
-    while len(ports) < n:
-        p = free_port()
-        if p + _BUS_OFFSET < 65536 and p not in ports and port_is_free(p + _BUS_OFFSET):
+    for _ in range(1000 * n):
+        if len(ports) == n:
+            break
+        p = draw.randrange(10000, top) if top - 10000 >= 1000 else free_port()
+        if (p + _BUS_OFFSET < 65536 and p not in ports and p not in taken and port_is_free(p)
+                and port_is_free(p + _BUS_OFFSET)):
             ports.append(p)
+    if len(ports) < n:
+        raise RuntimeError(f"local redis cluster: found {len(ports)} of {n} free node/bus port pairs")
     return ports
 
 
@@ -96,8 +108,8 @@ class LocalRedisCluster:
         for p in self.ports:
             self._start_node(p)
         try:
-            for p in self.ports:
-                self._wait(f"node {p} did not answer", lambda p=p: self._client(p).ping(), timeout)
+            for i in range(len(self.ports)):
+                self._node_answers(i, timeout)
             create = subprocess.run(
                 ["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in self.ports],
                  "--cluster-replicas", str(self.replicas), "--cluster-yes"],
@@ -110,6 +122,31 @@ class LocalRedisCluster:
             self.close()
             raise
         return self
+
+    def _node_answers(self, i: int, timeout: float, attempts: int = 3) -> None:
+        """Wait until node ``i`` answers a PING; a node that exited first (its port taken between the
+        draw and its bind) starts again on a new port pair, up to ``attempts`` times in all."""
+        for attempt in range(attempts):
+            p = self.ports[i]
+            proc = self.procs[p]
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    if self._client(p).ping():
+                        return
+                except Exception:  # still starting: ask again
+                    pass
+                time.sleep(0.1)
+            if proc.poll() is None:
+                raise RuntimeError(f"local redis cluster: node {p} did not answer within {timeout:g}s "
+                                   f"(logs in {self.data_dir})")
+            log = self.data_dir / str(p) / "redis.log"
+            tail = log.read_text(errors="replace")[-500:] if log.exists() else ""
+            if attempt == attempts - 1 or "in use" not in tail:
+                raise RuntimeError(f"local redis cluster: node {p} exited with {proc.returncode}: {tail}")
+            del self.procs[p]
+            self.ports[i] = _node_ports(1, taken=tuple(self.ports))[0]
+            self._start_node(self.ports[i])
 
     def _ready(self) -> bool:
         """Every live node says cluster_state:ok and every primary that should have replicas has them."""
