@@ -261,3 +261,22 @@ def test_local_demonstrations_write_exactly_the_truth(codec: ChatCodec, worldloo
             assert rule_text_score(t.prediction, t.state_after, "frozenlake", "local").score == 1.0
             several += len(t.state_before.relations) > 1
     assert several > 0  # some turn had a hole next to the player, so more than the first sentence was kept
+
+
+def test_symbolic_demonstrations_write_the_whole_grid(codec: ChatCodec, worldloop_envs) -> None:
+    """state_format symbolic: a concise demonstration keeps the whole grid (observation_relations cuts
+    relation sentences only; before, the grid was cut at ". " like a sentence and got a "." added),
+    so the rule judge scores every observation and prediction 1.0."""
+    from worldloop.judge.scoring import rule_text_score
+
+    spec = {"id": "worldloop/FrozenLake-v0", "kwargs": {"size": 4, "min_actions_to_succeed": 3, "image_size": 112,
+                                                        "prompt_format": "grounding_worldmodeling",
+                                                        "state_format": "symbolic"}}
+    demos = make_demonstrations([spec], 4, 11, codec, max_turns=3, style="concise", observation_relations=1)
+    for d in demos:
+        for t in d.turns:
+            assert t.format_ok
+            assert t.observation == t.state_before.symbolic and t.prediction == t.state_after.symbolic
+            assert len(t.observation.splitlines()) == 4 and not t.observation.endswith(".")
+            assert rule_text_score(t.observation, t.state_before, "frozenlake", "f1").score == 1.0
+            assert rule_text_score(t.prediction, t.state_after, "frozenlake", "f1").score == 1.0

@@ -106,8 +106,11 @@ def _play_episode(env_id: str, kwargs: dict, seed: int, codec: ChatCodec, max_tu
         system = str(env.unwrapped.system_prompt())
         prompt_format = str(getattr(env.unwrapped, "prompt_format", "grounding_worldmodeling"))
         state = state_from_info(info)
-        # the local relation prompt asks for exactly the env's description: nothing is cut from it
-        kept = None if getattr(env.unwrapped, "relation_prompt", None) == "local" else observation_relations
+        # only relation sentences are cut: the local relation prompt asks for exactly the env's
+        # description, and a symbolic grid or a structured dict is one whole (cut, a grid got a ".")
+        whole = (getattr(env.unwrapped, "relation_prompt", None) == "local"
+                 or getattr(env.unwrapped, "state_format", "natural_language") != "natural_language")
+        kept = None if whole else observation_relations
         turns: list[Turn] = []
         success, ended, end_reason = False, True, "max_turns"
         for t in range(max_turns):
