@@ -349,6 +349,12 @@ class VisualEnv(gymnasium.Env):
     def _expert_reasoning(self, actions: Sequence[str]) -> str:
         return f"Following the shortest plan, the next action(s) should be {', '.join(actions)}."
 
+    def move_outlook(self) -> str | None:
+        """What each action would move the agent into, from the true state, as the reasoning of a
+        demonstration that looks before it moves (``sft.concise_reasoning: outlook``); None where the env
+        does not describe it."""
+        return None
+
     def _state_format_hint(self) -> str:
         return ""
 

@@ -37,6 +37,25 @@ def test_relations_symbolic_structured_of_the_fixed_map() -> None:
                                    "hole_positions": [[1, 1], [1, 3], [2, 3], [3, 0]], "grid_size": [4, 4]}
 
 
+def test_move_outlook_names_each_moves_cell_on_the_fixed_map() -> None:
+    """DESC = SFFF / FHFH / FFFH / HFFG, the cells each move leads into, by hand along a safe path:
+    (0, 0) -> Right, Right -> (0, 2) -> Down -> (1, 2) -> Down -> (2, 2) -> Down -> (3, 2)."""
+    env, _ = make()
+    u = env.unwrapped
+    seen = [u.move_outlook()]
+    for moves in ("Right,Right", "Down", "Down", "Down"):
+        env.step(ans(moves))
+        seen.append(u.move_outlook())
+    assert u.player == (3, 2)
+    assert seen == [
+        "Left edge, Down ice, Right ice, Up edge.",   # (0, 0): (1, 0) F, (0, 1) F
+        "Left ice, Down ice, Right ice, Up edge.",    # (0, 2): (0, 1) F, (1, 2) F, (0, 3) F
+        "Left hole, Down ice, Right hole, Up ice.",   # (1, 2): (1, 1) H, (2, 2) F, (1, 3) H, (0, 2) F
+        "Left ice, Down ice, Right hole, Up ice.",    # (2, 2): (2, 1) F, (3, 2) F, (2, 3) H, (1, 2) F
+        "Left ice, Down edge, Right goal, Up ice.",   # (3, 2): (3, 1) F, (3, 3) G, (2, 2) F
+    ]
+
+
 def test_reaching_the_goal() -> None:
     env, _ = make(max_actions_per_step=6)
     # optimal path S(0,0) -> (0,2) -> (2,2) -> (3,3): Right,Right,Down,Down,Down,Right = 6 actions

@@ -188,6 +188,14 @@ def test_concise_response_keeps_answer_and_first_relations() -> None:
         "<answer>Right,Up</answer>")
     with pytest.raises(ValueError, match="reasoning"):
         concise_response(full, "grounding_worldmodeling", 1, reasoning="why")
+    # outlook: the env's text of what each move runs into becomes the reasoning
+    assert concise_response(full, "grounding_worldmodeling", 1, reasoning="outlook",
+                            outlook="Left ice, Down hole, Right ice, Up edge.") == (
+        "<think><observation>goal is above and on the right side of the player.</observation><reasoning>Left ice, "
+        "Down hole, Right ice, Up edge.</reasoning><prediction>goal is above and at the same column as the player."
+        "</prediction></think><answer>Right,Up</answer>")
+    with pytest.raises(ValueError, match="needs the env's move_outlook"):
+        concise_response(full, "grounding_worldmodeling", 1, reasoning="outlook")
 
 
 def test_concise_demonstrations_are_shorter_and_still_solve(codec: ChatCodec, worldloop_envs) -> None:
@@ -280,3 +288,25 @@ def test_symbolic_demonstrations_write_the_whole_grid(codec: ChatCodec, worldloo
             assert len(t.observation.splitlines()) == 4 and not t.observation.endswith(".")
             assert rule_text_score(t.observation, t.state_before, "frozenlake", "f1").score == 1.0
             assert rule_text_score(t.prediction, t.state_after, "frozenlake", "f1").score == 1.0
+
+
+def test_outlook_demonstrations_reason_from_the_cells_around_the_player(codec: ChatCodec, worldloop_envs) -> None:
+    """sft.concise_reasoning outlook: each turn's reasoning is the env's move_outlook() before the move, and
+    the demonstrator's first move never runs into a hole or off the board by what that reasoning says."""
+    spec = {"id": "worldloop/FrozenLake-v0", "kwargs": {"size": 4, "min_actions_to_succeed": 3, "image_size": 112,
+                                                        "prompt_format": "grounding_worldmodeling"}}
+    demos = make_demonstrations([spec], 6, 11, codec, max_turns=3, style="concise", observation_relations=1,
+                                reasoning="outlook", distinct_moves=True)
+    turns = [t for d in demos for t in d.turns]
+    assert turns
+    for t in turns:
+        assert t.format_ok
+        said = dict(part.split(" ") for part in t.reasoning.rstrip(".").split(", "))
+        assert list(said) == ["Left", "Down", "Right", "Up"] and set(said.values()) <= {"ice", "hole", "goal", "edge"}
+        assert said[t.actions[0]] in ("ice", "goal")
+    from worldloop.common.contracts.config import load_config
+
+    assert load_config(None, ["sft.concise_reasoning=outlook"]).sft.concise_reasoning == "outlook"
+    sokoban = {"id": "worldloop/Sokoban-v0", "kwargs": {"render_mode": "vision", "prompt_format": "grounding_worldmodeling"}}
+    with pytest.raises(ValueError, match="has no move_outlook"):
+        make_demonstrations([sokoban], 1, 11, codec, max_turns=1, style="concise", reasoning="outlook")

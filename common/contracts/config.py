@@ -369,9 +369,10 @@ class SFTConfig(Section):
                                                             "exactly what its prompt asks for)")
     # plan: the model picks its move right after reading the board, then predicts and answers from that choice
     # (docs/learning-history.md "What the presets do, and why": Sokoban)
-    concise_reasoning: Literal["empty", "plan"] = Field(
+    concise_reasoning: Literal["empty", "plan", "outlook"] = Field(
         "empty", description="the concise reasoning: empty, or plan = the turn's actions (as the answer writes them) before "
-                             "the prediction")
+                             "the prediction, or outlook = what each move would run into (the env's move_outlook(): "
+                             "FrozenLake), so that the answer follows from the agent's own words")
     turn_plan: Literal["prefix", "distinct"] = Field(
         "prefix", description="how much of its plan the demonstrator commits per turn: prefix = the first "
                               "max_actions_per_step actions (the env's expert); distinct = up to the first repeated move, "

@@ -228,6 +228,19 @@ class FrozenLakeEnv(GridEnv):
 
     # ----------------------------------------------------------- solver
 
+    OUTLOOK_WORDS = {"H": "hole", "G": "goal", "F": "ice", "S": "ice"}
+
+    def move_outlook(self) -> str:
+        """Each move's cell, in the order of the actions: "Left ice, Down hole, Right edge, Up goal."."""
+        r, c = self.player
+        h, w = len(self.desc), len(self.desc[0])
+        parts = []
+        for name in ("Left", "Down", "Right", "Up"):
+            dr, dc = DIRECTIONS[name]
+            rr, cc = r + dr, c + dc
+            parts.append(f"{name} {self.OUTLOOK_WORDS[self.desc[rr][cc]] if 0 <= rr < h and 0 <= cc < w else 'edge'}")
+        return ", ".join(parts) + "."
+
     def _solver_key(self) -> Hashable:
         return self.player
 

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 _FORMAT = re.compile(r"\s*<think>(.*?)</think>\s*<answer>(.*?)</answer>\s*", re.DOTALL)
 _MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors")
-CONCISE_REASONING = ("empty", "plan")  # sft.concise_reasoning
+CONCISE_REASONING = ("empty", "plan", "outlook")  # sft.concise_reasoning
 
 
 # --------------------------------------------------------------------------- demonstrations
@@ -72,14 +72,19 @@ def _first_sentences(text: str | None, n: int | None) -> str | None:
     return ". ".join(kept) + ("." if kept else "")
 
 
-def concise_response(response: str, prompt_format: str, observation_relations: int | None, reasoning: str = "empty") -> str:
+def concise_response(response: str, prompt_format: str, observation_relations: int | None, reasoning: str = "empty",
+                     outlook: str | None = None) -> str:
     """The same answer in the same format, with the observation and prediction cut to their first
     ``observation_relations`` sentences (fewer tokens to sample and learn; None: kept whole, as an env
     with ``relation_prompt="local"`` writes exactly what its prompt asks for). ``reasoning`` "empty": an
     empty reasoning; "plan": the reasoning is the turn's actions as the answer writes them, so the
-    choice is made right after the observation and the prediction and the answer follow from it."""
+    choice is made right after the observation and the prediction and the answer follow from it; "outlook":
+    the reasoning is ``outlook``, what each move would run into (the env's ``move_outlook()``), so the
+    answer can follow from words the model wrote rather than from the image."""
     if reasoning not in CONCISE_REASONING:
         raise ValueError(f"reasoning must be one of {CONCISE_REASONING}, got {reasoning!r}")
+    if reasoning == "outlook" and not outlook:
+        raise ValueError("reasoning 'outlook' needs the env's move_outlook() text")
     from worldloop.envs.parsing import parse_response
     from worldloop.envs.prompts import build_response
 
@@ -88,7 +93,7 @@ def concise_response(response: str, prompt_format: str, observation_relations: i
         return response
     return build_response(prompt_format, answer=str(p.answer), think="",
                           observation=_first_sentences(p.observation, observation_relations),
-                          reasoning=str(p.answer) if reasoning == "plan" else "",
+                          reasoning=str(p.answer) if reasoning == "plan" else outlook if reasoning == "outlook" else "",
                           prediction=_first_sentences(p.prediction, observation_relations))
 
 
@@ -120,7 +125,10 @@ def _play_episode(env_id: str, kwargs: dict, seed: int, codec: ChatCodec, max_tu
             response = str(env.unwrapped.expert_response(distinct_moves=True) if distinct_moves
                            else env.unwrapped.expert_response())
             if style == "concise":
-                response = concise_response(response, prompt_format, kept, reasoning)
+                outlook = env.unwrapped.move_outlook() if reasoning == "outlook" else None
+                if reasoning == "outlook" and outlook is None:
+                    raise ValueError(f"sft.concise_reasoning outlook: {env_id} has no move_outlook()")
+                response = concise_response(response, prompt_format, kept, reasoning, outlook)
             ids = codec.encode_response(response)
             obs, _, terminated, truncated, info = env.step(response)
             info = info if isinstance(info, dict) else {}
