@@ -78,10 +78,12 @@ def _spec(spec: Any) -> tuple[str, dict]:
 
 
 def grounding_examples(env_specs: Sequence[Any], n: int, seed_start: int, codec: ChatCodec,
-                       _envs: dict | None = None, prompt: str = "image") -> list[GroundingExample]:
+                       _envs: dict | None = None, prompt: str = "image", outlook: bool = False) -> list[GroundingExample]:
     """``n`` examples cycling over ``env_specs`` on seeds ``seed_start, seed_start + 1, ...``;
     ``prompt`` "image": the image alone in the user turn (Qwen's default system turn); "agent": the
-    env's own first turn (its system prompt and observation text), as the actors send it."""
+    env's own first turn (its system prompt and observation text), as the actors send it.
+    ``outlook``: the answer goes on into ``<reasoning>{the env's move_outlook()}</reasoning>``, what
+    the agent writes there with ``sft.concise_reasoning: outlook``."""
     import gymnasium
 
     from worldloop import envs  # noqa: F401  (registers worldloop/* ids)
@@ -109,7 +111,13 @@ def grounding_examples(env_specs: Sequence[Any], n: int, seed_start: int, codec:
         state = info["state"]
         truth = str(env.unwrapped.describe_state(state))
         rel = list(state.get("relations") or [])
-        answer = codec.encode_response(f"<think><observation>{truth}</observation>", eos=False)
+        tail = ""
+        if outlook:
+            text_outlook = env.unwrapped.move_outlook()
+            if text_outlook is None:
+                raise ValueError(f"{env_id} has no move_outlook(): grounding with the outlook needs one")
+            tail = f"<reasoning>{text_outlook}</reasoning>"
+        answer = codec.encode_response(f"<think><observation>{truth}</observation>{tail}", eos=False)
         first = codec.encode_response(f"<think><observation>{rel[0]}" if rel else "", eos=False)
         first_len = len(first) if rel and answer[: len(first)] == first else len(answer)
         out.append(GroundingExample(seg.ids, seg.images, answer, first_len))
@@ -176,13 +184,15 @@ def grounding_pretrain(
     agent_every: int = 0,
     agent_batch_size: int = 8,
     prompt: str = "image",
+    outlook: bool = False,
 ) -> dict:
     """Train the model in ``model_dir`` in place for ``steps`` AdamW steps (``batch_size`` fresh
     levels each, 50 warm-up steps, gradient norm clipped at 1); return
     ``{"steps", "batch_size", "lr", "seconds", "loss", "before", "after", "before_agent",
     "after_agent"}``: :func:`grounding_accuracy` on ``eval_boards`` levels played after the training
     ones (``seed_start + steps * batch_size`` on), in the ``prompt`` form and in the "agent" form.
-    ``progress`` gets ``{"step", "steps", "loss"}`` after every step."""
+    ``progress`` gets ``{"step", "steps", "loss"}`` after every step; ``outlook``: the answers go on
+    into the env's move outlook (:func:`grounding_examples`)."""
     if steps < 1 or batch_size < 1 or lr <= 0:
         raise ValueError(f"need steps >= 1, batch_size >= 1, lr > 0 (got {steps}, {batch_size}, {lr})")
     model_dir = Path(model_dir)
@@ -194,7 +204,7 @@ def grounding_pretrain(
     envs: dict = {}
 
     def examples(n: int, first_seed: int, form: str) -> list[GroundingExample]:
-        return grounding_examples(env_specs, n, first_seed, codec, envs, prompt=form)
+        return grounding_examples(env_specs, n, first_seed, codec, envs, prompt=form, outlook=outlook)
 
     def batch(step: int) -> list[GroundingExample]:
         if agent_every and step % agent_every == agent_every - 1:

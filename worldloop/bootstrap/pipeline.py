@@ -77,7 +77,9 @@ def ground(cfg: Any, model_dir: str | Path) -> dict:
                                 batch_size=m.tiny_grounding_batch_size, lr=m.tiny_grounding_lr, seed=cfg.run.seed,
                                 freeze_vision=m.freeze_vision, eval_boards=GROUNDING_EVAL_BOARDS, progress=progress,
                                 prompt="observation", agent_every=m.tiny_grounding_agent_every,
-                                agent_batch_size=m.tiny_grounding_agent_batch_size)
+                                agent_batch_size=m.tiny_grounding_agent_batch_size,
+                                # the agent will write the outlook as its reasoning: learn to read it here
+                                outlook=cfg.sft.enabled and cfg.sft.concise_reasoning == "outlook")
     log.info("model: grounding done in %.0fs: in the actors' first turn, the first relation is right on %.0f%% of "
              "held-out boards (before %.0f%%) and the whole description on %.0f%%", report["seconds"],
              100 * report["after_agent"]["first"], 100 * report["before_agent"]["first"],
