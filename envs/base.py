@@ -75,6 +75,7 @@ Subclass interface (override the ``_`` methods; see :class:`VisualEnv`):
     _metrics() -> dict[str, float]     env-specific numbers; default {}
     _snapshot() / _restore(snap)       used to simulate the expert's prediction; default deepcopy
     describe_state(state) -> str       state as text in self.state_format
+    move_outlook() -> str | None       what each action runs into, for sft.concise_reasoning outlook; default None
 """
 
 from __future__ import annotations
