@@ -7,6 +7,7 @@ Public API::
     ground(cfg, model_dir) -> dict                    # 2. grounding pre-training (grounding.json)
     warm_start(cfg, model_dir, probe_prompts=SFT_PROBE_SEEDS) -> dict   # 3. SFT (sft.json)
     env_specs(cfg) -> list[dict]                      # the envs grounding and SFT play
+    grounds_outlook(cfg) -> bool                      # grounding reads the move outlook too
     demonstrations(cfg, codec, n, seed_start) -> list[Trajectory]   # SFT's, as warm_start plays them
 
 The steps read the config here and call the config-free libraries ``tiny_model``, ``grounding``
@@ -57,6 +58,12 @@ def env_specs(cfg: Any) -> list[dict]:
     return [{"id": e.id, "kwargs": dict(e.kwargs)} for e in cfg.actor.envs]
 
 
+def grounds_outlook(cfg: Any) -> bool:
+    """Whether grounding pre-training also reads the move outlook: the demonstrations will have the
+    agent write it as its reasoning (``sft.concise_reasoning: outlook``)."""
+    return bool(cfg.sft.enabled and cfg.sft.concise_reasoning == "outlook")
+
+
 def ground(cfg: Any, model_dir: str | Path) -> dict:
     """Step 2: grounding pre-training of a newly made tiny model on the run's own envs
     (``cfg.actor.envs``, in the render mode and state format the actors use), with the
@@ -78,8 +85,7 @@ def ground(cfg: Any, model_dir: str | Path) -> dict:
                                 freeze_vision=m.freeze_vision, eval_boards=GROUNDING_EVAL_BOARDS, progress=progress,
                                 prompt="observation", agent_every=m.tiny_grounding_agent_every,
                                 agent_batch_size=m.tiny_grounding_agent_batch_size,
-                                # the agent will write the outlook as its reasoning: learn to read it here
-                                outlook=cfg.sft.enabled and cfg.sft.concise_reasoning == "outlook")
+                                outlook=grounds_outlook(cfg))
     log.info("model: grounding done in %.0fs: in the actors' first turn, the first relation is right on %.0f%% of "
              "held-out boards (before %.0f%%) and the whole description on %.0f%%", report["seconds"],
              100 * report["after_agent"]["first"], 100 * report["before_agent"]["first"],

@@ -106,7 +106,7 @@ def data_fingerprint(cfg: Config, model_dir: str | Path) -> str:
     with the tokenizer in ``model_dir`` exactly as the pipeline makes them; "" when the recipe trains
     nothing."""
     from worldloop.bootstrap.grounding import grounding_examples
-    from worldloop.bootstrap.pipeline import demonstrations, env_specs
+    from worldloop.bootstrap.pipeline import demonstrations, env_specs, grounds_outlook
     from worldloop.common.contracts.modeling import ChatCodec
 
     m = cfg.model
@@ -117,7 +117,7 @@ def data_fingerprint(cfg: Config, model_dir: str | Path) -> str:
     if m.tiny_grounding_steps:
         for form in ("observation", "agent"):
             for ex in grounding_examples(env_specs(cfg), FINGERPRINT_EXAMPLES, m.tiny_grounding_seed_start, codec,
-                                         prompt=form):
+                                         prompt=form, outlook=grounds_outlook(cfg)):
                 _update(h, ex.prompt_ids + ex.answer_ids, ex.images)
     if cfg.sft.enabled:
         for demo in demonstrations(cfg, codec, FINGERPRINT_EXAMPLES, cfg.sft.seed_start):
