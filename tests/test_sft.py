@@ -297,13 +297,19 @@ def test_outlook_demonstrations_reason_from_the_cells_around_the_player(codec: C
                                                         "prompt_format": "grounding_worldmodeling"}}
     demos = make_demonstrations([spec], 6, 11, codec, max_turns=3, style="concise", observation_relations=1,
                                 reasoning="outlook", distinct_moves=True)
-    turns = [t for d in demos for t in d.turns]
-    assert turns
-    for t in turns:
-        assert t.format_ok
-        said = dict(part.split(" ") for part in t.reasoning.rstrip(".").split(", "))
-        assert list(said) == ["Left", "Down", "Right", "Up"] and set(said.values()) <= {"ice", "hole", "goal", "edge"}
-        assert said[t.actions[0]] in ("ice", "goal")
+    import gymnasium
+
+    assert sum(len(d.turns) for d in demos) > len(demos)  # some episodes look again
+    env = gymnasium.make(spec["id"], **spec["kwargs"])
+    for d in demos:  # replayed: each turn's reasoning is the outlook of the state the turn starts from
+        env.reset(seed=d.seed)
+        for t in d.turns:
+            assert t.format_ok and t.reasoning == env.unwrapped.move_outlook()
+            said = dict(part.split(" ") for part in t.reasoning.rstrip(".").split(", "))
+            assert list(said) == ["Left", "Down", "Right", "Up"] and set(said.values()) <= {"ice", "hole", "goal", "edge"}
+            assert said[t.actions[0]] in ("ice", "goal")
+            env.step(t.response_text)
+    env.close()
     from worldloop.common.contracts.config import load_config
 
     assert load_config(None, ["sft.concise_reasoning=outlook"]).sft.concise_reasoning == "outlook"
