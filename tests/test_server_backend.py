@@ -253,9 +253,8 @@ def test_per_episode_loop_on_the_server_plays_what_lockstep_plays(served, backen
 
 def waves_around_a_load(served: Served, codec, tensors: dict, version: int, *, max_new_tokens: int,
                         n_waves: int) -> tuple[list, list]:
-    """Waves of the same requests sent before, during and after publishing ``tensors`` as ``version``
-    (until the server has loaded it, one whenever the previous ones are nearly done), so that some are
-    decoding when it lands whatever the machine's speed; (requests, results) of
+    """Waves of the same requests sent before, during and after publishing ``tensors`` as ``version``,
+    so that some are decoding when it lands whatever the machine's speed; (requests, results) of
     all waves, in order (a client that keeps responses spanning two versions).
 
     Unseeded, as the actors' training requests are: vLLM's CPU sampler cannot rewind a seeded
@@ -282,15 +281,6 @@ def waves_around_a_load(served: Served, codec, tensors: dict, version: int, *, m
         wait_for(lambda: sum(s.in_flight for s in mixed_ok.servers) >= 1 or not threads[0].is_alive(),
                  "the first wave's requests posted to the server", 60, [served.child])
         served.publisher.publish(tensors, version, wait=True)
-        # until the server has loaded the version, a new wave whenever at most 2 requests are left in
-        # flight: under load the load once came after every wave had ended (responses end early on a
-        # stop token), and no response spanned it
-        deadline = time.monotonic() + 120
-        while served.info()["version"] != version:
-            assert time.monotonic() < deadline, f"the server did not load v{version} within 120 s"
-            if sum(s.in_flight for s in mixed_ok.servers) <= 2:
-                wave()
-            time.sleep(0.05)
         for _ in range(n_waves):
             wave()
             time.sleep(0.3)
