@@ -9,6 +9,7 @@ Public API (stable; later changes only add)::
     IMAGE_PLACEHOLDER = "<image>"          # == worldloop.common.contracts.modeling.IMAGE_PLACEHOLDER
     FORMAT_REWARD = 0.5                    # VAGEN Tables 16-20
     observation_parts(obs) -> (text, images)
+    move_outlook_of(env, env_id) -> str      # env.move_outlook(), ValueError where it has none
     relative_position(pos, ref) -> str     # App. D.1 phrase, e.g. "above and on the left side of"
     relation_sentence(name, pos, ref_name, ref_pos) -> str
     to_plain(obj)                          # numpy / tuples -> plain msgpack-able Python
@@ -112,6 +113,17 @@ FORMAT_REWARD = 0.5
 
 
 # --------------------------------------------------------------------------- helpers for envs
+
+
+def move_outlook_of(env: Any, env_id: str) -> str:
+    """The ``move_outlook()`` text of ``env`` (a gymnasium env, wrapped or not): what each action runs
+    into, which ``sft.concise_reasoning: outlook`` demonstrations and grounding write; ValueError naming
+    ``env_id`` where the env describes none."""
+    outlook = getattr(env.unwrapped, "move_outlook", lambda: None)()
+    if outlook is None:
+        raise ValueError(f"{env_id} has no move_outlook(): sft.concise_reasoning outlook needs what each move "
+                         "runs into")
+    return str(outlook)
 
 
 def observation_parts(obs: Any) -> tuple[str, list[Any]]:

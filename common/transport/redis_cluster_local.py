@@ -93,14 +93,17 @@ class LocalRedisCluster:
         return redis.Redis(host="127.0.0.1", port=port, password=self.password, socket_timeout=2,
                            socket_connect_timeout=2)
 
-    def _wait(self, what: str, ok, timeout: float) -> None:
+    def _wait(self, what: str, ok, timeout: float, stop=None) -> bool:
+        """Poll ``ok`` until it is true (True) or ``stop`` is (False); RuntimeError after ``timeout``."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
                 if ok():
-                    return
+                    return True
             except Exception:  # a node still starting or just killed: ask again
                 pass
+            if stop is not None and stop():
+                return False
             time.sleep(0.1)
         raise RuntimeError(f"local redis cluster: {what} within {timeout:g}s (logs in {self.data_dir})")
 
@@ -129,17 +132,9 @@ class LocalRedisCluster:
         for attempt in range(attempts):
             p = self.ports[i]
             proc = self.procs[p]
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline and proc.poll() is None:
-                try:
-                    if self._client(p).ping():
-                        return
-                except Exception:  # still starting: ask again
-                    pass
-                time.sleep(0.1)
-            if proc.poll() is None:
-                raise RuntimeError(f"local redis cluster: node {p} did not answer within {timeout:g}s "
-                                   f"(logs in {self.data_dir})")
+            if self._wait(f"node {p} did not answer", lambda: self._client(p).ping(), timeout,
+                          stop=lambda: proc.poll() is not None):
+                return
             log = self.data_dir / str(p) / "redis.log"
             tail = log.read_text(errors="replace")[-500:] if log.exists() else ""
             if attempt == attempts - 1 or "in use" not in tail:

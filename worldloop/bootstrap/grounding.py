@@ -43,7 +43,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from worldloop.common.contracts.modeling import ChatCodec, SequenceLayout, collate, freeze_vision_tower, load_policy, model_inputs
-from worldloop.envs.base import observation_parts
+from worldloop.envs.base import move_outlook_of, observation_parts
 
 PROMPT = "<image>"  # the image alone: the user turn of a pretraining example
 
@@ -111,12 +111,7 @@ def grounding_examples(env_specs: Sequence[Any], n: int, seed_start: int, codec:
         state = info["state"]
         truth = str(env.unwrapped.describe_state(state))
         rel = list(state.get("relations") or [])
-        tail = ""
-        if outlook:
-            text_outlook = env.unwrapped.move_outlook()
-            if text_outlook is None:
-                raise ValueError(f"{env_id} has no move_outlook(): grounding with the outlook needs one")
-            tail = f"<reasoning>{text_outlook}</reasoning>"
+        tail = f"<reasoning>{move_outlook_of(env, env_id)}</reasoning>" if outlook else ""
         answer = codec.encode_response(f"<think><observation>{truth}</observation>{tail}", eos=False)
         first = codec.encode_response(f"<think><observation>{rel[0]}" if rel else "", eos=False)
         first_len = len(first) if rel and answer[: len(first)] == first else len(answer)

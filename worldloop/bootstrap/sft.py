@@ -39,7 +39,7 @@ import torch
 
 from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate, freeze_vision_tower, load_policy, token_logprobs
 from worldloop.common.contracts.schemas import TRAJECTORY_SCHEMA, Trajectory, Turn, state_from_info
-from worldloop.envs.base import observation_parts
+from worldloop.envs.base import move_outlook_of, observation_parts
 from worldloop.envs.parsing import parse_response
 
 log = logging.getLogger(__name__)
@@ -125,9 +125,7 @@ def _play_episode(env_id: str, kwargs: dict, seed: int, codec: ChatCodec, max_tu
             response = str(env.unwrapped.expert_response(distinct_moves=True) if distinct_moves
                            else env.unwrapped.expert_response())
             if style == "concise":
-                outlook = env.unwrapped.move_outlook() if reasoning == "outlook" else None
-                if reasoning == "outlook" and outlook is None:
-                    raise ValueError(f"sft.concise_reasoning outlook: {env_id} has no move_outlook()")
+                outlook = move_outlook_of(env, env_id) if reasoning == "outlook" else None
                 response = concise_response(response, prompt_format, kept, reasoning, outlook)
             ids = codec.encode_response(response)
             obs, _, terminated, truncated, info = env.step(response)
