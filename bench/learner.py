@@ -1,10 +1,12 @@
 """Learner throughput: tokens/s and model FLOPs utilisation of one PPO update, DeepSpeed vs plain torch.
 
     python bench/learner.py --size tiny --packing on,off --lengths varied    # CPU: packed vs padded rows
+    python bench/learner.py --size tiny --preset tiny-frozenlake --packing on,off --lengths varied   # as the preset trains
     python bench/learner.py --size 0.5b --size 3b                             # on a GPU (bf16)
         [--engines torch,zero2,zero3] [--steps 3] [--peak-tflops 989] [--json out.json]
         [--lengths fixed|varied] [--micro-tokens 0,auto,4096] [--batch TRAIN,MINI,MICRO]
         [--packing on,off] [--checkpointing default,full,selective,none] [--offload none,cpu] [--vision-cache on,off]
+        [--preset NAME|YAML]
         [--logprobs chunked,full] [--logprob-chunk 512]
     python bench/learner.py --size tiny-bigvocab --engines torch --logprobs chunked,full --steps 1   # CPU, 3 min
 
@@ -20,10 +22,15 @@ publisher) is timed once after the update steps. ``--lengths varied`` draws each
 turns (1 to the size's turns, x2.5 for tiny) and response length (1/4 to 1x) from a seeded RNG;
 the batch is the same for every variant.
 
+``--preset`` takes a preset's ``trainer`` section (batch sizes, ``micro_batch_tokens``, epochs,
+estimator, critic, ``kl_coef``; not ``total_steps``) and its GRPO group size
+(``actor.n_samples_per_seed``) over the size's own, so one update is shaped as that preset's learner
+runs it; ``--batch`` and ``--micro-tokens`` still override it.
+
 Variants: ``--packing`` on = ``trainer.packing`` (whole trajectories packed into one row per
-micro-batch, learner/microbatch.py), off = padded rows; ``--micro-tokens`` 0 = micro_batch_size
-trajectories per micro-batch, N = a token budget, auto = the trainer's (CPU: micro_batch_size x
-the longest; CUDA: the memory model's); ``--checkpointing`` = ``trainer.activation_checkpointing``
+micro-batch, learner/microbatch.py), off = padded rows; ``--micro-tokens`` (default: the preset's,
+else 0) 0 = micro_batch_size trajectories per micro-batch, N = a token budget, auto = the
+trainer's (CPU: micro_batch_size x the longest; CUDA: the memory model's); ``--checkpointing`` = ``trainer.activation_checkpointing``
 (default: the size's own); ``--offload cpu`` = ZeRO's ``offload_optimizer`` on the host
 (``trainer.offload_optimizer``); ``--vision-cache off`` = every pass runs the frozen vision tower
 (``trainer.vision_cache``, learner/vision.py); ``--logprobs full`` = the counterfactual of the chunked LM head
@@ -49,10 +56,10 @@ bf16 (fp32 master weights in the optimizer).
 Model FLOPs (the MFU numerator, PaLM convention): a forward over a sequence of s tokens with l
 loss tokens costs 2*(N - N_head)*s + 2*N_head*l + 4*n_layers*d_attn*s^2 (the LM head runs on the
 loss tokens only, common/contracts/logprobs.py), a backward twice that; N counts the parameters of the text
-path (embedding once, vision tower excluded), the critic's N excludes the LM head. Per update: 3
-forwards (proximal, reference, values) + ppo_epochs x (policy fwd+bwd + critic fwd+bwd).
-Recompute is not counted. MFU = model FLOPs / step time / peak (--peak-tflops, else 989 TFLOP/s
-on an H100/H200; none on CPU). tokens/s counts the non-padding tokens of the batch.
+path (embedding once, vision tower excluded), the critic's N excludes the LM head. Per update: up to 3
+forwards (proximal, then reference and values where the update has them) + ppo_epochs x (policy
+fwd+bwd + critic fwd+bwd). Recompute is not counted. MFU = model FLOPs / step time / peak
+(--peak-tflops, else 989 TFLOP/s on an H100/H200; none on CPU). tokens/s counts the non-padding tokens of the batch.
 """
 
 from __future__ import annotations
@@ -78,6 +85,9 @@ except ImportError:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_learner_table.py, also when loaded by path
+from _learner_table import peak_flops, print_table  # noqa: E402
 
 QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                   num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
@@ -182,21 +192,24 @@ def _build(cls, config, dtype: torch.dtype):
     return cls.from_config(config, dtype=dtype) if hasattr(cls, "from_config") else cls._from_config(config, dtype=dtype)
 
 
-def _models_for(size: str, tiny_dir: Path, device: torch.device, dtype: torch.dtype):
-    """(policy, critic backbone or None, reference) built in memory (on the meta device: shapes only)."""
+def _models_for(size: str, tiny_dir: Path, device: torch.device, dtype: torch.dtype, trainer):
+    """(policy, critic backbone or None, reference or None) built in memory (on the meta device:
+    shapes only); a critic and a reference only where ``trainer`` has them, as the learner's
+    ``build_models`` decides (``use_critic``; ``kl_coef`` > 0)."""
     from transformers import AutoModel
 
     from worldloop.common.contracts.modeling import load_policy
     from worldloop.learner.engine import load_backbone
 
+    critic, ref = trainer.use_critic, trainer.kl_coef > 0
     if size == "tiny":
-        return load_policy(tiny_dir, dtype=dtype), load_backbone(tiny_dir), load_policy(tiny_dir, dtype=dtype)
+        return (load_policy(tiny_dir, dtype=dtype), load_backbone(tiny_dir) if critic else None,
+                load_policy(tiny_dir, dtype=dtype) if ref else None)
     cls, config = _config_for(size, tiny_dir)
     with torch.device(device):
         torch.manual_seed(0)
         policy = _build(cls, config, dtype)
-        reference = _build(cls, config, dtype)
-        critic = SIZES[size]["trainer"].get("use_critic", True)
+        reference = _build(cls, config, dtype) if ref else None
         backbone = AutoModel.from_config(config, dtype=dtype) if critic else None
     return policy, backbone, reference
 
@@ -210,7 +223,7 @@ def model_estimate(size: str, engine: str, cfg, tiny_dir: Path, lengths: list[in
 
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     policy, backbone, reference = _models_for(size, tiny_dir, torch.device("meta") if size != "tiny" else device,
-                                              torch.bfloat16 if cuda else torch.float32)
+                                              torch.bfloat16 if cuda else torch.float32, cfg.trainer)
     for m in (policy, backbone) if cfg.model.freeze_vision else ():
         if m is not None:
             freeze_vision_tower(m)
@@ -257,14 +270,14 @@ def _text_params(model: torch.nn.Module) -> tuple[int, int, int, int]:
 
 
 def update_flops(lengths: list[int], n_policy: int, n_head: int, layers: int, d_attn: int, critic: bool, epochs: int,
-                 loss_tokens: list[int] | None = None) -> float:
+                 loss_tokens: list[int] | None = None, reference: bool = True) -> float:
     """Model FLOPs of one update (module docstring); the LM head on ``loss_tokens`` only (all
-    tokens when None)."""
+    tokens when None); the reference's forward only when there is one."""
     loss_tokens = lengths if loss_tokens is None else loss_tokens
     fwd_p = sum(2 * (n_policy - n_head) * s + 2 * n_head * n + 4 * layers * d_attn * s * s
                 for s, n in zip(lengths, loss_tokens))
     fwd_c = sum(2 * (n_policy - n_head) * s + 4 * layers * d_attn * s * s for s in lengths) if critic else 0.0
-    return 2 * fwd_p + fwd_c + epochs * 3 * (fwd_p + fwd_c)
+    return (2 if reference else 1) * fwd_p + fwd_c + epochs * 3 * (fwd_p + fwd_c)
 
 
 def _rss_bytes() -> int:
@@ -300,6 +313,22 @@ def _shapes(size: str, lengths: str, step: int, n: int) -> list[tuple[int, int, 
             for _ in range(n)]
 
 
+# trainer keys of a preset that do not shape an update: the bench sets its own number of updates
+_RUN_KEYS = ("total_steps",)
+
+
+def preset_trainer(name: str) -> tuple[dict, int]:
+    """The ``trainer`` section of a preset (a name under configs/ or a YAML path), read as
+    ``worldloop up`` reads it, less :data:`_RUN_KEYS` (the update's batch sizes, micro-batch budget,
+    epochs, estimator, critic and KL, as that preset's learner runs them: ``--preset``), and its
+    ``actor.n_samples_per_seed`` (the GRPO group size the synthetic batch's groups take)."""
+    from worldloop.common.contracts.config_load import read_config_file
+
+    data, _ = read_config_file(name)
+    trainer = {k: v for k, v in (data.get("trainer") or {}).items() if k not in _RUN_KEYS}
+    return trainer, int((data.get("actor") or {}).get("n_samples_per_seed", 4))
+
+
 def _trainer_overrides(v: dict) -> dict:
     """The trainer keys of a variant's flags (``--packing``, ``--checkpointing``, ``--offload``)."""
     out = {"packing": v.get("packing", "on") == "on", "vision_cache": v.get("vision_cache", "on") == "on"}
@@ -321,6 +350,10 @@ def run_variant(size: str, engine: str, steps: int, out: Path, lengths: str = "f
     from worldloop.learner.trainer import PPOTrainer
 
     spec = dict(SIZES[size])
+    group = 4  # trajectories per GRPO group (actor.n_samples_per_seed)
+    if (variant or {}).get("preset"):  # the preset's trainer over the size's (kl_coef included)
+        preset, group = preset_trainer(variant["preset"])
+        spec["trainer"] = dict(spec["trainer"], **preset)
     if batch_sizes:
         train, mini, micro = (int(x) for x in batch_sizes.split(","))
         spec["trainer"] = dict(spec["trainer"], train_batch_size=train, ppo_mini_batch_size=mini, micro_batch_size=micro)
@@ -335,18 +368,20 @@ def run_variant(size: str, engine: str, steps: int, out: Path, lengths: str = "f
 
     def batch(step: int):
         return [synthetic_trajectory(codec, trajectory_id=f"b{step}-{i}", seed=step * 1000 + i, turns=turns,
-                                     response_tokens=response, filler_tokens=filler, group_id=f"g{i // 4}",
+                                     response_tokens=response, filler_tokens=filler, group_id=f"g{i // group}",
                                      env_reward=float(i % 3))
                 for i, (turns, response, filler) in enumerate(_shapes(size, lengths, step, batch_size))]
 
     batches = [batch(step) for step in range(steps + 1)]
+    if micro_tokens == "":  # --micro-tokens not given: the preset's budget, else a fixed count
+        micro_tokens = str(spec["trainer"].get("micro_batch_tokens", 0))
     budget = micro_tokens if micro_tokens == "auto" else int(micro_tokens)
-    trainer = dict(spec["trainer"], zero_stage=3 if engine == "zero3" else 2 if engine == "zero2" else 0,
-                   total_steps=steps, kl_coef=0.001, device="cuda" if cuda else "cpu", micro_batch_tokens=budget,
+    trainer = dict({"kl_coef": 0.001, **spec["trainer"]}, zero_stage=3 if engine == "zero3" else 2 if engine == "zero2" else 0,
+                   total_steps=steps, device="cuda" if cuda else "cpu", micro_batch_tokens=budget,
                    **({"logprob_chunk_tokens": chunk} if chunk else {}), **_trainer_overrides(variant or {}))
     model = dict(spec.get("model", {}), **({"freeze_vision": False} if (variant or {}).get("train_vision") else {}))
     cfg = config_from_dict({"model": {"path": str(tiny_dir), "max_image_side": 112, "max_model_len": 8192, **model},
-                            "trainer": trainer})
+                            "actor": {"n_samples_per_seed": group}, "trainer": trainer})
     first = [sum(len(t.obs_ids) + len(t.response_ids) for t in x.turns) for x in batches[0]]
     est = model_estimate(size, engine, cfg, tiny_dir, first, sum(len(t.response_ids) for x in batches[0] for t in x.turns),
                          cuda, logprobs == "full")
@@ -366,7 +401,7 @@ def run_variant(size: str, engine: str, steps: int, out: Path, lengths: str = "f
     else:
         dist = init_distributed(cfg)
         make = None
-    policy, backbone, reference = _models_for(size, tiny_dir, device, dtype)
+    policy, backbone, reference = _models_for(size, tiny_dir, device, dtype, cfg.trainer)
     n_policy, n_head, layers, d_attn = _text_params(policy)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -389,7 +424,7 @@ def run_variant(size: str, engine: str, steps: int, out: Path, lengths: str = "f
             torch.cuda.synchronize()
         dt, cpu_s = time.perf_counter() - t0, time.process_time() - c0
         flops = update_flops(lengths, n_policy, n_head, layers, d_attn, models.critic is not None, cfg.trainer.ppo_epochs,
-                             loss_tokens)
+                             loss_tokens, reference=models.reference is not None)
         results.append({"seconds": dt, "tokens": sum(lengths), "flops": flops, "forward": stats["forward_seconds"],
                         "backward": stats["backward_seconds"], "loss": stats.get("policy_loss"),
                         "pad": stats["padding_fraction"], "micro": stats["micro_batches"], "cpu": cpu_s})
@@ -429,81 +464,6 @@ def run_variant(size: str, engine: str, steps: int, out: Path, lengths: str = "f
     return row
 
 
-# --------------------------------------------------------------------------- table
-
-
-def peak_flops(arg: float | None) -> float | None:
-    if arg:
-        return arg * 1e12
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name(0)
-        if "H100" in name or "H200" in name:
-            return 989e12
-    return None
-
-
-_FLAGS = ("packing", "checkpointing", "offload", "vision_cache")
-
-
-def _twin(r: dict, rows: list[dict], keys=("engine", "budget"), **changed) -> dict | None:
-    """The measured row of ``rows`` with ``r``'s size, log-probs, ``keys`` and flags, but ``changed``."""
-    want = {k: r.get(k) for k in ("size", "logprobs", *keys, *_FLAGS)} | changed
-    return next((b for b in rows if "seconds" in b and all(b.get(k) == v for k, v in want.items())), None)
-
-
-def _cells(r: dict, rows: list[dict], peak: float | None) -> str:
-    """One measured row of the table."""
-    base = _twin(r, rows, keys=("micro_batch_tokens",), engine="torch")
-    padded = _twin(r, rows, packing="off")
-    ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
-    vs_padded = f"{r['tokens_per_s'] / padded['tokens_per_s']:.2f}" if padded else "-"
-    mfu = f"{r['flops_per_s'] / peak:.3f}" if peak else "-"
-    if r.get("peak_gb") is not None:
-        peak_gb = f"{r['peak_gb']:.1f}"
-        model = f"{r['model']['total']:.1f}"
-    else:
-        peak_gb = f"{r['peak_rss_gb']:.2f} RSS (+{r['rss_growth_mb']:,.0f} MB)"
-        model = f"{r['model']['total']:.2f} (growth {r['model_growth_mb']:,.0f} MB)"
-    how = f"<= {r['micro_batch_tokens']:,} tok" if r["micro_batch_tokens"] else f"{r['micro_batch_size']} rows"
-    if r.get("budget") == "auto":
-        how = f"auto: {how}"
-    lp = r.get("logprobs", "chunked") + (f" ({r['logprob_chunk']})" if r.get("logprobs") != "full" else "")
-    cache = "" if r.get("vision_cache", "on") == "on" else " (no vision cache)"
-    return (f"| {r['size']} | {r['engine']} | {r.get('packing', 'on')}{cache} | {r.get('checkpointing', 'default')} | "
-            f"{r.get('offload', 'none')} | {lp} | {how} | {r['micro_batches']:g} | {r['padding_fraction']:.3f} | "
-            f"{r['tokens_per_update']:,} | {r['seconds']:.2f} | {r['cpu_s']:.1f} | {r['tokens_per_s']:,.0f} | "
-            f"{ratio} | {vs_padded} | {mfu} | {r['forward_s']:.2f} | {r['backward_s']:.2f} | {r['publish_s']:.2f} | "
-            f"{peak_gb} | {model} |")
-
-
-def print_table(rows: list[dict], lengths: str, peak: float | None) -> None:
-    print()
-    print(f"lengths: {lengths}; pad: the share of computed token slots that are padding; vs torch: against the torch "
-          "engine with the same flags; vs padded: against the same variant with --packing off; model GB: the memory "
-          "model's prediction (learner/memory.py, GiB) beside the measured peak")
-    print("| size | engine | packing | ckpt | offload | log-probs | micro-batches | micro | pad | tokens/update | s/update "
-          "| cpu s | tokens/s | vs torch | vs padded | MFU | fwd s | bwd s | publish s | peak GB | model GB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        if "failed" in r or "skipped" in r:
-            why = f"failed (exit {r['failed']})" if "failed" in r else r["skipped"]
-            print(f"| {r['size']} | {r['engine']} | {r.get('packing', '')} | {r.get('checkpointing', '')} | "
-                  f"{r.get('offload', '')} | {r.get('logprobs', '')} | {r['budget']} | {why} ||||||||||||||")
-            continue
-        print(_cells(r, rows, peak))
-    for r in rows:
-        if "padding_fraction" in r:
-            print(f"padding share of token slots: {r['size']} {r['engine']} packing {r.get('packing')} "
-                  f"ckpt {r.get('checkpointing')}: {100 * r['padding_fraction']:.1f} %")
-    for r in rows:  # the vision cache's gain: the same variant with --vision-cache off
-        off = _twin(r, rows, vision_cache="off")
-        if "seconds" in r and r.get("vision_cache", "on") == "on" and off:
-            print(f"vision cache: {r['size']} {r['engine']} packing {r.get('packing')}: {r['tokens_per_s']:,.0f} vs "
-                  f"{off['tokens_per_s']:,.0f} tokens/s without it: {r['tokens_per_s'] / off['tokens_per_s']:.2f}x")
-    if peak:
-        print(f"\nMFU against {peak / 1e12:.0f} TFLOP/s (bf16 dense peak); model FLOPs as in the module docstring.")
-
-
 def _split(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
@@ -517,9 +477,13 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="write all rows here")
     ap.add_argument("--lengths", choices=("fixed", "varied"), default="fixed",
                     help="trajectory lengths: the size's fixed shape, or varied several-fold (seeded)")
-    ap.add_argument("--micro-tokens", default="0",
+    ap.add_argument("--micro-tokens", default="",
                     help="comma list of trainer.micro_batch_tokens values, one variant each: 0 = fixed count, "
-                         "N = token budget, auto = the trainer's auto (CPU: micro_batch_size x longest; CUDA: memory model)")
+                         "N = token budget, auto = the trainer's auto (CPU: micro_batch_size x longest; CUDA: memory model); "
+                         "default: the --preset's value, else 0")
+    ap.add_argument("--preset", default="",
+                    help="take the trainer section of this preset (name or YAML: batch sizes, micro_batch_tokens, "
+                         "epochs, estimator, critic, kl_coef) over the size's own; --batch and --micro-tokens still win")
     ap.add_argument("--packing", default="on", help="comma list of on/off (trainer.packing), one variant each")
     ap.add_argument("--checkpointing", default="default",
                     help="comma list of default/full/selective/none (trainer.activation_checkpointing)")
@@ -541,7 +505,7 @@ def main() -> int:
         run_variant(args.one[0], args.one[1], args.steps, Path(args.one[2]), args.one[3], args.one[4], args.batch,
                     args.one[5], args.logprob_chunk, json.loads(args.one[6]))
         return 0
-    variants = itertools.product(args.size or ["tiny"], _split(args.engines), _split(args.micro_tokens),
+    variants = itertools.product(args.size or ["tiny"], _split(args.engines), _split(args.micro_tokens) or [""],
                                  _split(args.logprobs), _split(args.packing), _split(args.checkpointing),
                                  _split(args.offload), _split(args.vision_cache))
     rows = []
@@ -553,7 +517,7 @@ def main() -> int:
             if offload != "none" and engine in ("torch", "zero0"):
                 continue  # optimizer offload is ZeRO's
             flags = {"packing": packing, "checkpointing": ckpt, "offload": offload, "vision_cache": vcache,
-                     "train_vision": args.train_vision}
+                     "train_vision": args.train_vision, "preset": args.preset}
             rows.append(_run_one(args, size, engine, budget, logprobs, flags, Path(d), env))
             if args.json:  # after every variant, so a run cut short keeps what it measured
                 Path(args.json).write_text(json.dumps(rows, indent=2))
@@ -565,7 +529,7 @@ def main() -> int:
 
 def _run_one(args, size: str, engine: str, budget: str, logprobs: str, flags: dict, d: Path, env: dict) -> dict:
     """One variant in its own subprocess; its row (or a failed row)."""
-    name = "-".join([size, engine, budget, logprobs, *(str(v) for v in flags.values())])
+    name = "-".join([size, engine, budget, logprobs, *(str(v) for v in flags.values())]).replace("/", "_")
     out = d / f"{name}.json"
     t0 = time.monotonic()
     cmd = [sys.executable, __file__, "--one", size, engine, str(out), args.lengths, budget, logprobs, json.dumps(flags),
