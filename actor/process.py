@@ -39,7 +39,8 @@ episodes are abandoned (nothing was pushed for them, so nothing is lost downstre
 registers itself in ``{ns}:procs`` every 2 s with its metrics URL.
 
 With ``$WORLDLOOP_PRODUCED_LOG`` set, each trajectory id is appended (fsynced) to that file once
-its XADD returned (:class:`ProducedLog`): the soak's exact record of what entered the stream.
+its XADD returned (:class:`ProducedLog`): the soak's exact record of what entered the stream; an id
+whose XADD went out unanswered when the actor stopped goes to ``<that file>.uncertain`` instead.
 
 Without a weight channel (``weights.pub_port`` or ``weights.fetch_port`` 0) the actor runs with
 the weights of ``model.path`` (version 0) and says so in the log.
@@ -69,7 +70,7 @@ from worldloop.common.contracts.keys import Keys
 from worldloop.common.metrics import metric
 from worldloop.common.transport.process import ProcessScaffold
 from worldloop.common.contracts.schemas import Trajectory, encode_trajectory, total_turn_reward
-from worldloop.common.transport.streams import StopRequested, StreamProducer
+from worldloop.common.transport.streams import AddOutcomeUnknown, StopRequested, StreamProducer
 from worldloop.common.transport.weights.fetcher import WeightFetcher
 
 log = logging.getLogger("worldloop.actor")
@@ -101,9 +102,13 @@ class ProducedLog:
     """``$WORLDLOOP_PRODUCED_LOG``: an append-only file that gets each trajectory id once its XADD
     returned (one line, fsynced), an exact record of what entered the stream that does not depend
     on anything downstream (``bench/chaos.py`` accounts every trajectory with it). A kill between
-    the XADD and the append leaves that one id out; the soak reconciles it from its other fates."""
+    the XADD and the append leaves that one id out; the soak reconciles it from its other fates.
+    An id whose XADD went out but got no reply before the actor stopped (a lossy link:
+    :class:`AddOutcomeUnknown`) may or may not have entered: :meth:`record_uncertain` writes it to
+    ``<path>.uncertain``, so that an exact account knows it can appear downstream."""
 
     ENV = "WORLDLOOP_PRODUCED_LOG"
+    UNCERTAIN = ".uncertain"  # the suffix of the sibling file of ids whose XADD went unanswered
 
     def __init__(self, path: str):
         self.path = path
@@ -117,6 +122,14 @@ class ProducedLog:
     def record(self, trajectory_id: str) -> None:
         os.write(self._fd, (trajectory_id + "\n").encode())
         os.fsync(self._fd)
+
+    def record_uncertain(self, trajectory_id: str) -> None:
+        fd = os.open(self.path + self.UNCERTAIN, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (trajectory_id + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 class Actor:
@@ -340,14 +353,25 @@ class Actor:
                     self._leases.discard(traj.trajectory_id)
                     self.admission.settle(traj.trajectory_id)
                 return True
-            except (TimeoutError, StopRequested, RedisConnectionError, RedisTimeoutError) as e:
+            except (TimeoutError, StopRequested, AddOutcomeUnknown, RedisConnectionError, RedisTimeoutError) as e:
                 # a full stream, or Redis away (the producer reconnects until asked to stop)
                 if isinstance(e, TimeoutError):
                     waiting_since = self._backpressure_wait(waiting_since)
                 if self.stop.is_set() or self._read_control() == "stopped":
-                    log.warning("stopping while %s is full: trajectory %s not pushed", self.producer.stream,
-                                traj.trajectory_id)
+                    self._gave_up(traj.trajectory_id, e)
                     return False
+
+    def _gave_up(self, trajectory_id: str, e: Exception) -> None:
+        """Say what a push cut short by a stop left: nothing in the stream, or (an XADD that went out
+        unanswered) an entry that may be there."""
+        if isinstance(e, AddOutcomeUnknown):
+            log.warning("stopping with the XADD of trajectory %s unanswered: it may be in %s (%s)", trajectory_id,
+                        self.producer.stream, e)
+            if self.produced_log is not None:
+                self.produced_log.record_uncertain(trajectory_id)
+        else:
+            log.warning("stopping while %s is full or away: trajectory %s not pushed (%s)", self.producer.stream,
+                        trajectory_id, type(e).__name__)
 
 
 # --------------------------------------------------------------------------- process

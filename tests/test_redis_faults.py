@@ -20,11 +20,13 @@ import pytest
 import yaml
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from lossy_proxy import LossyProxy
 from procs import Child, returns_within, wait_for
 from worldloop.common.contracts.keys import ROLLOUTS_GROUP, Keys
 from worldloop.common.metrics import free_port
 from worldloop.common.transport.redis_local import LocalRedis
-from worldloop.common.transport.streams import RedisUnreachable, StopRequested, StreamConsumer, StreamProducer, connect
+from worldloop.common.transport.streams import (AddOutcomeUnknown, RedisUnreachable, StopRequested, StreamConsumer,
+                                                 StreamProducer, connect)
 
 
 def _judge_config(tmp_path: Path, name: str, url: str, **redis) -> Path:
@@ -174,4 +176,28 @@ def test_a_learner_step_rides_out_a_redis_restart_at_its_control_write(tmp_path:
     finally:
         if learner is not None:
             learner.close()
+        srv.close()
+
+
+def test_an_xadd_left_unanswered_by_a_stop_says_the_entry_may_be_in() -> None:
+    """Over a lossy link an XADD's reply can be lost after Redis ran it. A producer asked to stop
+    while its XADD is unanswered cannot say "not pushed": it raises AddOutcomeUnknown (the actor
+    then logs the id as uncertain, ``ProducedLog.record_uncertain``). Here a relay loses the XADD's
+    reply: the entry is in the stream."""
+    srv = LocalRedis().start()
+    proxy = LossyProxy(srv.port)
+    try:
+        r = connect(srv.url)
+        prod = StreamProducer(proxy.url(), "s", 10, reconnect_max_s=0.2, should_stop=lambda: True)
+        assert prod.backlog() == 0  # the stop is consulted only once a call fails
+        proxy.lose_reply_to(b"XADD")
+        with pytest.raises(AddOutcomeUnknown, match="XADD to s went unanswered .*may be in the stream"):
+            prod.add(b"x")
+        assert proxy.lost == 1 and r.xlen("s") == 1  # Redis ran it: "not pushed" would have been wrong
+        with pytest.raises(StopRequested, match="stopped while waiting for room in s"):  # before any XADD: a sure no
+            StreamProducer(srv.url, "s", 1, should_stop=lambda: True).add(b"y")
+        assert r.xlen("s") == 1
+        prod.close()
+    finally:
+        proxy.close()
         srv.close()

@@ -35,7 +35,9 @@ Design decisions
   or hangs) are reclaimed with XAUTOCLAIM by any consumer of the group once they
   are idle longer than ``claim_idle_ms`` (a restarted consumer reclaims its own).
   An XADD retried after a lost reply may duplicate an entry, and a reclaimed
-  entry may have been half-processed: downstream dedups by trajectory id.
+  entry may have been half-processed: downstream dedups by trajectory id. An
+  XADD given up unanswered because the producer was asked to stop raises
+  :class:`AddOutcomeUnknown`: the entry may have gone in.
 * **Poison messages.** An entry whose ``data`` field is missing, whose payload
   is larger than ``max_message_bytes`` or whose ``decode`` raises goes to the
   dead-letter stream (``worldloop.common.contracts.schemas`` ``deadletter_message``:
@@ -74,7 +76,7 @@ from worldloop.common.transport.stream_consumer import DATA_FIELD, Message, Stre
 log = logging.getLogger(__name__)
 
 __all__ = [  # connect, RedisLink and RedisUnreachable: importable from here too, beside the stream classes
-    "DATA_FIELD", "DUPLICATE", "FORWARDED", "FORWARD_LUA", "LOST_RACE", "Forwarder", "Message", "RedisLink",
+    "DATA_FIELD", "DUPLICATE", "FORWARDED", "FORWARD_LUA", "LOST_RACE", "AddOutcomeUnknown", "Forwarder", "Message", "RedisLink",
     "RedisUnreachable", "StopRequested", "StreamConsumer", "StreamProducer", "connect", "stream_info",
 ]
 
@@ -84,6 +86,12 @@ _POLL_MAX_S = 0.1
 
 class StopRequested(Exception):
     """A blocking stream call gave up because its ``should_stop`` turned true."""
+
+
+class AddOutcomeUnknown(Exception):
+    """:meth:`StreamProducer.add` gave up on an XADD that had gone out without its reply (the link
+    broke or timed out, and the caller asked to stop): the entry may be in the stream or not. Over
+    a lossy link a reply is lost after Redis ran the command, so "not pushed" would be a guess."""
 
 
 class StreamProducer:
@@ -161,7 +169,11 @@ class StreamProducer:
             entry[key] = v
         if not self.wait_for_room(timeout):
             raise StopRequested(f"stopped while waiting for room in {self.stream}")
-        entry_id = self._link.call(lambda r: r.xadd(self.stream, entry))
+        try:  # the link retries a broken call until asked to stop; then the XADD's fate is unknown
+            entry_id = self._link.call(lambda r: r.xadd(self.stream, entry))
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+            raise AddOutcomeUnknown(f"XADD to {self.stream} went unanswered ({type(e).__name__}: {e}); the entry "
+                                    "may be in the stream") from e
         self._m_produced.inc()
         self._m_bytes.inc(len(entry[DATA_FIELD]))
         return _text(entry_id)
