@@ -88,22 +88,27 @@ class LocalRedisCluster:
         self.procs[port] = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     def _client(self, port: int):
+        """A client of one node that tries a command twice, without back-off: the callers poll
+        (:meth:`_wait`), and redis-py's default retries (3, with back-off up to 10 s) made a PING to
+        a port another process held take 27 s before the node's exit was looked at."""
         import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
         return redis.Redis(host="127.0.0.1", port=port, password=self.password, socket_timeout=2,
-                           socket_connect_timeout=2)
+                           socket_connect_timeout=2, retry=Retry(NoBackoff(), 1))
 
     def _wait(self, what: str, ok, timeout: float, stop=None) -> bool:
         """Poll ``ok`` until it is true (True) or ``stop`` is (False); RuntimeError after ``timeout``."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if stop is not None and stop():
+                return False
             try:
                 if ok():
                     return True
             except Exception:  # a node still starting or just killed: ask again
                 pass
-            if stop is not None and stop():
-                return False
             time.sleep(0.1)
         raise RuntimeError(f"local redis cluster: {what} within {timeout:g}s (logs in {self.data_dir})")
 
