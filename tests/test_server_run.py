@@ -1,7 +1,7 @@
 """End to end: ``worldloop up ... actor.backend=server`` on a real Redis, with its inference server
 (``worldloop serve``: vLLM on CPU) killed mid-run.
 
-The run starts a local server, trains 3 steps with the actor generating on it, and survives a
+The run starts a local server, trains 4 steps with the actor generating on it, and survives a
 kill -9 of the server's whole process group while requests are in flight after the first step
 (up restarts it; the actor's requests wait for it and go out again): the run completes, every trajectory the actor pushed is
 trained once or accounted for (dropped by the learner, still queued), none is trained twice, the
@@ -70,8 +70,12 @@ def test_up_with_a_server_backend_survives_a_killed_server(tmp_path, redis_url):
                                  "prompt_format": "grounding_worldmodeling"}}],
         },
         "judge": {"enabled": True, "scorers": {"default": ["rule"]}},
-        # max_staleness 1: the third batch can only be admitted once the server holds v1 or newer
-        "trainer": {"total_steps": 3, "train_batch_size": 4, "ppo_mini_batch_size": 2, "micro_batch_size": 1,
+        # max_staleness 1: the third batch can only be admitted once the server holds v1 or newer, the
+        # fourth once it holds v2. 4 steps: the learner writes step 1's ledger line after publishing
+        # v1, so on a fast machine the whole third batch could be generated before the test saw the
+        # line (once, with 3 steps, the run ended without a request in flight after it); the fourth
+        # batch is generated after that line, and the run needs it
+        "trainer": {"total_steps": 4, "train_batch_size": 4, "ppo_mini_batch_size": 2, "micro_batch_size": 1,
                     "checkpoint_every": 2, "max_staleness": 1, "sample_every": 1},
         "sft": {"enabled": False},
         "up": {"num_actors": 1, "num_judges": 1, "progress_interval_s": 1.0},
@@ -117,12 +121,12 @@ def test_up_with_a_server_backend_survives_a_killed_server(tmp_path, redis_url):
     assert "sending the request again" in (run_dir / "logs" / "actor-0.log").read_text(), run_logs()
 
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    assert [s["step"] for s in steps if "step" in s][-1] == 3
+    assert [s["step"] for s in steps if "step" in s][-1] == 4
     # nothing the actor pushed is lost or trained twice
     produced = produced_log.read_text().split()
     fates = _fates(run_dir, produced, r, keys)
     counts = Counter(fates.values())
-    assert counts["trained once"] == 12 and counts["lost"] == 0 and counts["trained twice"] == 0, (counts, run_logs())
+    assert counts["trained once"] == 16 and counts["lost"] == 0 and counts["trained twice"] == 0, (counts, run_logs())
     # the servers (before and after the kill) loaded newer and newer versions: at least v1 or v2
     # (the third batch is admitted only once a server holds v1 or newer), each trained turn
     # carries the version that generated it
