@@ -63,8 +63,9 @@ def test_up_with_a_server_backend_survives_a_killed_server(tmp_path, redis_url):
         "model": {"path": str(model), "make_tiny_if_missing": False, "max_image_side": SIDE, "max_model_len": 1024,
                   "dtype": "float32"},
         "actor": {
-            # 64 tokens a turn: requests stay in flight long enough for the test to find one on a fast machine
-            "backend": "server", "num_envs": 4, "max_turns": 2, "max_new_tokens": 64, "n_samples_per_seed": 2,
+            # 128 tokens a turn (two turns stay within max_model_len): requests stay in flight long
+            # enough for the test to find one on a fast machine (64 were missed once under -n 3)
+            "backend": "server", "num_envs": 4, "max_turns": 2, "max_new_tokens": 128, "n_samples_per_seed": 2,
             "envs": [{"id": "worldloop/FrozenLake-v0",
                       "kwargs": {"size": 3, "min_actions_to_succeed": 2, "render_mode": "vision",
                                  "prompt_format": "grounding_worldmodeling"}}],
@@ -89,16 +90,22 @@ def test_up_with_a_server_backend_survives_a_killed_server(tmp_path, redis_url):
     def run_logs() -> str:
         return "".join(f"\n--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
 
+    found: dict = {}  # the server's pid and URL, once the learner trained a step
+
     def busy_server():
-        """The server's pid once the learner trained a step and the server has requests in flight."""
-        pids = [p["pid"] for p in list_processes(r, keys) if p["role"] == "server"]
-        servers_seen.update(pids)
-        if not pids or not (run_dir / "learner_ledger.jsonl").exists():
-            return None
-        url = yaml.safe_load((run_dir / "config.yaml").read_text())["actor"]["servers"][0]
+        """The server's pid once the learner trained a step and the server has requests in flight.
+        Once the step is there, each poll is one GET: a turn's requests are in flight for a fraction
+        of a second, and a poll that also read Redis and the run's config missed them all once."""
+        if not found:
+            pids = [p["pid"] for p in list_processes(r, keys) if p["role"] == "server"]
+            servers_seen.update(pids)
+            if not pids or not (run_dir / "learner_ledger.jsonl").exists():
+                return None
+            found.update(pid=pids[0], url=yaml.safe_load((run_dir / "config.yaml").read_text())["actor"]["servers"][0])
+        pid, url = found["pid"], found["url"]
         try:
             with urllib.request.urlopen(url + "/worldloop/info", timeout=5) as resp:
-                return pids[0] if json.loads(resp.read())["requests"] > 0 else None
+                return pid if json.loads(resp.read())["requests"] > 0 else None
         except OSError:
             return None
 
