@@ -128,7 +128,8 @@ def tapped(publisher: WeightPublisher, on_chunk: Callable, on_manifest: Callable
            **kwargs) -> Iterator[tuple[WeightSubscriber, Tap]]:
     """A subscriber that fetches through a Tap in front of ``publisher``; both closed afterwards."""
     tap = Tap(publisher.fetch_port, on_chunk, *([on_manifest] if on_manifest else []))
-    sub = WeightSubscriber(HOST, publisher.pub_port, tap.port, fetch_timeout_s=10, **kwargs)
+    kwargs.setdefault("fetch_timeout_s", 10)
+    sub = WeightSubscriber(HOST, publisher.pub_port, tap.port, **kwargs)
     try:
         yield sub, tap
     finally:
@@ -464,7 +465,10 @@ def test_replies_slower_than_resend_s_still_arrive(publisher: WeightPublisher) -
         time.sleep(0.5)
         return frames
 
-    with tapped(publisher, slow, resend_s=0.3) as (sub, _):
+    # fetch_timeout_s 30, not 10: every resend leaves its requests' slow replies queued in the tap
+    # (0.5 s each), so the wait has to outgrow that backlog too; under -n 3 on 2 cores the fourth
+    # resend's 4.8 s window once passed without a reply, and 10 s ended the fetch with 0/2 chunks
+    with tapped(publisher, slow, resend_s=0.3, fetch_timeout_s=30) as (sub, _):
         assert_fetched(sub.fetch(), 5, want)
     assert sub.stats["resent_requests"] >= 2 and sub.stats["reconnects"] >= 1  # it did resend, and finished
 
