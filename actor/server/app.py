@@ -198,8 +198,10 @@ class ServerDriver:
             # the tokens made so far) under the new weights when generation resumes
             if not await self.engine.reset_prefix_cache(reset_running_requests=interrupt):
                 log.warning("the prefix cache was not cleared after loading v%d", version)
-            await self.engine.reset_encoder_cache()
-            await self.engine.reset_mm_cache()
+            await self.engine.reset_encoder_cache()  # the vision tower's outputs: made by the old weights
+            # not the multimodal processor cache: its entries (pixel values) do not depend on the
+            # weights, and clearing it under requests the front end had already sent as hashes made
+            # the engine refuse them ("P0/P1 cache drift") and the client send them again whole
             if self.lora_id is not None:
                 self._point_adapter_at(results[0]["adapter"])
             await self.engine.update_weight_version(str(version))
