@@ -274,12 +274,18 @@ def waves_around_a_load(served: Served, codec, tensors: dict, version: int, *, m
             mixed_ok.generate(reqs, temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens, seed=None))))
         threads[-1].start()
 
+    def generated() -> float:  # vLLM's count of tokens decoded so far
+        return sum(float(line.rsplit(" ", 1)[1]) for line in served.metrics().splitlines()
+                   if line.startswith("vllm:generation_tokens_total"))
+
     try:
+        before = generated()
         wave()
-        # the client's own count of requests posted and not yet answered (a poll of the server's
-        # /worldloop/info once missed a whole wave under load); then the load, and more waves
-        wait_for(lambda: sum(s.in_flight for s in mixed_ok.servers) >= 1 or not threads[0].is_alive(),
-                 "the first wave's requests posted to the server", 60, [served.child])
+        # the load once the first wave decodes: the server's own count of decoded tokens has moved
+        # by one per request (a load that landed while its prompts were still being read started
+        # them all on the new weights: nothing spanned it, once on a fast machine); then more waves
+        wait_for(lambda: generated() >= before + len(reqs) or not threads[0].is_alive(),
+                 "the first wave's requests decoding", 120, [served.child])
         served.publisher.publish(tensors, version, wait=True)
         for _ in range(n_waves):
             wave()
