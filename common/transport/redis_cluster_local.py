@@ -89,8 +89,9 @@ class LocalRedisCluster:
 
     def _client(self, port: int):
         """A client of one node that tries a command twice, without back-off: the callers poll
-        (:meth:`_wait`), and redis-py's default retries (3, with back-off up to 10 s) made a PING to
-        a port another process held take 27 s before the node's exit was looked at."""
+        (:meth:`_wait`), and redis-py 8's default retries (10, back-off up to 1 s, each after its
+        socket timeout) made a PING to a port another process held take 27 s before the node's exit
+        was looked at."""
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
