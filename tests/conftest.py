@@ -53,8 +53,9 @@ def redis_url(redis_server) -> str:
 
 # --- running in parallel (pytest-xdist, `--dist loadgroup`; tests/README.md "Parallel runs") --------------
 # The full-system tests start many processes each (`worldloop up`, several roles, a Prometheus, a
-# supervisord, network namespaces, a vLLM). They run in two serial lanes: each lane is one xdist group,
-# which one worker runs one test at a time, and the two lanes run side by side, one per worker. What
+# supervisord, network namespaces, a vLLM). They run in three serial lanes: each lane is one xdist
+# group, which one worker runs one test at a time, and the lanes run side by side, one per worker (with
+# `-n 3`, the README's command; each worker takes other modules' groups once its lane is done). What
 # two of them could share is kept apart for every pair across the lanes: Redis, the weight channel,
 # /metrics, Prometheus and the learner's torchrun rendezvous take a port the OS hands out (never a fixed
 # one); test_deploy's supervisord programs take ports below the ephemeral range, checked free, where no
@@ -62,11 +63,12 @@ def redis_url(redis_server) -> str:
 # shared behind torch's file lock; each run's files are under its own tmp_path. What is still shared
 # is the cores and the memory: every module that starts a vLLM engine is in the one lane
 # "serial-engines" (two engines at once would each need the 2 cores through their start and weight
-# loads, and twice the memory), and so is the chaos soak, the longest CPU-bound run, so that it never
-# runs beside an engine. Every vllm-marked test is in that lane (test_ci.py).
+# loads, and twice the memory); every vllm-marked test is in that lane (test_ci.py). The chaos soak,
+# the longest run (a fixed 2-minute soak, then the drain), is a lane of its own: in the engines lane
+# it made that lane the longest piece of work of the suite (about 480 s of CI's 614 s with -n 2), and
+# it holds no engine, so it may run beside one.
 SERIAL_LANES: dict[str, tuple[str, ...]] = {
     "serial-engines": (
-        "test_chaos",          # the soak: 5 roles + a persisted Redis under faults for ~4 min; free ports only
         "test_server_run",     # `worldloop up` with a `worldloop serve` (vLLM) it kills; free ports only
         "test_server_backend", # one `worldloop serve` (vLLM) for the module; free ports only
         "test_vllm_backend",   # an in-process vLLM engine for the module
@@ -86,6 +88,9 @@ SERIAL_LANES: dict[str, tuple[str, ...]] = {
         "test_learner_resume",    # kill -9 + --resume; torchrun --standalone (a free rendezvous port)
         "test_show",              # a headless chromium on files under its tmp_path
         "test_redis_cluster",     # a Redis Cluster of its own, on free ports
+    ),
+    "serial-soak": (
+        "test_chaos",          # the soak: 5 roles + a persisted Redis under faults for 3-5 min; free ports only
     ),
 }
 SERIAL_MODULES = frozenset(m for lane in SERIAL_LANES.values() for m in lane)
