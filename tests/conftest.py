@@ -53,9 +53,10 @@ def redis_url(redis_server) -> str:
 
 # --- running in parallel (pytest-xdist, `--dist loadgroup`; tests/README.md "Parallel runs") --------------
 # The full-system tests start many processes each (`worldloop up`, several roles, a Prometheus, a
-# supervisord, network namespaces, a vLLM). They run in three serial lanes: each lane is one xdist
+# supervisord, network namespaces, a vLLM). They run in four serial lanes: each lane is one xdist
 # group, which one worker runs one test at a time, and the lanes run side by side, one per worker (with
-# `-n 3`, the README's command; each worker takes other modules' groups once its lane is done). What
+# `-n 3`, the README's command, the fourth lane goes to the worker that ends its lane first; each
+# worker then takes the other modules' groups). What
 # two of them could share is kept apart for every pair across the lanes: Redis, the weight channel,
 # /metrics, Prometheus and the learner's torchrun rendezvous take a port the OS hands out (never a fixed
 # one); test_deploy's supervisord programs take ports below the ephemeral range, checked free, where no
@@ -66,7 +67,8 @@ def redis_url(redis_server) -> str:
 # loads, and twice the memory); every vllm-marked test is in that lane (test_ci.py). The chaos soak,
 # the longest run (a fixed 2-minute soak, then the drain), is a lane of its own: in the engines lane
 # it made that lane the longest piece of work of the suite (about 480 s of CI's 614 s with -n 2), and
-# it holds no engine, so it may run beside one.
+# it holds no engine, so it may run beside one. No lane's module shares a port, a mount, a name or a
+# file with a module of another lane (the comment beside each says what it takes).
 SERIAL_LANES: dict[str, tuple[str, ...]] = {
     "serial-engines": (
         "test_server_run",     # `worldloop up` with a `worldloop serve` (vLLM) it kills; free ports only
@@ -76,26 +78,30 @@ SERIAL_LANES: dict[str, tuple[str, ...]] = {
         "test_vllm_lora",      # an in-process vLLM engine with LoRA (its shutdown tears torch.distributed down)
         "test_server_lora",    # `worldloop serve` (vLLM) with LoRA for the module; free ports only
     ),
+    # the other runs of several processes, in two lanes of about equal time (tests/README.md "Durations":
+    # 384 s and 380 s of a 764 s lane on a slow draw of the VM), the second handed out after the soak
     "serial-runs": (
-        "test_admission_runs",    # two `worldloop up` runs; free ports only
-        "test_scaling",           # a learner and two actors started apart; its learner binds port 0
-        "test_netns",             # network namespaces named after its own pid, a 10.200.N subnet no interface uses
         "test_up",                # `worldloop up` (learner, actors, judge, evaluator); free ports only
-        "test_prometheus",        # a real Prometheus and a run, each on a free port
-        "test_deploy",            # supervisord: ports below the ephemeral range, checked free (no other test binds there)
-        "test_resource_faults",   # its own tmpfs mounted under its tmp_path; a learner on free ports
-        "test_redis_faults",      # Redis killed and restarted: its own redis-server on a free port
         "test_learner_resume",    # kill -9 + --resume; torchrun --standalone (a free rendezvous port)
-        "test_show",              # a headless chromium on files under its tmp_path
-        "test_redis_cluster",     # a Redis Cluster of its own, on free ports
+        "test_admission_runs",    # two `worldloop up` runs; free ports only
+        "test_deploy",            # supervisord: ports below the ephemeral range, checked free (no other test binds there)
+        "test_redis_faults",      # Redis killed and restarted: its own redis-server on a free port
     ),
     "serial-soak": (
         "test_chaos",          # the soak: 5 roles + a persisted Redis under faults for 3-5 min; free ports only
     ),
+    "serial-runs-b": (
+        "test_netns",             # network namespaces named after its own pid, a 10.200.N subnet no interface uses
+        "test_prometheus",        # a real Prometheus and a run, each on a free port
+        "test_resource_faults",   # its own tmpfs mounted under its tmp_path; a learner on free ports
+        "test_scaling",           # a learner and two actors started apart; its learner binds port 0
+        "test_show",              # a headless chromium on files under its tmp_path
+        "test_redis_cluster",     # a Redis Cluster of its own, on free ports
+    ),
 }
 SERIAL_MODULES = frozenset(m for lane in SERIAL_LANES.values() for m in lane)
 # the slowest modules outside the lanes (tests/README.md "Durations"), handed out right after the lanes,
-# so that none of them starts last while the other worker has nothing left
+# so that none of them starts last while the other workers have nothing left
 HEAVY_MODULES = ("test_tiny_model", "test_secrets", "test_actor", "test_microbatch")
 _HAND_OUT_ORDER = {group: i for i, group in enumerate([*SERIAL_LANES, *HEAVY_MODULES])}
 _LANE_OF = {m: lane for lane, modules in SERIAL_LANES.items() for m in modules}

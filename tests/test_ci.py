@@ -95,8 +95,9 @@ def test_every_serial_module_exists_and_its_tests_are_grouped(request) -> None:
     assert vllm and sorted(vllm - set(conftest.SERIAL_LANES["serial-engines"])) == []
     assert conftest.xdist_group_of(request.node.nodeid) == "test_ci"
     assert [conftest.xdist_group_of(n) for n in ("tests/test_up.py::t[a-b]", "tests/test_hf_backend.py::t",
-                                                  "tests/test_vllm_backend.py::T::t", "tests/test_chaos.py::t")] == [
-        "serial-runs", "test_hf_backend", "serial-engines", "serial-soak"]
+                                                  "tests/test_vllm_backend.py::T::t", "tests/test_chaos.py::t",
+                                                  "tests/test_netns.py::t")] == [
+        "serial-runs", "test_hf_backend", "serial-engines", "serial-soak", "serial-runs-b"]
     first = [*conftest.SERIAL_LANES, *conftest.HEAVY_MODULES]
     groups = [conftest.xdist_group_of(item.nodeid) for item in request.session.items]
     rank = [first.index(g) if g in first else len(first) for g in groups]
