@@ -8,7 +8,7 @@ the CPU time of the worker process (``self``) and of the child processes it reap
 ``worldloop up`` and its roles, ``torchrun`` ranks, ``redis-server``s stopped by the test). What a
 test leaves running past its end (a module-scoped ``vllm serve``) is counted by nobody.
 
-    PYTHONPATH=tools python -m pytest -p pytest_cpu -n 2 --dist loadgroup   # writes $PYTEST_CPU_OUT
+    PYTHONPATH=tools python -m pytest -p pytest_cpu -n 3 --dist loadgroup   # writes $PYTEST_CPU_OUT
     python tools/pytest_cpu.py [DIR] [--top N]                              # prints the tables
 
 ``PYTEST_CPU_OUT`` (default ``.pytest_cpu``) holds one JSON line per test in ``<worker>.jsonl``;
