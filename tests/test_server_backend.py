@@ -122,20 +122,36 @@ def start_server(args: list[str], root: Path, model: Path, pub) -> Served:
         child = Child(["serve", *args, "--port", str(port)], root / f"serve-{attempt}.log", new_session=True)
         srv = Served(f"http://127.0.0.1:{port}", model, pub, child, root)
 
+        last: list = ["no poll yet"]  # what the last poll saw, for the failure message
+
         def ready():
             if child.returncode is not None:
                 return "exited"
             try:
-                return srv.info()["ready"]
-            except Exception:  # not up yet, or another program answers on the port
+                info = srv.info()
+                last[0] = info
+                return info["ready"]
+            except Exception as e:  # not up yet, or another program answers on the port
+                last[0] = repr(e)
                 return False
 
         try:
-            if wait_for(ready, "the inference server to start", 600) is True:
-                return srv
+            # 400 s, under pytest's 600 s per test: a server that never shows ready fails here, with its
+            # stacks (SIGUSR1), its log and the last poll's answer, not in pytest-timeout's bare dump (once
+            # seen under -n 3: a LoRA server logged "ready" and 9 minutes of polls never saw it). The
+            # child is not handed to wait_for: an exit is ready()'s to report (a port taken: try another)
+            got = wait_for(ready, "the inference server to start", 400,
+                           extra=lambda: f"the last poll of {srv.url}/worldloop/info: {last[0]}")
+        except AssertionError as e:
+            child.dump_stacks()
+            time.sleep(1.0)
+            stop_group(child)
+            raise AssertionError(f"{e}{child.describe()}") from None
         except BaseException:
             stop_group(child)
             raise
+        if got is True:
+            return srv
         stop_group(child)
         if "address already in use" not in child.output(None).lower():
             raise AssertionError("the inference server exited" + child.describe())
