@@ -124,9 +124,7 @@ def start_server(args: list[str], root: Path, model: Path, pub) -> Served:
 
         last: list = ["no poll yet"]  # what the last poll saw, for the failure message
 
-        def ready():
-            if child.returncode is not None:
-                return "exited"
+        def ready() -> bool:
             try:
                 info = srv.info()
                 last[0] = info
@@ -138,23 +136,19 @@ def start_server(args: list[str], root: Path, model: Path, pub) -> Served:
         try:
             # 400 s, under pytest's 600 s per test: a server that never shows ready fails here, with its
             # stacks (SIGUSR1), its log and the last poll's answer, not in pytest-timeout's bare dump (once
-            # seen under -n 3: a LoRA server logged "ready" and 9 minutes of polls never saw it). The
-            # child is not handed to wait_for: an exit is ready()'s to report (a port taken: try another)
-            got = wait_for(ready, "the inference server to start", 400,
-                           extra=lambda: f"the last poll of {srv.url}/worldloop/info: {last[0]}")
-        except AssertionError as e:
-            child.dump_stacks()
-            time.sleep(1.0)
+            # seen under -n 3: a LoRA server logged "ready" and 9 minutes of polls never saw it); a server
+            # that exits fails at once, with its log
+            wait_for(ready, "the inference server to start", 400, [child],
+                     extra=lambda: f"the last poll of {srv.url}/worldloop/info: {last[0]}")
+            return srv
+        except AssertionError:  # it timed out, or the server exited: another port if that one was taken
+            exited = child.returncode is not None
             stop_group(child)
-            raise AssertionError(f"{e}{child.describe()}") from None
+            if not exited or "address already in use" not in child.output(None).lower():
+                raise
         except BaseException:
             stop_group(child)
             raise
-        if got is True:
-            return srv
-        stop_group(child)
-        if "address already in use" not in child.output(None).lower():
-            raise AssertionError("the inference server exited" + child.describe())
     raise AssertionError("no free port for the inference server in 3 tries")
 
 
