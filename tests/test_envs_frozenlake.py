@@ -149,3 +149,34 @@ def test_progress_reward_counts_a_hole_as_max_steps_away() -> None:
     # env = -0.2 - 1.4 = -1.6; +0.5 format
     assert term and info["progress_reward"] == pytest.approx(-1.4)
     assert info["env_reward"] == pytest.approx(-1.6) and reward == pytest.approx(-1.1)
+
+
+def test_the_egocentric_view_keeps_the_player_in_the_middle_cell() -> None:
+    """view="egocentric": a 7 x 7 window of 28 px cells on the 4 x 4 board, the player's cell in the middle,
+    every board cell where the player's offset puts it and every other cell black, compared with the
+    board view's own cells, pixel for pixel, along DESC's safe path."""
+    kw = dict(desc=DESC, render_mode="vision", prompt_format="free_think")
+    board = gymnasium.make(ID, image_size=112, **kw)
+    ego = gymnasium.make(ID, image_size=196, view="egocentric", **kw)
+    board.reset(seed=0)
+    ego.reset(seed=0)
+    assert "centred on the player" in ego.unwrapped.system_prompt()
+    assert "centred on the player" not in board.unwrapped.system_prompt()
+    for moves in ("", "Right,Right", "Down", "Down"):
+        if moves:
+            board.step(ans(moves))
+            ego.step(ans(moves))
+        pr, pc = ego.unwrapped.player
+        assert board.unwrapped.player == (pr, pc)
+        b, e = board.unwrapped._render_image(), ego.unwrapped._render_image()
+        assert e.shape == (196, 196, 3)
+        for r in range(7):
+            for c in range(7):
+                cell = e[28 * r : 28 * r + 28, 28 * c : 28 * c + 28]
+                br, bc = r - 3 + pr, c - 3 + pc
+                if 0 <= br < 4 and 0 <= bc < 4:
+                    assert (cell == b[28 * br : 28 * br + 28, 28 * bc : 28 * bc + 28]).all(), (moves, r, c)
+                else:
+                    assert not cell.any(), (moves, r, c)
+    with pytest.raises(ValueError, match="view must be one of"):
+        FrozenLakeEnv(view="top-down")

@@ -4,7 +4,10 @@ Knobs: ``size`` (4; ignored when ``desc`` is given), ``is_slippery`` (False), ``
 list of equal-length strings over ``S F H G``, one ``S``; None: a new random map every reset),
 ``p`` (0.8: probability that a generated cell is frozen, as gymnasium's ``generate_random_map``),
 ``min_actions_to_succeed`` (5; enforced on generated maps only), ``max_actions_per_step`` (3),
-``max_steps`` (100 executed actions), ``image_size`` (default 48 px per cell), ``relation_prompt``
+``max_steps`` (100 executed actions), ``image_size`` (default 48 px per cell), ``view`` ("board": the
+whole board as it lies; "egocentric": a window of ``2 * size - 1`` cells a side centred on the player,
+cells off the board black, so the whole board is always in it and the cell a move reaches is always
+the same cell of the image), ``relation_prompt``
 ("default"; "vagen": both relations of goal and holes to the player; "local": the goal and the holes
 next to the player, see below and :mod:`worldloop.envs.grid.grid_env`), plus the common kwargs of
 :class:`worldloop.envs.base.VisualEnv`.
@@ -140,6 +143,8 @@ class FrozenLakeEnv(GridEnv):
                      '(left, right or same column), calling every hole "hole", such as "goal is below and on the left '
                      'side of the player", "hole is at the same row and to the left of the player".')
 
+    VIEWS = ("board", "egocentric")
+
     def __init__(
         self,
         *,
@@ -151,6 +156,7 @@ class FrozenLakeEnv(GridEnv):
         max_actions_per_step: int = 3,
         max_steps: int = 100,
         image_size: int | None = None,
+        view: str = "board",
         **common: Any,
     ) -> None:
         self.fixed_desc = None if desc is None else check_desc(desc)
@@ -162,9 +168,13 @@ class FrozenLakeEnv(GridEnv):
             raise ValueError(f"is_slippery must be a bool, got {is_slippery!r}")
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
             raise ValueError(f"p must be a number in (0, 1], got {p!r}")
+        if view not in self.VIEWS:
+            raise ValueError(f"view must be one of {list(self.VIEWS)}, got {view!r}")
+        self.view = view
+        cells = 2 * n - 1 if view == "egocentric" else n
         super().__init__(max_steps=max_steps, min_actions_to_succeed=min_actions_to_succeed,
                          max_actions_per_step=max_actions_per_step,
-                         image_size=self.CELL_PX * n if image_size is None else image_size, **common)
+                         image_size=self.CELL_PX * cells if image_size is None else image_size, **common)
         self.size = n
         self.is_slippery = bool(is_slippery)
         self.p = float(p)
@@ -249,14 +259,25 @@ class FrozenLakeEnv(GridEnv):
 
     # ----------------------------------------------------------- rendering and prompts
 
+    def _view_cells(self) -> int:
+        return 2 * self.size - 1 if self.view == "egocentric" else self.size
+
     def _image_shape(self) -> tuple[int, int, int]:
-        return grid_image_shape(self.size, self.size, self.image_size)
+        return grid_image_shape(self._view_cells(), self._view_cells(), self.image_size)
 
     def _render_image(self) -> np.ndarray:
         codes = np.array([[_CODE[ch] for ch in row] for row in self.desc], dtype=np.intp)
         codes[self.player] += 3
-        cell = cell_size(max(codes.shape), self.image_size)
-        return compose(codes, tile_stack(_TILE_NAMES, cell), side=self.image_size)
+        cell = cell_size(self._view_cells(), self.image_size)
+        tiles = tile_stack(_TILE_NAMES, cell)
+        if self.view == "egocentric":
+            # the board shifted so the player sits in the middle cell; code len(tiles) = off the board (black)
+            side = self._view_cells()
+            window = np.full((side, side), len(tiles), dtype=np.intp)
+            r0, c0 = self.size - 1 - self.player[0], self.size - 1 - self.player[1]
+            window[r0 : r0 + codes.shape[0], c0 : c0 + codes.shape[1]] = codes
+            codes, tiles = window, np.concatenate([tiles, np.zeros_like(tiles[:1])])
+        return compose(codes, tiles, side=self.image_size)
 
     def _system_intro(self) -> str:
         rule2 = ("2. Frozen tiles are slippery, you may move perpendicular to your intended direction.\n"
@@ -266,12 +287,18 @@ class FrozenLakeEnv(GridEnv):
             "FrozenLake Quick Guide\n"
             "Goal: Reach the goal (G).\n"
             "Symbols (If image is provided there are no symbols):\n"
+            f"{self._view_line()}"
             "_ Frozen | O Hole | G Goal | P Player | X Player fell into hole | * Player on goal\n"
             "Rules:\n"
             "1. Avoid falling into holes.\n"
             f"{rule2}"
             "Actions you can take: Left, Down, Right, Up."
         )
+
+    def _view_line(self) -> str:
+        if self.view != "egocentric" or not self.vision:
+            return ""
+        return "The image is centred on the player: the player is always in its middle cell, black is off the board.\n"
 
     def _example_fields(self) -> dict[str, str]:
         desc = ["FFFF", "FHFF", "FFFH", "HFFG"]
