@@ -39,7 +39,8 @@ def test_expert_turns_garbage_and_a_mismatch_are_counted_by_hand() -> None:
     first, later = out["counts"]["first"], out["counts"]["later"]
     # first turns: the expert's (well-formed, true observation, shortest plan) and "no idea"
     assert first == {"turns": 2, "well_formed": 1, "observation_right": 1, "on_shortest_path": 1,
-                     "right_reading_on_path": 1, "wrong_reading_on_path": 0, "dead_end": 0}
+                     "right_reading_on_path": 1, "wrong_reading_on_path": 0, "dead_end": 0, "outlooks": 0,
+                     "outlook_right": 0, "right_outlook_dead_end": 0, "wrong_outlook_dead_end": 0}
     assert later["turns"] == 1 and later["well_formed"] == 0 and later["on_shortest_path"] == 0
     r = out["rates"]["first"]
     assert r["on_path_if_reading_right"] == 1.0 and r["on_path_if_reading_wrong"] == 0.0
@@ -56,6 +57,29 @@ def test_a_hole_is_a_dead_end_and_a_detour_is_off_the_shortest_path() -> None:
     assert out["counts"]["first"]["on_shortest_path"] == 1 and out["counts"]["first"]["dead_end"] == 0
     assert out["counts"]["later"]["on_shortest_path"] == 0 and out["counts"]["later"]["dead_end"] == 1
     assert out["counts"]["first"]["observation_right"] == 0  # "x" is not the goal's relation
+
+
+def test_an_outlook_is_checked_against_the_true_cells_and_split_by_the_dead_ends_after_it() -> None:
+    """DESC at (0, 0): Left edge, Down (1, 0) ice, Right (0, 1) ice, Up edge: said right, then Down (safe).
+    At (1, 0): Left edge, Down (2, 0) ice, Right (1, 1) hole, Up (0, 0) ice: said "Right ice", then Right
+    into the hole."""
+    kw = {"desc": ["SFFF", "FHFH", "FFFH", "HFFG"], "render_mode": "text", "prompt_format": "grounding"}
+
+    def turn(reasoning: str, answer: str) -> dict:
+        return {"response": f"<think><observation>x</observation><reasoning>{reasoning}</reasoning></think>"
+                            f"<answer>{answer}</answer>"}
+
+    rec = {"env_id": "worldloop/FrozenLake-v0", "env_kwargs": kw, "seed": 0, "success": False,
+           "turns": [turn("Left edge, Down ice, Right ice, Up edge.", "Down"),
+                     turn("Left edge, Down ice, Right ice, Up ice.", "Right")]}
+    out = failure_breakdown([rec])
+    first, later = out["counts"]["first"], out["counts"]["later"]
+    keys = ("outlooks", "outlook_right", "right_outlook_dead_end", "wrong_outlook_dead_end", "dead_end")
+    assert [first[k] for k in keys] == [1, 1, 0, 0, 0]
+    assert [later[k] for k in keys] == [1, 0, 0, 1, 1]
+    assert out["rates"]["later"]["dead_end_if_outlook_wrong"] == 1.0 and out["rates"]["later"]["outlook_right"] == 0.0
+    table = format_breakdown(out)
+    assert "| first | 100.0 % | 0.0 % | - |" in table and "| later | 0.0 % | - | 100.0 % |" in table
 
 
 def test_other_envs_are_skipped() -> None:

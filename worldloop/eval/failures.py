@@ -20,7 +20,12 @@ turns and later turns:
   distance to the goal down by one (the turn followed some shortest plan);
 * the same, on turns whose observation was right and on turns whose observation was wrong: when
   acting is good only after a right reading, perception is what limits the agent;
-* ``dead_end``: after the turn no plan reaches the goal any more (a box in a corner, a hole).
+* ``dead_end``: after the turn no plan reaches the goal any more (a box in a corner, a hole);
+* where the env says what each move runs into (``move_outlook()``, FrozenLake), ``outlook_right``:
+  the turn's ``<reasoning>`` is exactly that text of the true state before the turn (what
+  ``sft.concise_reasoning: outlook`` teaches), and the dead ends after turns whose outlook was
+  right and after those whose outlook was wrong: when only the latter fall, the agent acts on
+  what it says.
 
 Grid envs only (Sokoban, FrozenLake, Maze, Taxi: they have a shortest-plan solver); an episode of
 another env, or one whose replay does not end as recorded, is counted in ``skipped`` /
@@ -40,7 +45,8 @@ from worldloop.common.contracts.config import JudgeConfig
 
 KINDS = ("first", "later")
 COUNTS = ("turns", "well_formed", "observation_right", "on_shortest_path", "right_reading_on_path",
-          "wrong_reading_on_path", "dead_end")
+          "wrong_reading_on_path", "dead_end", "outlooks", "outlook_right", "right_outlook_dead_end",
+          "wrong_outlook_dead_end")
 
 
 def _replay(env: Any, record: dict, tally: dict[str, dict[str, int]], judge: JudgeConfig) -> bool:
@@ -54,6 +60,7 @@ def _replay(env: Any, record: dict, tally: dict[str, dict[str, int]], judge: Jud
     for k, turn in enumerate(record.get("turns") or []):
         t = tally[KINDS[min(k, 1)]]
         state = u._current_state()
+        outlook = u.move_outlook()
         before = u._distance_to_goal()
         _, _, terminated, truncated, info = env.step(turn["response"])
         ran = int(info["actions_executed"])
@@ -67,7 +74,14 @@ def _replay(env: Any, record: dict, tally: dict[str, dict[str, int]], judge: Jud
         t["on_shortest_path"] += on_path
         t["right_reading_on_path"] += right and on_path
         t["wrong_reading_on_path"] += (not right) and on_path
-        t["dead_end"] += u._remaining_plan() is None
+        dead = u._remaining_plan() is None
+        t["dead_end"] += dead
+        if outlook is not None:
+            said = (info.get("reasoning") or "").strip() == outlook
+            t["outlooks"] += 1
+            t["outlook_right"] += said
+            t["right_outlook_dead_end"] += said and dead
+            t["wrong_outlook_dead_end"] += (not said) and dead
         if terminated or truncated:
             break
     return bool(info.get("success")) == bool(record.get("success"))
@@ -118,6 +132,9 @@ def failure_breakdown(records: Iterable[dict], judge: JudgeConfig | None = None)
             "on_path_if_reading_right": rate(t["right_reading_on_path"], t["observation_right"]),
             "on_path_if_reading_wrong": rate(t["wrong_reading_on_path"], t["turns"] - t["observation_right"]),
             "dead_end": rate(t["dead_end"], t["turns"]),
+            "outlook_right": rate(t["outlook_right"], t["outlooks"]),
+            "dead_end_if_outlook_right": rate(t["right_outlook_dead_end"], t["outlook_right"]),
+            "dead_end_if_outlook_wrong": rate(t["wrong_outlook_dead_end"], t["outlooks"] - t["outlook_right"]),
         }
     return {"episodes": episodes, "success_rate": rate(successes, episodes), "skipped": skipped,
             "replay_mismatch": mismatched, "counts": tally, "rates": rates}
@@ -137,6 +154,12 @@ def format_breakdown(result: dict) -> str:
         lines.append(f"| {k} | {result['counts'][k]['turns']} | {pct(r['well_formed'])} | {pct(r['observation_right'])} | "
                      f"{pct(r['on_shortest_path'])} | {pct(r['on_path_if_reading_right'])} | "
                      f"{pct(r['on_path_if_reading_wrong'])} | {pct(r['dead_end'])} |")
+    if any(result["counts"][k]["outlooks"] for k in KINDS):
+        lines += ["", "| turns | outlook right | dead end after a right outlook | ... after a wrong one |", "|---|---|---|---|"]
+        for k in KINDS:
+            r = result["rates"][k]
+            lines.append(f"| {k} | {pct(r['outlook_right'])} | {pct(r['dead_end_if_outlook_right'])} | "
+                         f"{pct(r['dead_end_if_outlook_wrong'])} |")
     return "\n".join(lines)
 
 
