@@ -56,6 +56,26 @@ def test_move_outlook_names_each_moves_cell_on_the_fixed_map() -> None:
     ]
 
 
+def test_the_outlook_around_adds_the_four_diagonal_cells() -> None:
+    """outlook="around" on DESC along the same path: Down-left, Down-right, Up-left, Up-right after the moves."""
+    env, _ = make(outlook="around")
+    u = env.unwrapped
+    seen = [u.move_outlook().split("; ")[1]]
+    for moves in ("Right,Right", "Down", "Down", "Down"):
+        env.step(ans(moves))
+        seen.append(u.move_outlook().split("; ")[1])
+    assert seen == [
+        "Down-left edge, Down-right hole, Up-left edge, Up-right edge.",  # (0, 0): (1, 1) H
+        "Down-left hole, Down-right hole, Up-left edge, Up-right edge.",  # (0, 2): (1, 1) H, (1, 3) H
+        "Down-left ice, Down-right hole, Up-left ice, Up-right ice.",     # (1, 2): (2, 1), (2, 3) H, (0, 1), (0, 3)
+        "Down-left ice, Down-right goal, Up-left hole, Up-right hole.",   # (2, 2): (3, 1), (3, 3) G, (1, 1), (1, 3)
+        "Down-left edge, Down-right edge, Up-left ice, Up-right hole.",   # (3, 2): (2, 1), (2, 3) H
+    ]
+    assert u.move_outlook().startswith("Left ice, Down edge, Right goal, Up ice; ")
+    with pytest.raises(ValueError, match="outlook must be one of"):
+        FrozenLakeEnv(outlook="all")
+
+
 def test_reaching_the_goal() -> None:
     env, _ = make(max_actions_per_step=6)
     # optimal path S(0,0) -> (0,2) -> (2,2) -> (3,3): Right,Right,Down,Down,Down,Right = 6 actions

@@ -7,7 +7,8 @@ list of equal-length strings over ``S F H G``, one ``S``; None: a new random map
 ``max_steps`` (100 executed actions), ``image_size`` (default 48 px per cell), ``view`` ("board": the
 whole board as it lies; "egocentric": a window of ``2 * size - 1`` cells a side centred on the player,
 cells off the board black, so the whole board is always in it and the cell a move reaches is always
-the same cell of the image), ``relation_prompt``
+the same cell of the image), ``outlook`` (what :meth:`FrozenLakeEnv.move_outlook` names: "moves", the
+four cells one move reaches; "around", the eight cells around the player), ``relation_prompt``
 ("default"; "vagen": both relations of goal and holes to the player; "local": the goal and the holes
 next to the player, see below and :mod:`worldloop.envs.grid.grid_env`), plus the common kwargs of
 :class:`worldloop.envs.base.VisualEnv`.
@@ -144,6 +145,7 @@ class FrozenLakeEnv(GridEnv):
                      'side of the player", "hole is at the same row and to the left of the player".')
 
     VIEWS = ("board", "egocentric")
+    OUTLOOKS = ("moves", "around")
 
     def __init__(
         self,
@@ -157,6 +159,7 @@ class FrozenLakeEnv(GridEnv):
         max_steps: int = 100,
         image_size: int | None = None,
         view: str = "board",
+        outlook: str = "moves",
         **common: Any,
     ) -> None:
         self.fixed_desc = None if desc is None else check_desc(desc)
@@ -171,6 +174,9 @@ class FrozenLakeEnv(GridEnv):
         if view not in self.VIEWS:
             raise ValueError(f"view must be one of {list(self.VIEWS)}, got {view!r}")
         self.view = view
+        if outlook not in self.OUTLOOKS:
+            raise ValueError(f"outlook must be one of {list(self.OUTLOOKS)}, got {outlook!r}")
+        self.outlook = outlook
         cells = 2 * n - 1 if view == "egocentric" else n
         super().__init__(max_steps=max_steps, min_actions_to_succeed=min_actions_to_succeed,
                          max_actions_per_step=max_actions_per_step,
@@ -240,16 +246,24 @@ class FrozenLakeEnv(GridEnv):
 
     OUTLOOK_WORDS = {"H": "hole", "G": "goal", "F": "ice", "S": "ice"}
 
+    DIAGONALS = (("Down-left", (1, -1)), ("Down-right", (1, 1)), ("Up-left", (-1, -1)), ("Up-right", (-1, 1)))
+
     def move_outlook(self) -> str:
-        """Each move's cell, in the order of the actions: "Left ice, Down hole, Right edge, Up goal."."""
+        """Each move's cell, in the order of the actions: "Left ice, Down hole, Right edge, Up goal.";
+        with ``outlook="around"`` the four diagonal cells follow (every cell a turn of distinct moves can
+        reach): "Left ice, Down hole, Right edge, Up goal; Down-left ice, Down-right hole, Up-left edge,
+        Up-right edge."."""
         r, c = self.player
         h, w = len(self.desc), len(self.desc[0])
-        parts = []
-        for name in ("Left", "Down", "Right", "Up"):
-            dr, dc = DIRECTIONS[name]
+
+        def cell(dr: int, dc: int) -> str:
             rr, cc = r + dr, c + dc
-            parts.append(f"{name} {self.OUTLOOK_WORDS[self.desc[rr][cc]] if 0 <= rr < h and 0 <= cc < w else 'edge'}")
-        return ", ".join(parts) + "."
+            return self.OUTLOOK_WORDS[self.desc[rr][cc]] if 0 <= rr < h and 0 <= cc < w else "edge"
+
+        text = ", ".join(f"{name} {cell(*DIRECTIONS[name])}" for name in ("Left", "Down", "Right", "Up"))
+        if self.outlook == "around":
+            text += "; " + ", ".join(f"{name} {cell(dr, dc)}" for name, (dr, dc) in self.DIAGONALS)
+        return text + "."
 
     def _solver_key(self) -> Hashable:
         return self.player
