@@ -161,6 +161,11 @@ def test_presets_render_one_grid_cell_per_image_token(preset: str, vl_dir: Path)
         # Sokoban's crop_outer_wall draws the room without its outer ring of wall
         ring = 1 if spec.kwargs.get("crop_outer_wall") else 0
         cells = max(info["state"]["structured"]["grid_size"]) - 2 * ring
+        player = tuple(info["state"]["structured"]["player_position"])
+        pidx = (player[0] - ring) * cells + (player[1] - ring)
+        if spec.kwargs.get("view") == "egocentric":  # FrozenLake: a 2n-1 window, the player in its middle
+            cells = 2 * cells - 1
+            pidx = (cells // 2) * cells + cells // 2
         image = obs["image"]
         assert image.shape == (cells * PATCH * MERGE, cells * PATCH * MERGE, 3)
         codec = ChatCodec(vl_dir, max_image_side=cfg.model.max_image_side)
@@ -170,8 +175,6 @@ def test_presets_render_one_grid_cell_per_image_token(preset: str, vl_dir: Path)
         # every cell is one sprite: the 28x28 blocks are the tiles, so block (r, c) is uniform in
         # kind: the player's block differs from all others
         blocks = image.reshape(cells, 28, cells, 28, 3).transpose(0, 2, 1, 3, 4).reshape(cells * cells, -1)
-        player = tuple(info["state"]["structured"]["player_position"])
-        pidx = (player[0] - ring) * cells + (player[1] - ring)
         assert all(not np.array_equal(blocks[pidx], blocks[i]) for i in range(cells * cells) if i != pidx)
     finally:
         env.close()

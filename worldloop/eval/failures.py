@@ -25,7 +25,7 @@ turns and later turns:
   the turn's ``<reasoning>`` is exactly that text of the true state before the turn (what
   ``sft.concise_reasoning: outlook`` teaches), and the dead ends after turns whose outlook was
   right and after those whose outlook was wrong: when only the latter fall, the agent acts on
-  what it says.
+  what it says (the table shows them when at least one turn's outlook was right).
 
 Grid envs only (Sokoban, FrozenLake, Maze, Taxi: they have a shortest-plan solver); an episode of
 another env, or one whose replay does not end as recorded, is counted in ``skipped`` /
@@ -154,7 +154,7 @@ def format_breakdown(result: dict) -> str:
         lines.append(f"| {k} | {result['counts'][k]['turns']} | {pct(r['well_formed'])} | {pct(r['observation_right'])} | "
                      f"{pct(r['on_shortest_path'])} | {pct(r['on_path_if_reading_right'])} | "
                      f"{pct(r['on_path_if_reading_wrong'])} | {pct(r['dead_end'])} |")
-    if any(result["counts"][k]["outlooks"] for k in KINDS):
+    if any(result["counts"][k]["outlook_right"] for k in KINDS):  # the agent writes the outlook at all
         lines += ["", "| turns | outlook right | dead end after a right outlook | ... after a wrong one |", "|---|---|---|---|"]
         for k in KINDS:
             r = result["rates"][k]
