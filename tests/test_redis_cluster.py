@@ -260,10 +260,24 @@ def test_a_link_waits_out_clusterdown_until_the_cluster_is_whole_again() -> None
         c.kill(victim)
         wait_for(lambda: _cluster_down(link), "the cluster to say it is down", 30)
         seen: list[str] = []
-        restarter = threading.Timer(5.0, c.restart, args=(victim,))  # longer than redis-py retries by itself (~3 s)
+
+        def restart_once_tried_again() -> None:
+            # the node comes back only after the link was refused and called again: a fixed delay raced
+            # redis-py's own retries inside one try, which outlast 5 s on a loaded machine (one try seen)
+            deadline = time.monotonic() + 60
+            while len(seen) < 2 and time.monotonic() < deadline and not failed.is_set():
+                time.sleep(0.05)
+            if not failed.is_set():
+                c.restart(victim)
+
+        failed = threading.Event()  # the call raised: nothing to restart for
+        restarter = threading.Thread(target=restart_once_tried_again, daemon=True)
         restarter.start()
         try:
             assert link.call(lambda r: seen.append("try") or r.hset(keys.control, "policy_version", 2)) == 0
+        except BaseException:
+            failed.set()
+            raise
         finally:
             restarter.join()
             link.close()
