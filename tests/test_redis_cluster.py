@@ -260,6 +260,7 @@ def test_a_link_waits_out_clusterdown_until_the_cluster_is_whole_again() -> None
         c.kill(victim)
         wait_for(lambda: _cluster_down(link), "the cluster to say it is down", 30)
         seen: list[str] = []
+        failed = threading.Event()  # the call raised: nothing to restart for
 
         def restart_once_tried_again() -> None:
             # the node comes back only after the link was refused and called again: a fixed delay raced
@@ -270,7 +271,6 @@ def test_a_link_waits_out_clusterdown_until_the_cluster_is_whole_again() -> None
             if not failed.is_set():
                 c.restart(victim)
 
-        failed = threading.Event()  # the call raised: nothing to restart for
         restarter = threading.Thread(target=restart_once_tried_again, daemon=True)
         restarter.start()
         try:

@@ -47,7 +47,8 @@ from worldloop.envs.grid.render import cell_size, compose, grid_image_shape, til
 from worldloop.envs.grid.solvers import DIRECTIONS, Plan, bfs
 
 _GYM_ACTION = {"Left": 0, "Down": 1, "Right": 2, "Up": 3}
-_TILE_NAMES = ("ice", "hole", "goal", "elf", "elf_hole", "elf_goal")
+_TILE_NAMES = ("ice", "hole", "goal", "elf", "elf_hole", "elf_goal", "void")
+_VOID = _TILE_NAMES.index("void")
 _CODE = {"S": 0, "F": 0, "H": 1, "G": 2}
 
 
@@ -177,11 +178,10 @@ class FrozenLakeEnv(GridEnv):
         if outlook not in self.OUTLOOKS:
             raise ValueError(f"outlook must be one of {list(self.OUTLOOKS)}, got {outlook!r}")
         self.outlook = outlook
-        cells = 2 * n - 1 if view == "egocentric" else n
+        self.size = n
         super().__init__(max_steps=max_steps, min_actions_to_succeed=min_actions_to_succeed,
                          max_actions_per_step=max_actions_per_step,
-                         image_size=self.CELL_PX * cells if image_size is None else image_size, **common)
-        self.size = n
+                         image_size=self.CELL_PX * self._view_cells() if image_size is None else image_size, **common)
         self.is_slippery = bool(is_slippery)
         self.p = float(p)
         self.task = f"{n}x{n}" + ("-slippery" if self.is_slippery else "")
@@ -282,16 +282,14 @@ class FrozenLakeEnv(GridEnv):
     def _render_image(self) -> np.ndarray:
         codes = np.array([[_CODE[ch] for ch in row] for row in self.desc], dtype=np.intp)
         codes[self.player] += 3
-        cell = cell_size(self._view_cells(), self.image_size)
-        tiles = tile_stack(_TILE_NAMES, cell)
+        side = self._view_cells()
         if self.view == "egocentric":
-            # the board shifted so the player sits in the middle cell; code len(tiles) = off the board (black)
-            side = self._view_cells()
-            window = np.full((side, side), len(tiles), dtype=np.intp)
+            # the board shifted so the player sits in the middle cell; the rest is off the board ("void")
+            window = np.full((side, side), _VOID, dtype=np.intp)
             r0, c0 = self.size - 1 - self.player[0], self.size - 1 - self.player[1]
             window[r0 : r0 + codes.shape[0], c0 : c0 + codes.shape[1]] = codes
-            codes, tiles = window, np.concatenate([tiles, np.zeros_like(tiles[:1])])
-        return compose(codes, tiles, side=self.image_size)
+            codes = window
+        return compose(codes, tile_stack(_TILE_NAMES, cell_size(side, self.image_size)), side=self.image_size)
 
     def _system_intro(self) -> str:
         rule2 = ("2. Frozen tiles are slippery, you may move perpendicular to your intended direction.\n"

@@ -12,8 +12,8 @@ Public API::
     grid_image_shape(rows, cols, side) -> (H, W, 3)   shape of compose(...) padded to side
 
 Sprite names: Sokoban ``wall floor target box box_target player player_target``; FrozenLake
-``ice hole goal elf elf_hole elf_goal``; Maze ``maze_wall maze_path maze_player maze_goal
-maze_player_goal``; Taxi overlays ``taxi taxi_full passenger destination`` and tiles ``road
+``ice hole goal elf elf_hole elf_goal`` and ``void`` (black: off the board); Maze ``maze_wall
+maze_path maze_player maze_goal maze_player_goal``; Taxi overlays ``taxi taxi_full passenger destination`` and tiles ``road
 depot_r depot_g depot_y depot_b``. Everything is drawn with ``PIL.ImageDraw`` at 4x and reduced with
 a box filter (smooth edges), so nothing is downloaded and each sprite costs ~1 ms once.
 """
@@ -249,6 +249,7 @@ _TILES: dict[str, Painter] = {
     "ice": _ice, "hole": _hole, "goal": _goal, "elf": _elf, "elf_hole": _elf_hole, "elf_goal": _elf_goal,
     "maze_wall": _maze_wall, "maze_path": _maze_path, "maze_player": _maze_player, "maze_goal": _maze_goal,
     "maze_player_goal": _maze_player_goal,
+    "void": lambda d, s: None,  # black: off the board (FrozenLake's egocentric view)
     "road": _road, "depot_r": _depot((235, 120, 120), "R"), "depot_g": _depot((120, 210, 120), "G"),
     "depot_y": _depot((240, 225, 110), "Y"), "depot_b": _depot((120, 150, 240), "B"),
 }
