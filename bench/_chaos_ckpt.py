@@ -35,11 +35,6 @@ BOUND_S = CRASH_LOOP_KILLS * (180 + RECOVERED_WAIT_S) + TWO_CHECKPOINTS_WAIT_S +
 _RECOVERED = re.compile(r"recovered \d+ entries a previous learner process left pending|^.*step \d+/\d+ v\d+", re.M)
 
 
-def _this_life(p) -> str:
-    """The learner's log since its current start (chaos.Proc.start writes a header per start)."""
-    return p.log.read_text(errors="replace").rsplit("=== chaos: start #", 1)[-1]
-
-
 def learner_crash_loop(c, f) -> None:
     kills, recovered = 0, 0
     ckpts = c.run_dir / "checkpoints"
@@ -50,9 +45,9 @@ def learner_crash_loop(c, f) -> None:
             break
         pid = p.popen.pid
         deadline = time.monotonic() + RECOVERED_WAIT_S
-        while time.monotonic() < deadline and p.alive and p.popen.pid == pid and not _RECOVERED.search(_this_life(p)):
+        while time.monotonic() < deadline and p.alive and p.popen.pid == pid and not _RECOVERED.search(p.this_life()):
             c.wait(0.2)
-        recovered += bool(_RECOVERED.search(_this_life(p)))
+        recovered += bool(_RECOVERED.search(p.this_life()))
         if p.signal(signal.SIGKILL):
             kills += 1
         c.wait(0.5)  # the supervisor restarts it (with --resume)

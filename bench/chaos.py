@@ -221,6 +221,14 @@ class Proc:
     def unexpected_exits(self) -> list[tuple[int, int]]:
         return [(pid, code) for pid, code, ours in self.exits if not ours]
 
+    def this_life(self) -> str:
+        """Its log since its current (or just ended) start: :meth:`start` writes a header per start."""
+        return self.log.read_text(errors="replace").rsplit("=== chaos: start #", 1)[-1]
+
+    def last_lines(self, n: int = 20) -> str:
+        """The last ``n`` lines of :meth:`this_life`: why it exited."""
+        return "\n".join(self.this_life().rstrip().splitlines()[-n:])
+
 
 # --------------------------------------------------------------------------- the soak
 
@@ -311,8 +319,9 @@ class Chaos:
                 p.paused_until = None
             if p.reap() and not p.stopping:
                 pid, code, ours = p.exits[-1]
-                if not ours:
-                    self.echo(f"chaos: {p.name} (pid {pid}) exited with {code} without being killed; restarting")
+                if not ours:  # its last lines go to the output: a CI log may be all there is to read
+                    self.echo(f"chaos: {p.name} (pid {pid}) exited with {code} without being killed; restarting; "
+                              f"its last lines:\n{p.last_lines()}")
                 p.start()
 
     def wall_bound_s(self) -> float:

@@ -101,6 +101,23 @@ def test_accounting_classifies_every_fate_from_independent_sources(tmp_path, red
                                                               "entries dead-lettered 1, lost 1")
 
 
+def test_an_exit_the_soak_did_not_cause_is_restarted_and_echoed_with_its_last_lines(tmp_path) -> None:
+    echoed: list[str] = []
+    c = chaos.Chaos(tmp_path, echo=echoed.append)
+    code = "import sys; print('first life'); print('why: boom', flush=True); sys.exit(7)"
+    p = chaos.Proc("judge-0", "judge", [sys.executable, "-c", code], tmp_path / "judge-0.log", {})
+    c.procs = [p]
+    p.start()
+    p.popen.wait(30)
+    c.supervise()  # reaped, echoed with the life's last lines, started again
+    assert p.starts == 2 and p.unexpected_exits()[0][1] == 7
+    assert len(echoed) == 1 and "judge-0" in echoed[0] and "exited with 7 without being killed" in echoed[0]
+    assert echoed[0].splitlines()[-2:] == ["first life", "why: boom"]
+    p.popen.wait(30)
+    assert p.this_life().startswith("2 at ")  # the second life's header; the first life's lines are before it
+    assert "why: boom" in p.this_life()
+
+
 MIN_STEPS = 3  # after the soak, the run goes on until the ledger holds this many steps (work, not time)
 
 
@@ -118,8 +135,9 @@ def test_two_minute_soak_loses_nothing_and_trains_nothing_twice(tmp_path, capsys
     produced, once, twice, lost, crash_lost, torn_lost, dropped, dead, queued = map(int, m.groups())
     assert (twice, lost) == (0, 0) and rc == 0, out[-3000:]
     assert produced == once + crash_lost + torn_lost + dropped + dead + queued, out[-3000:]
-    assert f"verdict: unexpected exits 0, trained twice 0, good entries dead-lettered {dead}, lost 0" in out
     res = json.loads((tmp_path / "chaos.json").read_text())
+    assert f"verdict: unexpected exits 0, trained twice 0, good entries dead-lettered {dead}, lost 0" in out, \
+        _exits_explained(res, out)
     # every step of the surviving lineage trained a batch of distinct trajectories (none twice)
     assert res["steps"] >= MIN_STEPS and once == chaos.FAST["trainer.train_batch_size"] * res["steps"], out[-3000:]
     assert Counter(f["kind"] for f in res["faults"]) == {k: 1 for k in chaos.KINDS}
@@ -183,3 +201,12 @@ def test_accounting_ends_the_lineage_at_the_final_checkpoint_and_counts_torn_los
     res = c.account()
     assert (res["trained_once"], res["steps"], res["lost_with_torn"]) == (2, 2, 1)
     assert res["lost_ids"] == sorted(ids[3:])  # ids[3] only in the dropped lineage; 4 and 5 nowhere
+
+
+def _exits_explained(res: dict, out: str) -> str:
+    """The soak's exits it did not cause, each with the last lines its process logged (what the
+    soak echoed when it restarted it): a CI log keeps only the assertion message."""
+    lines = out.splitlines()
+    echoed = [i for i, x in enumerate(lines) if "without being killed" in x]
+    return "\n".join([f"unexpected exits: {res['unexpected_exits']}", *("\n".join(lines[i:i + 21]) for i in echoed),
+                      out[-1500:]])
