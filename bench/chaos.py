@@ -182,7 +182,7 @@ class Chaos:
     def start(self) -> None:
         from worldloop.common.transport.control import write_control
         from worldloop.common.contracts.keys import Keys
-        from worldloop.common.metrics import free_port
+        from worldloop.common.metrics import unassigned_port
         from worldloop.common.transport.redis_local import LocalRedis
         from worldloop.common.transport.streams import connect
         from worldloop.bootstrap.tiny_model import make_tiny_model
@@ -193,7 +193,10 @@ class Chaos:
         self.redis = LocalRedis(data_dir=str(self.out / "redis"), persist=True).start(timeout=60)
         self.r = connect(self.redis.url, 10.0)
         self.keys = Keys(NS)
-        cfg = chaos_config(self.out, self.redis.url, model, free_port(), free_port(), self.claim_idle_ms,
+        # the weight ports below the ephemeral range, as worldloop up picks them: the learner restarts on them
+        # about ten times while the actors reconnect, and a reconnect to a port of the range can connect to
+        # itself and hold it (common/transport/weights/publisher.py, SELF_CONNECT)
+        cfg = chaos_config(self.out, self.redis.url, model, unassigned_port(), unassigned_port(), self.claim_idle_ms,
                            self.overrides)
         self.cfg = cfg
         cfg_path = self.out / "chaos.yaml"

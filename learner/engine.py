@@ -53,7 +53,6 @@ import torch
 
 from worldloop.common.contracts.config import Config, ConfigError
 from worldloop.common.lora import adapter_tensors
-from worldloop.common.metrics import free_port
 from worldloop.common.lora import enabled as lora_enabled
 from worldloop.common.contracts.logprobs import model_inputs, token_logprobs
 from worldloop.common.contracts.modeling import ChatCodec, freeze_vision_tower, load_policy
@@ -99,7 +98,9 @@ def init_distributed(cfg: Config) -> DistInfo:
 
     added: list[str] = []
     if "RANK" not in os.environ:
-        single = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        # MASTER_PORT 0: the store of a world of one binds a port the OS hands it (no rank has to find it);
+        # a port picked free and bound later can be taken in between by another process's client socket
+        single = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
         added = [k for k in single if k not in os.environ]
         os.environ.update({k: single[k] for k in added})
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -24,7 +24,7 @@ import zmq.auth
 from prometheus_client import REGISTRY
 
 from worldloop.common.contracts.config import ConfigError, config_from_dict
-from worldloop.common.metrics import free_port
+from worldloop.common.metrics import free_port, unassigned_port
 from worldloop.common.transport.weights import (
     DTYPES,
     WeightPublisher,
@@ -477,7 +477,7 @@ def test_a_request_lost_with_a_dead_publisher_is_asked_again_when_it_comes_back(
     """A learner killed while it holds a request, then restarted on the same ports: the request is
     asked again as soon as the connection shakes hands with the new learner, not after ``resend_s``
     (here longer than ``fetch_timeout_s``, so waiting for it would end in WeightsTimeout)."""
-    pub_port, fetch_port = free_port(), free_port()
+    pub_port, fetch_port = unassigned_port(), unassigned_port()  # not in the ephemeral range: SELF_CONNECT
     # the learner that takes the request and dies without answering, in a context of its own: a
     # socket's close is carried out by the context's I/O thread later, and only terminating the
     # context waits until the listening port is really released for the new learner to bind

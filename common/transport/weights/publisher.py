@@ -50,7 +50,7 @@ from typing import Any, Mapping
 import torch
 import zmq
 
-from worldloop.common.metrics import metric
+from worldloop.common.metrics import ephemeral_range, metric
 from worldloop.common.transport.weights.codec import (
     CONTROL_MAX_BYTES,
     DEFAULT_HASH,
@@ -100,6 +100,19 @@ class _Served:
     buf: EncodingBuffer
     frames: list[zmq.Frame] = field(default_factory=list)  # one zero-copy frame per chunk
     delta: DeltaOffer | None = None  # this version as a delta from the one served before it
+
+
+# A client that reconnects to a port of the ephemeral range on its own host while nothing listens
+# there can be handed that very port as its source and connect to itself (TCP simultaneous open; a
+# DEALER to itself even completes the ZeroMQ handshake and stays): a learner restarted meanwhile then
+# cannot bind it. Ports below the range are never handed out as sources.
+SELF_CONNECT = ("a subscriber reconnecting while the learner was down can hold such a port, connected to itself; "
+                "use ports below the range, as worldloop up does")
+
+
+def in_ephemeral_range(port: int) -> bool:
+    low, high = ephemeral_range()
+    return low <= port <= high
 
 
 class WeightPublisher:
@@ -195,10 +208,15 @@ class WeightPublisher:
     @staticmethod
     def _bind(sock: zmq.Socket, host: str, port: int, arg: str) -> int:
         addr = endpoint(host, port if port else "*")
+        in_range = bool(port) and in_ephemeral_range(port)
+        if in_range:
+            log.warning("weights.%s %d is in this host's ephemeral range %d-%d: %s", arg, port, *ephemeral_range(),
+                        SELF_CONNECT)
         try:
             sock.bind(addr)
         except zmq.ZMQError as e:
-            raise WeightsError(f"cannot bind the weights {arg} socket on {addr}: {e}") from None
+            hint = f" ({SELF_CONNECT})" if in_range and e.errno == zmq.EADDRINUSE else ""
+            raise WeightsError(f"cannot bind the weights {arg} socket on {addr}: {e}{hint}") from None
         return int(sock.last_endpoint.decode().rsplit(":", 1)[1])
 
     @property
