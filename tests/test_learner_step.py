@@ -450,14 +450,16 @@ def test_a_final_evaluation_measured_longer_than_the_reserve_stops_the_learner_e
     final_eval_episodes, need more than the reserve moves the learner's stop earlier by the
     difference (and it says by when the final evaluation must end): 100 CPU s for 64 episodes -> 512 need 800 + 15 s, 755 s beyond a 60 s reserve, more
     than the 700 s trainer.time_limit_s, so the second update does not start. Without the record (the
-    control run) the same limit lets all 3 updates run."""
+    control run) the same limit lets all 3 updates run, and so does the default
+    up.final_eval_max_share 0.25 (the capped run: at most 225 - 60 = 165 s kept back beyond the reserve)."""
     runs = {}
-    for name, record in (("measured", True), ("control", False)):
+    for name, record, share in (("measured", True, 1.0), ("control", False, 1.0), ("capped", True, 0.25)):
         ns = f"finalreserve-{name}"
         cfg = tiny_learner_config(model_dir, redis_srv.url, tmp_path / name, namespace=ns, total_steps=3,
                                   checkpoint_every=3, eval_every=5, eval_episodes=64, final_eval_episodes=512,
                                   final_eval_wait_s=0)
         cfg.up.time_limit_s, cfg.up.final_reserve_s, cfg.trainer.time_limit_s = 900.0, 60.0, 700.0
+        cfg.up.final_eval_max_share = share
         (tmp_path / name).mkdir()
         if record:  # what worldloop/heldout.py writes for the in-run evaluation of v0
             (tmp_path / name / "eval.jsonl").write_text(json.dumps({"eval": {
@@ -470,4 +472,4 @@ def test_a_final_evaluation_measured_longer_than_the_reserve_stops_the_learner_e
         # the final evaluation's deadline: the learner's start + 700 s + the 60 s reserve - 10 s to exit
         assert t0 + 750.0 <= float(control["final_eval_by"]) <= time.time() + 750.0
         runs[name] = lrn.step_no
-    assert runs == {"measured": 1, "control": 3}
+    assert runs == {"measured": 1, "control": 3, "capped": 3}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import io
 import json
+import logging
 import struct
 import sys
 import zlib
@@ -218,6 +219,7 @@ def test_the_learner_keeps_back_what_the_newest_in_run_evaluation_says_beyond_th
     cfg = make_cfg(tmp_path, ["jsonl"])
     cfg.trainer.eval_every, cfg.trainer.eval_episodes, cfg.trainer.final_eval_episodes = 5, 64, 512
     cfg.up.final_reserve_s = 60.0
+    cfg.up.final_eval_max_share = 1.0  # no cap here (the next test has it)
     trackers = open_trackers(tmp_path, cfg)
     try:
         def write(**rec):
@@ -240,6 +242,32 @@ def test_the_learner_keeps_back_what_the_newest_in_run_evaluation_says_beyond_th
         assert trackers.final_eval_extra_s(cfg) == 0.0
         cfg.trainer.eval_every = 5
         assert trackers.final_eval_extra_s(cfg) == 40.0 * 8 + 15.0 - 60.0
+    finally:
+        trackers.close()
+
+
+def test_the_final_evaluation_keeps_back_at_most_its_share_of_the_budget(tmp_path, caplog):
+    # the run of 2026-11-29 on a 2-core VM under the test suite: 98.7 CPU s for 64 in-run episodes ->
+    # 98.7 * 8 + 15 = 804.6 s for 512, which stopped the learner after 1 of 60 updates
+    cfg = make_cfg(tmp_path, ["jsonl"])
+    cfg.trainer.eval_every, cfg.trainer.eval_episodes, cfg.trainer.final_eval_episodes = 5, 64, 512
+    cfg.up.time_limit_s, cfg.up.final_reserve_s = 570.0, 60.0
+    assert cfg.up.final_eval_max_share == 0.25  # the default
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"eval": {"policy_version": 0, "episodes": {"all": 64},
+                                                              "cpu_s": 98.7, "final": False}}) + "\n")
+    trackers = open_trackers(tmp_path, cfg)
+    try:
+        trackers.poll_evals()
+        with caplog.at_level(logging.INFO, logger="worldloop.learner.trackers"):
+            assert trackers.final_eval_extra_s(cfg) == pytest.approx(0.25 * 570.0 - 60.0)  # 82.5 s, not 744.6
+        assert "up.final_eval_max_share=0.25 caps it" in caplog.text
+        cfg.up.final_eval_max_share = 0.5
+        assert trackers.final_eval_extra_s(cfg) == pytest.approx(0.5 * 570.0 - 60.0)
+        cfg.up.final_eval_max_share = 0.1  # less than the reserve itself: nothing more is kept back
+        assert trackers.final_eval_extra_s(cfg) == 0.0
+        cfg.up.time_limit_s = 2000.0  # a budget whose share holds the estimate: kept back as estimated
+        cfg.up.final_eval_max_share = 0.5
+        assert trackers.final_eval_extra_s(cfg) == pytest.approx(98.7 * 8 + 15.0 - 60.0)
     finally:
         trackers.close()
 

@@ -393,6 +393,11 @@ class UpConfig(Section):
                                    description="time kept back from the learner for the final held-out evaluation and shutdown; "
                                                "the learner keeps back more once an in-run evaluation's CPU seconds, "
                                                "scaled to trainer.final_eval_episodes, say the final one needs more")
+    final_eval_max_share: Float = Field(0.25, gt=0, le=1,
+                                        description="the most of up.time_limit_s the final evaluation may keep back from the "
+                                                    "learner (up.final_reserve_s included), however long it is estimated to "
+                                                    "take; beyond it the final evaluation is cut at its deadline (fewer "
+                                                    "episodes, said in its record), so a slow or loaded machine still trains")
     progress_interval_s: Float = Field(2.0, gt=0, le=3600, description="seconds between progress lines on the terminal")
 
 
