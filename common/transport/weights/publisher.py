@@ -110,11 +110,6 @@ SELF_CONNECT = ("a subscriber reconnecting while the learner was down can hold s
                 "use ports below the range, as worldloop up does")
 
 
-def in_ephemeral_range(port: int) -> bool:
-    low, high = ephemeral_range()
-    return low <= port <= high
-
-
 class WeightPublisher:
     """Announces versions on PUB and serves the newest one in chunks from a ROUTER thread."""
 
@@ -208,10 +203,10 @@ class WeightPublisher:
     @staticmethod
     def _bind(sock: zmq.Socket, host: str, port: int, arg: str) -> int:
         addr = endpoint(host, port if port else "*")
-        in_range = bool(port) and in_ephemeral_range(port)
+        low, high = ephemeral_range()
+        in_range = bool(port) and low <= port <= high
         if in_range:
-            log.warning("weights.%s %d is in this host's ephemeral range %d-%d: %s", arg, port, *ephemeral_range(),
-                        SELF_CONNECT)
+            log.warning("weights.%s %d is in this host's ephemeral range %d-%d: %s", arg, port, low, high, SELF_CONNECT)
         try:
             sock.bind(addr)
         except zmq.ZMQError as e:
