@@ -442,6 +442,9 @@ class VisualEnv(gymnasium.Env):
                 "symbolic": state.get("symbolic"),
                 "structured": state.get("structured") or {},
             }
+            outlook = self.move_outlook()
+            if outlook is not None:  # the truth an outlook reasoning is scored against (judge/rule/outlook.py)
+                self._state_cache["outlook"] = str(outlook)
         return self._state_cache
 
     def _base_info(self) -> dict:

@@ -41,6 +41,12 @@ not apply) and ``reasoning_reward = beta_g * grounding + beta_w * worldmodeling`
 contributing 0 (no renormalisation: a worldmodeling-only strategy earns at most beta_w, as in
 VAGEN). A turn with no applicable part gets reasoning_reward 0.0.
 
+Outlook. Where the env states what each move runs into (``state_before.outlook``, FrozenLake), the
+turn's ``<reasoning>`` is scored against it by a rule of its own (:func:`fill_outlook_score`: the
+share of cells named right, 0.0 without the format reward) into ``outlook_score``. It adds nothing
+to ``reasoning_reward`` (the paper's reward stays as it is); the learner reads it for
+``trainer.reasoning_advantage: outlook``.
+
 Format gate (VAGEN ``state_reward_text_utils.py``: no format reward, no state reward). The reasoning
 reward is paid only on a turn that earned the format reward (:func:`format_rewarded`): on a turn
 rejected for its format or for an unknown action word (``format_reward`` 0) every applicable part
@@ -68,6 +74,7 @@ from worldloop.common.metrics import metric
 from worldloop.common.contracts.schemas import Trajectory, Turn
 from worldloop.judge.llm import LLMClient
 from worldloop.judge.local_score import local_score, local_score_facts
+from worldloop.judge.rule.outlook import outlook_score
 from worldloop.judge.prompts import extract_messages, parse_extraction, parse_verdict, verdict_messages
 from worldloop.judge.rule import (RepetitionTracker, RuleResult, Truth, build_truth, entity_names, extract_items,
                                   items_from_extraction, score_items)
@@ -257,6 +264,9 @@ class TrajectoryScorer:
         turn.reasoning_reward = cfg.beta_grounding * (g or 0.0) + cfg.beta_worldmodeling * (w or 0.0)
         turn.judge = {"scorers": names, "fallback": any(r.fallback for r in parts.values()), **details}
         self._m_score.labels(field="reasoning").observe(turn.reasoning_reward)
+        fill_outlook_score(turn)
+        if turn.outlook_score is not None:
+            self._m_score.labels(field="outlook").observe(turn.outlook_score)
         used = {n for r in parts.values() for n, d in r.detail.get("scorers", {}).items() if d.get("score") is not None}
         for n in used:
             self._m_turns.labels(scorer=n).inc()
@@ -282,6 +292,16 @@ def _answer_detail(answer, **extra) -> dict:
     return {"cached": answer.cached, "attempts": answer.attempts, **extra}
 
 
+def fill_outlook_score(turn: Turn) -> None:
+    """``turn.outlook_score``: the share of ``state_before.outlook``'s cells its ``<reasoning>`` names
+    right (:mod:`worldloop.judge.rule.outlook`), 0.0 on a turn without the format reward (the format
+    gate), None where the state has no outlook. It is not part of ``reasoning_reward``: the learner's
+    ``trainer.reasoning_advantage: outlook`` pays the reasoning's tokens with it."""
+    truth = turn.state_before.outlook
+    score = outlook_score(turn.reasoning, truth)
+    turn.outlook_score = score if score is None or format_rewarded(turn) else 0.0
+
+
 def format_rewarded(turn: Any) -> bool:
     """Whether ``turn`` earned the format reward, the condition of any reasoning reward."""
     value = turn.get("format_reward") if isinstance(turn, dict) else getattr(turn, "format_reward", 0.0)
@@ -305,5 +325,6 @@ def fallback_trajectory(traj: Trajectory, cfg: JudgeConfig, reason: str) -> Traj
         turn.reasoning_reward = (cfg.beta_grounding * (scores["grounding"] or 0.0)
                                  + cfg.beta_worldmodeling * (scores["worldmodeling"] or 0.0))
         turn.judge = {"fallback": True, "reason": reason[:500]}
+        fill_outlook_score(turn)  # a rule of its own: no scorer to fall back from
     traj.scored = True
     return traj

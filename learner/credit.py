@@ -7,7 +7,10 @@ Public API::
     step_group_stats(trajectories) -> dict            # turns, shared (step group > 1), shared_fraction
     observation_char_span(text) -> (start, end) | None
     observation_token_span(response_ids, tokenizer) -> (start, end) | None
+    tag_token_span(response_ids, tokenizer, tags=OBSERVATION) -> (start, end) | None
     observation_advantages(trajectories, rows, codec, shape, *, baseline="group", coef=1.0)
+        -> (mask [B, L], values [B, L], stats)
+    reasoning_advantages(trajectories, rows, codec, shape, *, baseline="group", coef=1.0)
         -> (mask [B, L], values [B, L], stats)
 
 **Anchors** (``trainer.estimator: gigpo``): turns of one GRPO group whose environment state before
@@ -27,6 +30,11 @@ turn's ``response_ids`` with the model's tokenizer (no field on the wire, so tra
 age work): every token whose text overlaps the characters between the first ``<observation>`` and
 the ``</observation>`` after it (the tags themselves, when a token of their own, keep the task
 advantage).
+
+**Reasoning advantage** (``trainer.reasoning_advantage: outlook``): the same for the tokens inside
+each turn's ``<reasoning>...</reasoning>``, with the judge's ``outlook_score`` (the share of the
+cells around the player that the reasoning names right, ``worldloop.judge.rule.outlook``) in place
+of the grounding score; turns whose state has no outlook keep the task advantage.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from worldloop.common.contracts.schemas import State, Trajectory
 from worldloop.learner.advantages import grounding_turn_advantages, step_group_sizes
 
 OPEN, CLOSE = "<observation>", "</observation>"
+OBSERVATION, REASONING = (OPEN, CLOSE), ("<reasoning>", "</reasoning>")
 BASELINES = ("group", "step")
 
 
@@ -64,13 +73,15 @@ def step_group_stats(trajectories: Sequence[Trajectory], anchors: list[list[str]
     return {"turns": len(sizes), "shared": shared, "shared_fraction": shared / len(sizes) if sizes else 0.0}
 
 
-def observation_char_span(text: str) -> tuple[int, int] | None:
-    """Character range of the content of the first ``<observation>...</observation>``, or None."""
-    start = text.find(OPEN)
+def observation_char_span(text: str, tags: tuple[str, str] = OBSERVATION) -> tuple[int, int] | None:
+    """Character range of the content of the first ``<observation>...</observation>`` (or of the
+    first pair of ``tags``), or None."""
+    opening, closing = tags
+    start = text.find(opening)
     if start < 0:
         return None
-    start += len(OPEN)
-    end = text.find(CLOSE, start)
+    start += len(opening)
+    end = text.find(closing, start)
     return None if end < 0 else (start, end)
 
 
@@ -91,11 +102,17 @@ def _token_ends(ids: list[int], backend: Any) -> tuple[str, list[int]]:
 def observation_token_span(response_ids: Sequence[int], tokenizer: Any) -> tuple[int, int] | None:
     """[start, end) of the response tokens that overlap the observation's content; None if there is
     none. ``tokenizer``: a Hugging Face fast tokenizer (``ChatCodec.tokenizer``)."""
+    return tag_token_span(response_ids, tokenizer, OBSERVATION)
+
+
+def tag_token_span(response_ids: Sequence[int], tokenizer: Any,
+                   tags: tuple[str, str] = OBSERVATION) -> tuple[int, int] | None:
+    """[start, end) of the response tokens that overlap the content of the first pair of ``tags``."""
     ids = [int(i) for i in response_ids]
     if not ids:
         return None
     text, ends = _token_ends(ids, tokenizer.backend_tokenizer)
-    span = observation_char_span(text)
+    span = observation_char_span(text, tags)
     if span is None or span[0] == span[1]:
         return None
     a, b = span
@@ -104,8 +121,8 @@ def observation_token_span(response_ids: Sequence[int], tokenizer: Any) -> tuple
     return (inside[0], inside[-1] + 1) if inside else None
 
 
-def _turn_scores(traj: Trajectory) -> list[float | None]:
-    return [float(t.grounding_score) if t.grounding_score is not None and float(t.format_reward) > 0 else None
+def _turn_scores(traj: Trajectory, field: str = "grounding_score") -> list[float | None]:
+    return [float(getattr(t, field)) if getattr(t, field) is not None and float(t.format_reward) > 0 else None
             for t in traj.turns]
 
 
@@ -114,20 +131,31 @@ def observation_advantages(trajectories: Sequence[Trajectory], rows: range, code
     """``(mask, values, stats)`` for the local ``rows`` of the batch ``trajectories`` laid out as
     :func:`worldloop.common.contracts.modeling.build_sequence` does, padded to ``shape``: ``mask`` is 1 on the
     observation tokens of the turns that take part, ``values`` their advantage (module docstring)."""
+    return _span_advantages(trajectories, rows, codec, shape, "grounding_score", OBSERVATION, baseline, coef)
+
+
+def reasoning_advantages(trajectories: Sequence[Trajectory], rows: range, codec: Any, shape: tuple[int, int], *,
+                         baseline: str = "group", coef: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """As :func:`observation_advantages` for the ``<reasoning>`` tokens, with the turns' ``outlook_score``."""
+    return _span_advantages(trajectories, rows, codec, shape, "outlook_score", REASONING, baseline, coef)
+
+
+def _span_advantages(trajectories: Sequence[Trajectory], rows: range, codec: Any, shape: tuple[int, int], field: str,
+                     tags: tuple[str, str], baseline: str, coef: float) -> tuple[torch.Tensor, torch.Tensor, dict]:
     if baseline not in BASELINES:
         raise ValueError(f"baseline: expected one of {', '.join(BASELINES)}, got {baseline!r}")
     if baseline == "step":
         keys = [[(x.group_id, a) for a in row] for x, row in zip(trajectories, trajectory_anchors(trajectories))]
     else:
         keys = [[x.group_id] * len(x.turns) for x in trajectories]
-    adv = grounding_turn_advantages([_turn_scores(x) for x in trajectories], keys, coef)
+    adv = grounding_turn_advantages([_turn_scores(x, field) for x in trajectories], keys, coef)
     mask, values = torch.zeros(shape), torch.zeros(shape)
     tokens = 0
     for b, r in enumerate(rows):
         pos = 0
         for turn, a in zip(trajectories[r].turns, adv[r]):
             pos += len(turn.obs_ids)
-            span = None if a is None else observation_token_span(turn.response_ids, codec.tokenizer)
+            span = None if a is None else tag_token_span(turn.response_ids, codec.tokenizer, tags)
             if span is not None:
                 mask[b, pos + span[0] : pos + span[1]] = 1.0
                 values[b, pos + span[0] : pos + span[1]] = float(a)

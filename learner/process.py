@@ -382,7 +382,8 @@ class Learner:
             # batch's success_rate is then that of the kept groups only)
             "groups": self._group_record(trajs),
             # gigpo: step_groups {turns, shared (step group > 1), shared_fraction}; observation_advantage
-            # grounding: observation {turns, tokens} (learner/credit.py)
+            # grounding: observation {turns, tokens}; reasoning_advantage outlook: reasoning {turns,
+            # tokens} (learner/credit.py)
             "credit": stats.get("credit"),
             "tokens": stats["tokens"],
             "padding_fraction": stats.get("padding_fraction"),  # padded slots / computed slots (micro-batching)

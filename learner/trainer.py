@@ -19,7 +19,8 @@ An iteration, for this rank's contiguous slice of the global batch:
    the per-trajectory scores of the whole batch (the KL sums are all-reduced) before slicing
    (gigpo also takes every turn's anchor, ``worldloop.learner.credit``); with
    ``observation_advantage: grounding`` the observation tokens then get the grounding advantage
-   (``worldloop.learner.credit.observation_advantages``);
+   (``worldloop.learner.credit.observation_advantages``), with ``reasoning_advantage: outlook`` the
+   reasoning tokens the outlook advantage (``reasoning_advantages``);
 4. ``ppo_epochs`` passes over shuffled PPO mini-batches (``ppo_mini_batch_size`` trajectories
    over all ranks, one optimizer step each), each accumulated over micro-batches: decoupled PPO
    policy loss (ratio against the proximal log-probs; the off-policy weight from proximal/behaviour
@@ -76,7 +77,7 @@ from worldloop.common.contracts.algorithms import estimator_spec
 from worldloop.common.contracts.modeling import build_sequence, collate
 from worldloop.common.contracts.schemas import Trajectory
 from worldloop.learner import advantages as adv_mod
-from worldloop.learner.credit import observation_advantages, step_group_stats, trajectory_anchors
+from worldloop.learner.credit import observation_advantages, reasoning_advantages, step_group_stats, trajectory_anchors
 from worldloop.learner.engine import Models, all_reduce_max, all_reduce_sum
 from worldloop.learner.kernels import checkpointing_mode, pad_multiple
 from worldloop.learner.memory import auto_micro_batch_tokens
@@ -434,17 +435,22 @@ class PPOTrainer:
     def _credit(self, trajectories: list[Trajectory], raw_adv: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """With ``observation_advantage: grounding`` the local rows' observation tokens get the
-        grounding advantage in place of the task advantage (before and after whitening alike);
-        the stats of gigpo's step groups and of the observation advantage."""
+        grounding advantage in place of the task advantage (before and after whitening alike), with
+        ``reasoning_advantage: outlook`` their reasoning tokens the outlook advantage; the stats of
+        gigpo's step groups and of those advantages."""
         t, out = self.t, {}
         if self.spec.step_groups:
             out["step_groups"] = step_group_stats(trajectories)
-        if t.observation_advantage == "grounding":
-            obs, values, st = observation_advantages(trajectories, self._local_rows(), self.models.codec, tuple(mask.shape),
-                                                     baseline=t.observation_baseline, coef=t.observation_advantage_coef)
-            on = (obs > 0) & (mask > 0)
+        spans = [("observation", observation_advantages, t.observation_advantage == "grounding", t.observation_advantage_coef),
+                 ("reasoning", reasoning_advantages, t.reasoning_advantage == "outlook", t.reasoning_advantage_coef)]
+        for name, advantages_of, wanted, coef in spans:
+            if not wanted:
+                continue
+            span, values, st = advantages_of(trajectories, self._local_rows(), self.models.codec, tuple(mask.shape),
+                                             baseline=t.observation_baseline, coef=coef)
+            on = (span > 0) & (mask > 0)
             raw_adv, advantages = torch.where(on, values, raw_adv), torch.where(on, values, advantages)
-            out["observation"] = {"turns": st["turns"], "tokens": all_reduce_sum([float(on.sum())], self.models.dist)[0]}
+            out[name] = {"turns": st["turns"], "tokens": all_reduce_sum([float(on.sum())], self.models.dist)[0]}
         return raw_adv, advantages, out
 
     def _train_micro(self, mb: dict, n_micro: float, n_global: float, n_tokens: float, acc: _Acc, clock: "_Clock",

@@ -9,8 +9,9 @@ import torch
 from worldloop.bootstrap.tiny_model import fallback_corpus
 from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate
 from worldloop.common.contracts.schemas import State, decode_trajectory, encode_trajectory
-from worldloop.learner.credit import (observation_advantages, observation_char_span, observation_token_span,
-                                      step_group_stats, trajectory_anchors, turn_anchor)
+from worldloop.learner.credit import (REASONING, observation_advantages, observation_char_span, observation_token_span,
+                                      reasoning_advantages, step_group_stats, tag_token_span, trajectory_anchors,
+                                      turn_anchor)
 from worldloop.testing.trajectories import synthetic_trajectory
 
 
@@ -63,20 +64,35 @@ def test_observation_token_span_covers_exactly_the_observation(codec: ChatCodec)
     assert observation_token_span([], codec.tokenizer) is None
 
 
-def _batch(codec: ChatCodec) -> list:
-    """Two groups: g = rows 0, 1 (2 turns each), h = row 2 (1 turn). Grounding scores by turn:
-    row 0: 1.0, 0.5; row 1: 0.0, unscored (format failed); row 2: 0.8."""
-    obs_text = "<think><observation>goal is left of the player.</observation><reasoning></reasoning></think><answer>Left</answer>"
-    plan = [("g", [(1.0, 0.5), (0.5, 0.5)]), ("g", [(0.0, 0.5), (0.7, 0.0)]), ("h", [(0.8, 0.5)])]
+OBS_TEXT = "<think><observation>goal is left of the player.</observation><reasoning></reasoning></think><answer>Left</answer>"
+# Two groups: g = rows 0, 1 (2 turns each), h = row 2 (1 turn); per turn (grounding score, format reward)
+OBS_PLAN = [("g", [(1.0, 0.5), (0.5, 0.5)]), ("g", [(0.0, 0.5), (0.7, 0.0)]), ("h", [(0.8, 0.5)])]
+
+
+def _batch(codec: ChatCodec, text: str = OBS_TEXT, plan: list = OBS_PLAN, field: str = "grounding_score") -> list:
+    """Trajectories of ``plan``: per row its group and per turn (score, format reward), the score in
+    ``field``; every response is ``text``. The default: grounding scores row 0: 1.0, 0.5; row 1: 0.0,
+    unscored (format failed); row 2: 0.8."""
     out = []
     for i, (group, turns) in enumerate(plan):
         traj = synthetic_trajectory(codec, trajectory_id=f"o{i}", turns=len(turns), response_tokens=3, group_id=group)
         for turn, (g, fmt) in zip(traj.turns, turns):
-            turn.response_ids = codec.encode_response(obs_text)
+            turn.response_ids = codec.encode_response(text)
             turn.logprobs = [-1.0] * len(turn.response_ids)
-            turn.grounding_score, turn.format_reward = g, fmt
+            turn.format_reward = fmt
+            setattr(turn, field, g)
         out.append(decode_trajectory(encode_trajectory(traj)))  # what the learner reads off the wire
     return out
+
+
+def _expected(want: dict, layouts: list, span: tuple[int, int], shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mask and values with ``want[(row, turn)]`` on the ``span`` of that turn's response."""
+    mask, values = torch.zeros(shape), torch.zeros(shape)
+    for (b, t), v in want.items():
+        start = layouts[b].turn_spans[t][0]
+        mask[b, start + span[0] : start + span[1]] = 1
+        values[b, start + span[0] : start + span[1]] = v
+    return mask, values
 
 
 def test_observation_advantages_by_hand(codec: ChatCodec) -> None:
@@ -88,11 +104,7 @@ def test_observation_advantages_by_hand(codec: ChatCodec) -> None:
     # coef 2: row 0: +1.0, 0.0; row 1: -1.0, none; h: 0.8 alone -> 0.0
     want = {(0, 0): 1.0, (0, 1): 0.0, (1, 0): -1.0, (2, 0): 0.0}
     mask, values, stats = observation_advantages(trajs, range(3), codec, shape, baseline="group", coef=2.0)
-    expect_mask, expect_values = torch.zeros(shape), torch.zeros(shape)
-    for (b, t), v in want.items():
-        start = layouts[b].turn_spans[t][0]
-        expect_mask[b, start + span[0] : start + span[1]] = 1
-        expect_values[b, start + span[0] : start + span[1]] = v
+    expect_mask, expect_values = _expected(want, layouts, span, shape)
     assert torch.equal(mask, expect_mask) and torch.equal(values, expect_values)
     assert stats == {"turns": 4, "local_tokens": 4 * (span[1] - span[0])}
     # a rank holding rows 1..2 gets the same values for its rows (the baseline is the whole batch's)
@@ -106,6 +118,35 @@ def test_observation_advantages_by_hand(codec: ChatCodec) -> None:
     assert values_s[0, s1].item() == 0.0
     with pytest.raises(ValueError, match="baseline"):
         observation_advantages(trajs, range(3), codec, shape, baseline="episode")
+
+
+def test_reasoning_advantages_by_hand(codec: ChatCodec) -> None:
+    """The reasoning's tokens get coef x (outlook score - group mean), from the judge's outlook_score;
+    turns without one (no outlook in the state, or no format reward) keep the task advantage."""
+    text = ("<think><observation>goal is left of the player.</observation><reasoning>Left ice, Down hole, Right "
+            "edge, Up goal.</reasoning><prediction>x</prediction></think><answer>Left</answer>")
+    # outlook scores by turn: row 0: 1.0, 0.25; row 1: 0.5, None (no outlook); row 2 (group h): 0.0 but no format reward
+    plan = [("g", [(1.0, 0.5), (0.25, 0.5)]), ("g", [(0.5, 0.5), (None, 0.5)]), ("h", [(0.0, 0.0)])]
+    trajs = _batch(codec, text, plan, "outlook_score")
+    for traj in trajs:  # a grounding score on every turn changes nothing here
+        for turn in traj.turns:
+            turn.grounding_score = 0.3
+    layouts = [build_sequence(x) for x in trajs]
+    shape = tuple(collate(layouts, codec)["input_ids"].shape)
+    span = tag_token_span(trajs[0].turns[0].response_ids, codec.tokenizer, REASONING)
+    inner = codec.decode(trajs[0].turns[0].response_ids[span[0]:span[1]])
+    assert "Left ice, Down hole, Right edge, Up goal." in inner and "observation" not in inner
+    assert "answer" not in inner and "prediction" not in inner
+    # g's scored turns 1.0, 0.25, 0.5 -> mean 0.583..; coef 3: +1.25, -1.0, -0.25; h takes no part
+    mean = (1.0 + 0.25 + 0.5) / 3
+    want = {(0, 0): 3 * (1.0 - mean), (0, 1): 3 * (0.25 - mean), (1, 0): 3 * (0.5 - mean)}
+    mask, values, stats = reasoning_advantages(trajs, range(3), codec, shape, baseline="group", coef=3.0)
+    expect_mask, expect_values = _expected(want, layouts, span, shape)
+    assert torch.equal(mask, expect_mask) and torch.allclose(values, expect_values)
+    assert stats == {"turns": 3, "local_tokens": 3 * (span[1] - span[0])}
+    # the observation's span is another one: the two advantages never touch the same token
+    obs_mask, _, _ = observation_advantages(trajs, range(3), codec, shape)
+    assert obs_mask.sum() > 0 and not bool((obs_mask * mask).any())
 
 
 def test_config_keys_of_the_credit_options() -> None:
@@ -125,3 +166,10 @@ def test_config_keys_of_the_credit_options() -> None:
         config_from_dict({"trainer": {"gigpo_gamma": 1.5}})
     with pytest.raises(ConfigError, match=r"trainer\.observation_advantage_coef"):
         config_from_dict({"trainer": {"observation_advantage_coef": -1.0}})
+    with pytest.raises(ConfigError, match=r"trainer\.reasoning_advantage.*judge\.enabled"):
+        config_from_dict({"trainer": {"reasoning_advantage": "outlook"}, "judge": {"enabled": False},
+                          "actor": {"n_samples_per_seed": 2}})
+    with pytest.raises(ConfigError, match=r"trainer\.reasoning_advantage.*n_samples_per_seed"):
+        config_from_dict({"trainer": {"reasoning_advantage": "outlook"}, "actor": {"n_samples_per_seed": 1}})
+    with pytest.raises(ConfigError, match=r"trainer\.reasoning_advantage_coef"):
+        config_from_dict({"trainer": {"reasoning_advantage_coef": -0.5}})

@@ -37,6 +37,24 @@ def test_relations_symbolic_structured_of_the_fixed_map() -> None:
                                    "hole_positions": [[1, 1], [1, 3], [2, 3], [3, 0]], "grid_size": [4, 4]}
 
 
+def test_the_state_carries_the_outlook_a_turn_is_judged_against() -> None:
+    """info["state"]["outlook"] is the outlook of that state, before and after a step, and reaches the
+    trajectory's State (the judge's outlook_score compares a turn's reasoning with it)."""
+    from worldloop.common.contracts.schemas import State, decode_trajectory, encode_trajectory, state_from_info
+    from worldloop.testing.trajectories import make_trajectory
+
+    env, info = make(outlook="around")
+    assert info["state"]["outlook"] == ("Left edge, Down ice, Right ice, Up edge; Down-left edge, Down-right hole, "
+                                        "Up-left edge, Up-right edge.")
+    _, _, _, _, after = env.step(ans("Right,Right"))
+    assert after["state"]["outlook"] == env.unwrapped.move_outlook() != info["state"]["outlook"]
+    traj = make_trajectory("s1", turns=1)
+    traj.turns[0].state_before = state_from_info(after)
+    back = decode_trajectory(encode_trajectory(traj)).turns[0].state_before
+    assert back.outlook == after["state"]["outlook"]
+    assert State(relations=[], symbolic=None, structured={}).outlook is None  # envs without an outlook
+
+
 def test_move_outlook_names_each_moves_cell_on_the_fixed_map() -> None:
     """DESC = SFFF / FHFH / FFFH / HFFG, the cells each move leads into, by hand along a safe path:
     (0, 0) -> Right, Right -> (0, 2) -> Down -> (1, 2) -> Down -> (2, 2) -> Down -> (3, 2)."""

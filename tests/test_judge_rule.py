@@ -452,3 +452,36 @@ def test_parsers_take_plain_inputs_and_the_modules_import_one_way() -> None:
     assert imports["svg"] == {rule + "f1", rule + "coordinates"}
     assert imports["parsing"] == {rule + m for m in ("lexicon", "relations", "grids", "coordinates", "svg")}
     assert imports["truths"] == {"worldloop.judge.rule.f1", "worldloop.judge.rule.parsing"}
+
+
+def test_the_outlook_is_scored_cell_by_cell_and_gated_by_the_format() -> None:
+    """``outlook_score``: the share of ``state_before.outlook``'s cells the turn's <reasoning> names
+    right; 0.0 without the format reward, None without an outlook; the reasoning reward is unchanged."""
+    from worldloop.judge.rule.outlook import outlook_cells, outlook_score
+    from worldloop.judge.scoring import fallback_trajectory
+
+    truth = "Left ice, Down hole, Right edge, Up goal; Down-left ice, Down-right hole, Up-left edge, Up-right edge."
+    assert outlook_cells(truth)["down-right"] == "hole" and len(outlook_cells(truth)) == 8
+    assert outlook_score(truth, truth) == 1.0
+    # 2 of 8 cells wrong (Right, Up-left), one missing (Up-right): 5 of 8
+    assert outlook_score("Up goal, left ICE,  Down hole, Right ice; Down-left ice, Down-right hole, Up-left hole.",
+                         truth) == pytest.approx(5 / 8)
+    assert outlook_score("Left ice, Left hole, Down hole.", "Left hole, Down hole.") == 0.5  # first mention counts
+    assert outlook_score(None, truth) == 0.0 and outlook_score("", truth) == 0.0
+    assert outlook_score("Left ice.", None) is None and outlook_score("Left ice.", "no cells here at all") is None
+    s = sokoban_state((3, 3), [(2, 2)], [(1, 3)])
+    traj = judge_trajectory("o1", [("box0 is above the player", None, {**s, "outlook": truth}, s),
+                                   ("box0 is above the player", None, {**s, "outlook": truth}, s),
+                                   ("box0 is above the player", None, s, s)], prompt_format="grounding")
+    said = "Left ice, Down hole, Right edge, Up goal; Down-left hole, Down-right hole, Up-left edge, Up-right edge."
+    for turn in traj.turns:
+        turn.reasoning = said
+    traj.turns[1].format_reward = 0.0
+    _score(traj, beta_grounding=1.0)
+    t0, t1, t2 = traj.turns
+    assert t0.outlook_score == pytest.approx(7 / 8)  # Down-left said hole, is ice
+    assert t1.outlook_score == 0.0  # no format reward: no score
+    assert t2.outlook_score is None  # the state has no outlook
+    assert t0.reasoning_reward == pytest.approx(t0.grounding_score)  # beta_g x grounding alone
+    fell = fallback_trajectory(judge_trajectory("o2", [(None, None, {**s, "outlook": truth}, s)]), JudgeConfig(), "down")
+    assert fell.turns[0].outlook_score == 0.0  # no reasoning written: a rule, not a fallback score

@@ -272,11 +272,13 @@ def test_icepop_and_the_mismatch_on_a_real_update(learner, model_dir):
 
 # --------------------------------------------------------------------------- observation advantage
 
-OBSERVED = "<think><observation>box0 is above the player.</observation><reasoning></reasoning></think><answer>Up</answer>"
+OBSERVED = ("<think><observation>box0 is above the player.</observation><reasoning>Left ice, Up hole.</reasoning>"
+            "</think><answer>Up</answer>")
 
 
 def _observed(model_dir: Path, n: int, prefix: str) -> list:
-    """Trajectories whose responses hold an observation; grounding scores 1.0 in odd rows, 0.0 in even ones."""
+    """Trajectories whose responses hold an observation and an outlook; grounding scores 1.0 in odd rows,
+    0.0 in even ones; outlook scores 0.25 in rows 0, 1 and 0.75 in rows 2, 3."""
     codec = ChatCodec(model_dir, max_image_side=112)
     trajs = _trajectories(model_dir, n, prefix)
     for i, x in enumerate(trajs):
@@ -285,6 +287,7 @@ def _observed(model_dir: Path, n: int, prefix: str) -> list:
             turn.response_ids = codec.encode_response(OBSERVED)
             turn.logprobs = [-2.0] * len(turn.response_ids)
             turn.grounding_score = float(i % 2)
+            turn.outlook_score = 0.25 if i < 2 else 0.75
     return trajs
 
 
@@ -318,6 +321,31 @@ def test_observation_advantage_replaces_only_the_observation_tokens(learner, mod
     assert torch.equal(out_raw[obs], want[obs]) and torch.equal(out_white[obs], want[obs])
     assert torch.equal(out_raw[~obs], raw[~obs]) and torch.equal(out_white[~obs], white[~obs])
     assert credit == {"observation": {"turns": 8, "tokens": 8.0 * (e - s)}}
+    # reasoning_advantage outlook as well: the reasoning tokens get 2 x (o - group mean); the
+    # observation tokens as before
+    from worldloop.learner.credit import REASONING, tag_token_span
+
+    saved = (t.observation_advantage, t.observation_advantage_coef, t.reasoning_advantage, t.reasoning_advantage_coef)
+    for x in trajs:  # one row of each group changes its outlook score: g0 (0.25, 1.0), g1 (0.75, 0.0)
+        for turn in x.turns:
+            turn.outlook_score = {"g0": {0: 0.25, 1: 1.0}, "g1": {2: 0.75, 3: 0.0}}[x.group_id][trajs.index(x)]
+    try:
+        (t.observation_advantage, t.observation_advantage_coef, t.reasoning_advantage,
+         t.reasoning_advantage_coef) = "grounding", 3.0, "outlook", 2.0
+        out_raw, out_white, credit = trainer._credit(trajs, raw, white, mask)
+    finally:
+        t.observation_advantage, t.observation_advantage_coef, t.reasoning_advantage, t.reasoning_advantage_coef = saved
+    rs, re_ = tag_token_span(trajs[0].turns[0].response_ids, learner.models.codec.tokenizer, REASONING)
+    assert rs >= e  # the reasoning comes after the observation
+    rsn = torch.zeros(mask.shape, dtype=torch.bool)
+    for b, x in enumerate(build_sequence(y) for y in trajs):
+        for start, _ in x.turn_spans:
+            rsn[b, start + rs : start + re_] = True
+            want[b, start + rs : start + re_] = 2.0 * {0: -0.375, 1: 0.375, 2: 0.375, 3: -0.375}[b]
+    touched = obs | rsn
+    assert torch.equal(out_raw[touched], want[touched]) and torch.equal(out_white[touched], want[touched])
+    assert torch.equal(out_raw[~touched], raw[~touched])
+    assert credit["reasoning"] == {"turns": 8, "tokens": 8.0 * (re_ - rs)}
 
 
 def test_gigpo_with_the_grounding_observation_advantage_runs_a_real_update(learner, model_dir):

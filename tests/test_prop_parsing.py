@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from worldloop.envs.parsing import PROMPT_FORMATS, THINK_FIELDS, ActionVocab, parse_response
 from worldloop.judge.rule import rule_score
+from worldloop.judge.rule.outlook import outlook_score
 from test_judge_rule import relation_sentence, sokoban_state
 
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -143,3 +144,44 @@ def test_the_rule_judge_on_relations_only_states(state: dict, noise: str) -> Non
                        (state["relations"][::-1], state["relations"][::-1])):
         again = rule_score(said(rel), {"relations": truth})
         assert (again.score, again.matched, again.predicted) == pytest.approx((r.score, r.matched, r.predicted))
+
+
+OUTLOOK_NAMES = ["Left", "Down", "Right", "Up", "Down-left", "Down-right", "Up-left", "Up-right"]
+OUTLOOK_WORDS = ["ice", "hole", "goal", "edge"]
+
+
+@st.composite
+def outlooks(draw) -> list[tuple[str, str]]:
+    names = draw(st.lists(st.sampled_from(OUTLOOK_NAMES), min_size=1, max_size=8, unique=True))
+    return [(n, draw(st.sampled_from(OUTLOOK_WORDS))) for n in names]
+
+
+def _outlook_text(items: list[tuple[str, str]], seps: list[str]) -> str:
+    return "".join(f"{n} {w}{seps[i % len(seps)]} " for i, (n, w) in enumerate(items)).strip()
+
+
+@SETTINGS
+@given(st.one_of(st.text(max_size=200), PIECES.map("".join), st.none()), outlooks())
+def test_the_outlook_score_never_raises_and_stays_in_the_unit_interval(text, truth) -> None:
+    score = outlook_score(text, _outlook_text(truth, [","]))
+    assert 0.0 <= score <= 1.0
+
+
+@SETTINGS
+@given(outlooks(), st.data())
+def test_the_outlook_score_counts_right_cells_whatever_their_order(truth, data) -> None:
+    """Against a hand count: the agent keeps some cells, changes the word of others and drops the
+    rest, then writes them in any order with any separators; the score is the kept share."""
+    said, right = [], 0
+    for name, word in truth:
+        fate = data.draw(st.sampled_from(["keep", "change", "drop"]))
+        if fate == "keep":
+            said.append((name, word))
+            right += 1
+        elif fate == "change":
+            said.append((name, data.draw(st.sampled_from([w for w in OUTLOOK_WORDS if w != word]))))
+    said = data.draw(st.permutations(said))
+    seps = data.draw(st.lists(st.sampled_from([",", ";", "."]), min_size=1, max_size=3))
+    truth_text = _outlook_text(truth, [",", ";"])
+    assert outlook_score(_outlook_text(said, seps), truth_text) == pytest.approx(right / len(truth))
+    assert outlook_score(_outlook_text(said, seps).upper(), truth_text) == pytest.approx(right / len(truth))

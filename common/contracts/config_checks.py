@@ -128,15 +128,21 @@ def check_off_policy(cfg: Any) -> None:
 
 def check_observation_advantage(cfg: Any) -> None:
     """`trainer.observation_advantage: grounding` needs the judge's grounding scores
-    (`judge.enabled`). It and estimator `gigpo` compare turns within GRPO groups, so they need
+    (`judge.enabled`), `trainer.reasoning_advantage: outlook` its outlook scores. They and estimator
+    `gigpo` compare turns within GRPO groups, so they need
     groups (`actor.n_samples_per_seed` >= 2): alone, a turn's baseline is itself."""
     t = cfg.trainer
     if t.observation_advantage == "grounding" and not cfg.judge.enabled:
         raise ConfigError("trainer.observation_advantage", "grounding needs the judge's grounding scores: set judge.enabled "
                           "true, or observation_advantage task")
+    if t.reasoning_advantage == "outlook" and not cfg.judge.enabled:
+        raise ConfigError("trainer.reasoning_advantage", "outlook needs the judge's outlook scores: set judge.enabled "
+                          "true, or reasoning_advantage task")
     step_groups = estimator_spec(t.estimator).step_groups
-    if (t.observation_advantage == "grounding" or step_groups) and cfg.actor.n_samples_per_seed < 2:
-        key = "trainer.estimator" if step_groups else "trainer.observation_advantage"
+    spans = {"trainer.observation_advantage": t.observation_advantage == "grounding",
+             "trainer.reasoning_advantage": t.reasoning_advantage == "outlook"}
+    if (any(spans.values()) or step_groups) and cfg.actor.n_samples_per_seed < 2:
+        key = "trainer.estimator" if step_groups else next(k for k, on in spans.items() if on)
         raise ConfigError(key, "compares turns within GRPO groups: set actor.n_samples_per_seed >= 2 "
                           f"(got {cfg.actor.n_samples_per_seed})")
 

@@ -96,6 +96,14 @@ class TrainerConfig(Section):
                              "(a turn alone there gets 0)")
     observation_advantage_coef: Float = Field(1.0, ge=0, description="observation_advantage grounding: the coefficient of "
                                                                     "(grounding score - baseline)")
+    # keeps an outlook reasoning honest: RL wore FrozenLake's outlook down when only the observation was paid
+    reasoning_advantage: Literal["task", "outlook"] = Field(
+        "task", description="the advantage of the tokens inside each turn's <reasoning>: task = like every other token; "
+                            "outlook = reasoning_advantage_coef x (the judge's outlook_score of the turn, the share of the "
+                            "cells around the player its reasoning names right, - its mean over observation_baseline), "
+                            "for turns whose env states an outlook (FrozenLake); the other tokens keep the task advantage")
+    reasoning_advantage_coef: Float = Field(1.0, ge=0, description="reasoning_advantage outlook: the coefficient of "
+                                                                  "(outlook score - baseline)")
     filter_groups: bool = Field(False, description="DAPO's dynamic sampling: train only on GRPO groups whose episodes differ "
                                                    "in task success; all-solved and all-failed groups are dropped "
                                                    "(\"uninformative\") and their admission budget is given back, so the "

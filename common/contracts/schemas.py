@@ -60,12 +60,14 @@ class SchemaError(ValueError):
     """A message failed to decode or does not match its schema."""
 
 
-class State(msgspec.Struct, kw_only=True):
+class State(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Ground truth of the env at one moment (what the judge compares the agent's text with)."""
 
     relations: list[str]  # natural-language relation sentences (VAGEN App. D.1 style)
     symbolic: str | None  # grid in App. C symbols (grid envs)
     structured: dict[str, Any]  # App. C dict
+    # what each move runs into (the env's move_outlook(), FrozenLake): the truth of an outlook reasoning
+    outlook: str | None = None
 
 
 class Turn(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -98,6 +100,9 @@ class Turn(msgspec.Struct, kw_only=True, omit_defaults=True):
     grounding_score: Finite | None = None
     worldmodeling_score: Finite | None = None
     reasoning_reward: Finite | None = None
+    # the share of state_before.outlook's cells the turn's <reasoning> names right (judge/rule/outlook.py);
+    # None where the state has no outlook. Not part of reasoning_reward: trainer.reasoning_advantage reads it
+    outlook_score: Finite | None = None
     judge: dict[str, Any] | None = None
 
 
@@ -261,9 +266,10 @@ def state_from_info(info: Any) -> State:
     state = info.get("state") if isinstance(info, dict) else None
     if not isinstance(state, dict):
         return empty_state()
-    symbolic = state.get("symbolic")
+    symbolic, outlook = state.get("symbolic"), state.get("outlook")
     return State(relations=[str(r) for r in state.get("relations") or []],
-                 symbolic=None if symbolic is None else str(symbolic), structured=dict(state.get("structured") or {}))
+                 symbolic=None if symbolic is None else str(symbolic), structured=dict(state.get("structured") or {}),
+                 outlook=None if outlook is None else str(outlook))
 
 
 def total_turn_reward(turn: Turn) -> float:
