@@ -40,7 +40,8 @@ def test_expert_turns_garbage_and_a_mismatch_are_counted_by_hand() -> None:
     # first turns: the expert's (well-formed, true observation, shortest plan) and "no idea"
     assert first == {"turns": 2, "well_formed": 1, "observation_right": 1, "on_shortest_path": 1,
                      "right_reading_on_path": 1, "wrong_reading_on_path": 0, "dead_end": 0, "outlooks": 0,
-                     "outlook_right": 0, "right_outlook_dead_end": 0, "wrong_outlook_dead_end": 0}
+                     "outlook_right": 0, "right_outlook_dead_end": 0, "wrong_outlook_dead_end": 0,
+                     "against_own_outlook": 0}
     assert later["turns"] == 1 and later["well_formed"] == 0 and later["on_shortest_path"] == 0
     r = out["rates"]["first"]
     assert r["on_path_if_reading_right"] == 1.0 and r["on_path_if_reading_wrong"] == 0.0
@@ -79,7 +80,16 @@ def test_an_outlook_is_checked_against_the_true_cells_and_split_by_the_dead_ends
     assert [later[k] for k in keys] == [1, 0, 0, 1, 1]
     assert out["rates"]["later"]["dead_end_if_outlook_wrong"] == 1.0 and out["rates"]["later"]["outlook_right"] == 0.0
     table = format_breakdown(out)
-    assert "| first | 100.0 % | 0.0 % | - |" in table and "| later | 0.0 % | - | 100.0 % |" in table
+    assert "| first | 100.0 % | 0.0 % | - | 0.0 % |" in table and "| later | 0.0 % | - | 100.0 % | 0.0 % |" in table
+    # a move against the agent's own words: it calls Down a hole (wrongly: (1, 0) is ice) and goes Down
+    # anyway; then it calls Right the edge and goes Right into the hole; a cell it called ice is no
+    # such move, nor is one it did not name
+    against = dict(rec, turns=[turn("Left edge, Down hole, Right ice, Up edge.", "Down"),
+                               turn("Left ice, Right edge.", "Right")])
+    safe = dict(rec, turns=[turn("Left edge, Right ice, Up edge.", "Down"), turn("Left edge, Down ice.", "Right")])
+    out = failure_breakdown([against, safe])
+    assert out["counts"]["first"]["against_own_outlook"] == 1 and out["counts"]["later"]["against_own_outlook"] == 1
+    assert out["rates"]["first"]["against_own_outlook"] == 0.5
 
 
 def test_other_envs_are_skipped() -> None:

@@ -25,7 +25,9 @@ turns and later turns:
   the turn's ``<reasoning>`` is exactly that text of the true state before the turn (what
   ``sft.concise_reasoning: outlook`` teaches), and the dead ends after turns whose outlook was
   right and after those whose outlook was wrong: when only the latter fall, the agent acts on
-  what it says (the table shows them when at least one turn's outlook was right).
+  what it says (the table shows them when at least one turn's outlook was right); and
+  ``against_own_outlook``: the turn's first action moves into a cell its own reasoning called a
+  hole or the edge (:func:`worldloop.judge.rule.outlook.outlook_cells`), a move against its words.
 
 Grid envs only (Sokoban, FrozenLake, Maze, Taxi: they have a shortest-plan solver); an episode of
 another env, or one whose replay does not end as recorded, is counted in ``skipped`` /
@@ -46,13 +48,14 @@ from worldloop.common.contracts.config import JudgeConfig
 KINDS = ("first", "later")
 COUNTS = ("turns", "well_formed", "observation_right", "on_shortest_path", "right_reading_on_path",
           "wrong_reading_on_path", "dead_end", "outlooks", "outlook_right", "right_outlook_dead_end",
-          "wrong_outlook_dead_end")
+          "wrong_outlook_dead_end", "against_own_outlook")
 
 
 def _replay(env: Any, record: dict, tally: dict[str, dict[str, int]], judge: JudgeConfig) -> bool:
     """Replay one episode into ``tally``; False when the replay does not end as recorded."""
     from worldloop.actor.rollout import env_name
     from worldloop.eval.reading import reading_right
+    from worldloop.judge.rule.outlook import outlook_cells
 
     u = env.unwrapped
     env.reset(seed=int(record["seed"]))
@@ -82,6 +85,8 @@ def _replay(env: Any, record: dict, tally: dict[str, dict[str, int]], judge: Jud
             t["outlook_right"] += said
             t["right_outlook_dead_end"] += said and dead
             t["wrong_outlook_dead_end"] += (not said) and dead
+            first = str((info.get("actions") or [""])[0]).lower()
+            t["against_own_outlook"] += outlook_cells(info.get("reasoning")).get(first) in ("hole", "edge")
         if terminated or truncated:
             break
     return bool(info.get("success")) == bool(record.get("success"))
@@ -135,6 +140,7 @@ def failure_breakdown(records: Iterable[dict], judge: JudgeConfig | None = None)
             "outlook_right": rate(t["outlook_right"], t["outlooks"]),
             "dead_end_if_outlook_right": rate(t["right_outlook_dead_end"], t["outlook_right"]),
             "dead_end_if_outlook_wrong": rate(t["wrong_outlook_dead_end"], t["outlooks"] - t["outlook_right"]),
+            "against_own_outlook": rate(t["against_own_outlook"], t["outlooks"]),
         }
     return {"episodes": episodes, "success_rate": rate(successes, episodes), "skipped": skipped,
             "replay_mismatch": mismatched, "counts": tally, "rates": rates}
@@ -155,11 +161,12 @@ def format_breakdown(result: dict) -> str:
                      f"{pct(r['on_shortest_path'])} | {pct(r['on_path_if_reading_right'])} | "
                      f"{pct(r['on_path_if_reading_wrong'])} | {pct(r['dead_end'])} |")
     if any(result["counts"][k]["outlook_right"] for k in KINDS):  # the agent writes the outlook at all
-        lines += ["", "| turns | outlook right | dead end after a right outlook | ... after a wrong one |", "|---|---|---|---|"]
+        lines += ["", "| turns | outlook right | dead end after a right outlook | ... after a wrong one | first move "
+                  "into a cell its own outlook called a hole or the edge |", "|---|---|---|---|---|"]
         for k in KINDS:
             r = result["rates"][k]
             lines.append(f"| {k} | {pct(r['outlook_right'])} | {pct(r['dead_end_if_outlook_right'])} | "
-                         f"{pct(r['dead_end_if_outlook_wrong'])} |")
+                         f"{pct(r['dead_end_if_outlook_wrong'])} | {pct(r['against_own_outlook'])} |")
     return "\n".join(lines)
 
 
