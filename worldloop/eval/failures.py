@@ -63,7 +63,7 @@ def _replay(env: Any, record: dict, tally: dict[str, dict[str, int]], judge: Jud
     for k, turn in enumerate(record.get("turns") or []):
         t = tally[KINDS[min(k, 1)]]
         state = u._current_state()
-        outlook = u.move_outlook()
+        outlook = state.get("outlook")  # the env's move_outlook(), which every state carries
         before = u._distance_to_goal()
         _, _, terminated, truncated, info = env.step(turn["response"])
         ran = int(info["actions_executed"])
