@@ -77,6 +77,7 @@ Subclass interface (override the ``_`` methods; see :class:`VisualEnv`):
     _snapshot() / _restore(snap)       used to simulate the expert's prediction; default deepcopy
     describe_state(state) -> str       state as text in self.state_format
     move_outlook() -> str | None       what each action runs into, for sft.concise_reasoning outlook; default None
+    tempting_dead_end() -> bool | None a move toward the goal ends the episode in failure, for sft.level_pool; default None
 """
 
 from __future__ import annotations
@@ -366,6 +367,12 @@ class VisualEnv(gymnasium.Env):
         """What each action would move the agent into, from the true state, as the reasoning of a
         demonstration that looks before it moves (``sft.concise_reasoning: outlook``); None where the env
         does not describe it."""
+        return None
+
+    def tempting_dead_end(self) -> bool | None:
+        """Whether a move that brings the agent closer to its goal ends the episode in failure (FrozenLake: a
+        hole on the way), from the true state: the levels ``sft.level_pool`` prefers as demonstrations, where the
+        answer must follow the reading and not the goal's direction alone; None where the env does not say."""
         return None
 
     def _state_format_hint(self) -> str:

@@ -218,3 +218,16 @@ def test_the_egocentric_view_keeps_the_player_in_the_middle_cell() -> None:
                     assert not cell.any(), (moves, r, c)
     with pytest.raises(ValueError, match="view must be one of"):
         FrozenLakeEnv(view="top-down")
+
+
+@pytest.mark.parametrize("desc, tempting", [
+    (["SFFF", "FHFF", "FFFF", "FFFG"], False),  # the goal lies down and right; neither neighbour that way is a hole
+    (["SHFF", "FFFF", "FFFF", "FFFG"], True),   # right, toward the goal, is a hole
+    (["SFFF", "HFFF", "FFFF", "FFFG"], True),   # down, toward the goal, is a hole
+    (["GFFF", "FSHF", "FFFF", "FFFF"], False),  # the goal up-left; the hole to the right leads away from it
+    (["GHFF", "FSFF", "FFFF", "FFFF"], True),   # up, toward the goal, is a hole
+])
+def test_a_tempting_dead_end_is_a_hole_one_move_toward_the_goal(desc: list[str], tempting: bool) -> None:
+    env = FrozenLakeEnv(desc=desc)
+    env.reset(seed=0)
+    assert env.tempting_dead_end() is tempting

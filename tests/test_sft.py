@@ -11,7 +11,7 @@ import pytest
 
 from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate
 from worldloop.bootstrap.tiny_model import fallback_corpus, make_tiny_model
-from worldloop.bootstrap.sft import answer_format_ok, format_ok_rate, make_demonstrations, run_sft
+from worldloop.bootstrap.sft import answer_format_ok, demonstration_seeds, format_ok_rate, make_demonstrations, run_sft
 
 ENV_ID = "worldloop-test/Corridor-v0"
 
@@ -231,6 +231,47 @@ def test_demonstration_seeds_must_not_overlap_rl_or_eval_seeds() -> None:
     assert e.value.key == "sft.seed_start" and "eval seeds" in e.value.reason
     load_config("configs/tiny-sokoban.yaml", [f"sft.seed_start={cfg.eval.seed_start - cfg.sft.episodes - 8}"])
     load_config("configs/tiny-sokoban.yaml", ["sft.seed_start=0", "sft.enabled=false"])  # no demonstrations: no check
+
+
+def _tempting(spec: dict, seed: int) -> bool:
+    env = gymnasium.make(spec["id"], **spec["kwargs"])
+    env.reset(seed=seed)
+    u = env.unwrapped
+    (r, c), goal = u.player, divmod("".join(u.desc).index("G"), len(u.desc[0]))
+    near = [(r + dr, c + dc) for dr, dc in ((0, -1), (1, 0), (0, 1), (-1, 0))]
+    return any(0 <= rr < len(u.desc) and 0 <= cc < len(u.desc[0]) and u.desc[rr][cc] == "H"
+               and abs(goal[0] - rr) + abs(goal[1] - cc) < abs(goal[0] - r) + abs(goal[1] - c) for rr, cc in near)
+
+
+def test_a_level_pool_puts_the_levels_that_tempt_a_dead_end_first(worldloop_envs) -> None:
+    spec = {"id": "worldloop/FrozenLake-v0", "kwargs": {"size": 4, "min_actions_to_succeed": 3, "image_size": 112}}
+    assert demonstration_seeds([spec], 40, 100) == [(0, s) for s in range(100, 140)]
+    tempting = [s for s in range(100, 180) if _tempting(spec, s)]
+    assert 5 < len(tempting) < 40  # both kinds in the pool: the order below is not trivial
+    quiet = [s for s in range(100, 180) if s not in tempting]
+    assert demonstration_seeds([spec], 40, 100, level_pool=2) == [(0, s) for s in (tempting + quiet)[:40]]
+    # every tempting level of a pool of 3 x 8 seeds, then the first quiet ones, in seed order
+    picked = [s for _, s in demonstration_seeds([spec], 8, 100, level_pool=3)]
+    assert picked == ([s for s in range(100, 124) if _tempting(spec, s)] + [s for s in range(100, 124) if not _tempting(spec, s)])[:8]
+    two = [spec, {"id": "worldloop/Sokoban-v0", "kwargs": {}}]
+    assert demonstration_seeds(two, 4, 7) == [(0, 7), (1, 8), (0, 9), (1, 10)]
+    with pytest.raises(ValueError, match="worldloop/Sokoban-v0 has no tempting_dead_end"):
+        demonstration_seeds(two, 4, 7, level_pool=2)
+    with pytest.raises(ValueError, match="level_pool must be >= 1, got 0"):
+        demonstration_seeds([spec], 4, 7, level_pool=0)
+
+
+def test_a_level_pool_widens_the_demonstration_seeds_the_config_checks() -> None:
+    from worldloop.common.contracts.config import ConfigError, load_config
+
+    cfg = load_config("configs/tiny-frozenlake.yaml")
+    edge = cfg.eval.seed_start - 2 * cfg.sft.episodes - 8
+    load_config("configs/tiny-frozenlake.yaml", [f"sft.seed_start={edge}", "sft.level_pool=2"])
+    with pytest.raises(ConfigError, match="overlap the held-out eval seeds") as e:
+        load_config("configs/tiny-frozenlake.yaml", [f"sft.seed_start={edge + 1}", "sft.level_pool=2"])
+    assert e.value.key == "sft.seed_start"
+    with pytest.raises(ConfigError, match="sft.level_pool") as e:
+        load_config("configs/tiny-frozenlake.yaml", ["sft.level_pool=0"])
 
 
 def test_distinct_moves_demonstrations_take_each_direction_once_per_turn(codec: ChatCodec, worldloop_envs) -> None:

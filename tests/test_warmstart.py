@@ -76,6 +76,7 @@ def test_the_recipe_hash_is_sha256_of_the_builder_version_and_the_keys() -> None
 @pytest.mark.parametrize("override", [
     "run.seed=1", "model.tiny_grounding_steps=999", "model.tiny_grounding_lr=0.01", "model.tiny_grounding_agent_every=2",
     "model.tiny_copy_pretrain_steps=5", "sft.epochs=3", "sft.observation_relations=2", "sft.turn_plan=prefix",
+    "sft.level_pool=2",
     "actor.max_turns=4", "model.max_image_side=56", "model.freeze_vision=false", "judge.rule_mode=vagen",
     "actor.envs=[{id: worldloop/FrozenLake-v0, kwargs: {size: 5}}]",
 ])
@@ -90,6 +91,12 @@ def test_a_key_that_changes_the_model_changes_the_recipe(override: str) -> None:
 ])
 def test_a_key_that_does_not_change_the_model_keeps_the_recipe(override: str) -> None:
     assert recipe_hash(load_config("tiny-frozenlake", [override])) == recipe_hash(load_config("tiny-frozenlake"))
+
+
+def test_a_key_added_later_enters_the_recipe_only_when_set() -> None:
+    """sft.level_pool came after the shipped warm starts: at its default it is not a recipe key, so their hashes stay."""
+    assert "sft.level_pool" not in recipe_keys(load_config("tiny-frozenlake"))
+    assert recipe_keys(load_config("tiny-frozenlake", ["sft.level_pool=3"]))["sft.level_pool"] == 3
 
 
 def test_the_actors_own_env_kwargs_and_weights_keep_the_recipe() -> None:

@@ -373,6 +373,11 @@ class SFTConfig(Section):
         "empty", description="the concise reasoning: empty, or plan = the turn's actions (as the answer writes them) before "
                              "the prediction, or outlook = what each move would run into (the env's move_outlook(): "
                              "FrozenLake), so that the answer follows from the agent's own words")
+    level_pool: int = Field(
+        1, ge=1, le=8, description="demonstrations are drawn from level_pool x episodes seeds: first every level whose "
+                                   "first state tempts a dead end (a move toward the goal that fails: the env's "
+                                   "tempting_dead_end(), FrozenLake's hole on the way), then the others, each in seed "
+                                   "order; 1: the first episodes seeds as they come")
     turn_plan: Literal["prefix", "distinct"] = Field(
         "prefix", description="how much of its plan the demonstrator commits per turn: prefix = the first "
                               "max_actions_per_step actions (the env's expert); distinct = up to the first repeated move, "

@@ -175,8 +175,9 @@ def _check_disjoint(key: str, label: str, lo: int, hi: int, others: list[tuple[s
 
 
 def _demonstration_seeds(cfg: Any) -> tuple[int, int]:
-    """[lo, hi) of the SFT demonstrations and the format probes played after them."""
-    return cfg.sft.seed_start, cfg.sft.seed_start + cfg.sft.episodes + SFT_PROBE_SEEDS
+    """[lo, hi) of the SFT demonstrations (drawn from ``sft.level_pool`` x episodes seeds) and the format probes
+    played after them."""
+    return cfg.sft.seed_start, cfg.sft.seed_start + cfg.sft.level_pool * cfg.sft.episodes + SFT_PROBE_SEEDS
 
 
 def _grounding_seeds(cfg: Any) -> tuple[int, int]:
@@ -197,7 +198,7 @@ def check_rl_seeds(cfg: Any) -> None:
 
 def check_demonstration_seeds(cfg: Any) -> None:
     """With `sft.enabled`, the demonstration seeds [`sft.seed_start`, `sft.seed_start` +
-    `sft.episodes` + `SFT_PROBE_SEEDS` = 8 format probes) overlap neither the RL seeds nor the held-out eval seeds
+    `sft.level_pool` x `sft.episodes` + `SFT_PROBE_SEEDS` = 8 format probes) overlap neither the RL seeds nor the held-out eval seeds
     [`eval.seed_start`, `eval.seed_start` + `eval.episodes`)."""
     if not cfg.sft.enabled:
         return

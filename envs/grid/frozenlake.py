@@ -265,6 +265,18 @@ class FrozenLakeEnv(GridEnv):
             text += "; " + ", ".join(f"{name} {cell(dr, dc)}" for name, (dr, dc) in self.DIAGONALS)
         return text + "."
 
+    def tempting_dead_end(self) -> bool:
+        """A move that shortens the player's Manhattan distance to the goal steps into a hole."""
+        r, c = self.player
+        goal = divmod("".join(self.desc).index("G"), len(self.desc[0]))
+        h, w = len(self.desc), len(self.desc[0])
+        for dr, dc in DIRECTIONS.values():
+            rr, cc = r + dr, c + dc
+            closer = abs(goal[0] - rr) + abs(goal[1] - cc) < abs(goal[0] - r) + abs(goal[1] - c)
+            if closer and 0 <= rr < h and 0 <= cc < w and self.desc[rr][cc] == "H":
+                return True
+        return False
+
     def _solver_key(self) -> Hashable:
         return self.player
 

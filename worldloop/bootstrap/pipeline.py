@@ -95,12 +95,12 @@ def ground(cfg: Any, model_dir: str | Path) -> dict:
 
 def demonstrations(cfg: Any, codec: Any, n: int, seed_start: int) -> list:
     """``n`` SFT demonstrations on seeds ``seed_start`` on, exactly as :func:`warm_start` plays them
-    (the config's envs, ``actor.max_turns``, ``sft.turn_plan`` and answer style)."""
+    (the config's envs, ``actor.max_turns``, ``sft.turn_plan``, ``sft.level_pool`` and answer style)."""
     from worldloop.bootstrap.sft import demonstration_style, make_demonstrations
 
     s = cfg.sft
     return make_demonstrations(env_specs(cfg), n, seed_start, codec, cfg.actor.max_turns,
-                               distinct_moves=s.turn_plan == "distinct", **demonstration_style(s))
+                               distinct_moves=s.turn_plan == "distinct", level_pool=s.level_pool, **demonstration_style(s))
 
 
 def warm_start(cfg: Any, model_dir: str | Path, *, probe_prompts: int = SFT_PROBE_SEEDS) -> dict:
@@ -126,7 +126,7 @@ def warm_start(cfg: Any, model_dir: str | Path, *, probe_prompts: int = SFT_PROB
     start = time.monotonic()
     style = demonstration_style(s)
     demos = demonstrations(cfg, codec, s.episodes, s.seed_start)
-    probes = make_demonstrations(specs, probe_prompts, s.seed_start + s.episodes, codec, 1, **style)
+    probes = make_demonstrations(specs, probe_prompts, s.seed_start + s.level_pool * s.episodes, codec, 1, **style)
     log.info("sft: %d demonstrations (%d turns) in %.1fs", len(demos), sum(len(d.turns) for d in demos),
              time.monotonic() - start)
     lengths = [len(t.response_ids) for d in demos for t in d.turns]

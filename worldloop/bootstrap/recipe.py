@@ -53,6 +53,9 @@ def _sha(data: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+_LATER_DEFAULTS = {("level_pool", 1)}
+
+
 def recipe_keys(cfg: Config) -> dict:
     """The config values that decide the model (see the module docstring), by dotted key."""
     m, s = cfg.model, cfg.sft
@@ -65,7 +68,8 @@ def recipe_keys(cfg: Config) -> dict:
     if m.tiny_grounding_steps:
         keys.update({f"model.{k}": getattr(m, k) for k in GROUNDING_KEYS})
     if s.enabled:
-        keys.update({f"sft.{k}": v for k, v in s.model_dump().items()})
+        # keys added after a warm start was shipped enter the recipe only when set, so its hash stays
+        keys.update({f"sft.{k}": v for k, v in s.model_dump().items() if (k, v) not in _LATER_DEFAULTS})
         keys["actor.max_turns"] = cfg.actor.max_turns
     return keys
 

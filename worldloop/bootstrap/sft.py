@@ -4,6 +4,7 @@
 Public API::
 
     make_demonstrations(env_specs, n_episodes, seed, codec, max_turns) -> list[Trajectory]
+    demonstration_seeds(env_specs, n_episodes, seed, level_pool) -> list[(spec index, seed)]
     run_sft(model_dir, demos, epochs, lr, batch_size, out_dir=None, *, seed=0, codec=None,
             progress=None, loss_sample=64) -> dict
     sequence_loss(model, demos, codec, batch_size=8) -> float
@@ -161,9 +162,41 @@ def demonstration_style(sft_cfg: Any) -> dict:
                 reasoning=sft_cfg.concise_reasoning)
 
 
+def demonstration_seeds(env_specs: Sequence[Any], n_episodes: int, seed: int, level_pool: int = 1) -> list[tuple[int, int]]:
+    """(spec index, seed) of ``n_episodes`` demonstrations drawn from the ``level_pool * n_episodes`` seeds
+    ``seed, seed+1, ...`` (each seed's spec cycling over ``env_specs`` by its offset): with ``level_pool`` 1 all
+    of them; else first every level whose first state tempts a dead end (the env's ``tempting_dead_end()``),
+    then the others, each in seed order. ValueError naming the env where it does not say."""
+    import gymnasium
+
+    from worldloop import envs  # noqa: F401  (registers worldloop/* ids)
+
+    if level_pool < 1:
+        raise ValueError(f"level_pool must be >= 1, got {level_pool}")
+    specs = [_spec_fields(s) for s in env_specs]
+    pool = [(k % len(specs), seed + k) for k in range(level_pool * n_episodes)]
+    if level_pool == 1:
+        return pool
+    made = [gymnasium.make(env_id, **kwargs) for env_id, kwargs in specs]
+    try:
+        tempting = []
+        for i, s in pool:
+            made[i].reset(seed=s)
+            verdict = made[i].unwrapped.tempting_dead_end()
+            if verdict is None:
+                raise ValueError(f"{specs[i][0]} has no tempting_dead_end(): sft.level_pool > 1 needs to know "
+                                 "which levels tempt a dead end")
+            tempting.append(bool(verdict))
+    finally:
+        for env in made:
+            env.close()
+    return ([p for p, t in zip(pool, tempting) if t] + [p for p, t in zip(pool, tempting) if not t])[:n_episodes]
+
+
 def make_demonstrations(
     env_specs: Sequence[Any], n_episodes: int, seed: int, codec: ChatCodec, max_turns: int,
     *, style: str = "expert", observation_relations: int = 2, distinct_moves: bool = False, reasoning: str = "empty",
+    level_pool: int = 1,
 ) -> list[Trajectory]:
     """Play ``n_episodes`` expert episodes, cycling over ``env_specs``, seeds ``seed, seed+1, ...``.
 
@@ -171,7 +204,8 @@ def make_demonstrations(
     (with ``reasoning``; ``observation_relations`` sentences kept, all of them for an env with
     ``relation_prompt="local"``, whose description is exactly what its prompt asks for).
     ``distinct_moves``: the env's ``expert_response(distinct_moves=True)``, one step per direction
-    per turn (such an episode can run out of turns: it is kept, an imperfect demonstrator)."""
+    per turn (such an episode can run out of turns: it is kept, an imperfect demonstrator).
+    ``level_pool``: the levels of :func:`demonstration_seeds`."""
     if not env_specs:
         raise ValueError("make_demonstrations needs at least one env spec")
     if max_turns < 1:
@@ -180,9 +214,9 @@ def make_demonstrations(
         raise ValueError(f"style must be 'expert' or 'concise', got {style!r}")
     specs = [_spec_fields(s) for s in env_specs]
     demos = []
-    for k in range(n_episodes):
-        env_id, kwargs = specs[k % len(specs)]
-        demos.append(_play_episode(env_id, kwargs, seed + k, codec, max_turns, style, observation_relations,
+    for i, level in demonstration_seeds(env_specs, n_episodes, seed, level_pool):
+        env_id, kwargs = specs[i]
+        demos.append(_play_episode(env_id, kwargs, level, codec, max_turns, style, observation_relations,
                                    distinct_moves, reasoning))
     return demos
 
