@@ -87,6 +87,17 @@ class Child:
             self.proc.kill()
             self.proc.wait(timeout=30)
 
+    def stop(self, grace: float = 30.0) -> None:
+        """The teardown of a ``worldloop up`` child: SIGTERM, on which up stops its own children (each in
+        its own session, so a SIGKILL of up alone would leave them running, a vLLM worker spinning on a core
+        for the rest of the suite), then SIGKILL after ``grace`` seconds."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
 
 def wait_for(pred, what: str, timeout: float, children: list[Child] = (), extra=None):
     """Poll ``pred`` until it returns something truthy and return that (a liveness bound, never a

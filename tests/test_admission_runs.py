@@ -42,7 +42,7 @@ def _up(tmp_path: Path, redis_url: str, ns: str, staleness: int, model: Path) ->
     try:
         rc = up.wait(timeout=600)  # a liveness bound; on expiry: up's stacks and log
     finally:
-        up.kill()
+        up.stop()
     logs = "".join(f"\n--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
     assert rc == 0, up.output(None)[-3000:] + logs
     steps = [x for x in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()) if "step" in x]

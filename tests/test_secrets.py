@@ -223,7 +223,7 @@ def test_a_run_on_a_redis_with_a_password_writes_it_nowhere(tmp_path: Path, form
             wait_for(children_seen, "the learner, actor and judge heartbeats", 600, [up])
             rc = up.wait(timeout=900)
         finally:
-            up.kill()
+            up.stop()
         out = up.output(None)
         assert rc == 0, out[-4000:]
         assert (run_dir / "learner_ledger.jsonl").exists() and (run_dir / "tensorboard").exists()

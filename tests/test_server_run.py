@@ -115,7 +115,7 @@ def test_up_with_a_server_backend_survives_a_killed_server(tmp_path, redis_url):
         os.killpg(pid, signal.SIGKILL)
         rc = up.wait(timeout=900)
     finally:
-        up.kill()
+        up.stop()
         for pid in servers_seen:  # a server left behind by a failed run (up was killed)
             try:
                 os.killpg(pid, signal.SIGKILL)

@@ -78,7 +78,7 @@ def test_up_completes_three_steps_despite_a_killed_actor(tmp_path, redis_url):
         os.kill(learner_pid, signal.SIGKILL)
         rc = up.wait(timeout=600)
     finally:
-        up.kill()
+        up.stop()
     out = up.output(None)
     assert rc == 0, f"worldloop up exited {rc}\n{out[-4000:]}{run_logs()}"
     assert "actor-0 exited with -9; restarting" in out  # the killed actor was noticed and replaced
@@ -202,7 +202,7 @@ def test_a_signal_during_grounding_stops_up_at_once_and_leaves_no_half_made_mode
         os.kill(up.pid, sig)
         rc = up.wait(timeout=60)  # a liveness bound: without the fix it ran all 100,000 steps first
     finally:
-        up.kill()
+        up.stop()
     assert rc == 130, up.describe()
     # nothing a later run would take as a finished model, and no half-made one left behind
     assert [p.name for p in models.iterdir() if not p.name.endswith(".lock")] == [], up.describe()
