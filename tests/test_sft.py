@@ -234,13 +234,10 @@ def test_demonstration_seeds_must_not_overlap_rl_or_eval_seeds() -> None:
 
 
 def _tempting(spec: dict, seed: int) -> bool:
+    """The level's verdict from a fresh env (the verdict itself: tests/test_envs_frozenlake.py, hand-made boards)."""
     env = gymnasium.make(spec["id"], **spec["kwargs"])
     env.reset(seed=seed)
-    u = env.unwrapped
-    (r, c), goal = u.player, divmod("".join(u.desc).index("G"), len(u.desc[0]))
-    near = [(r + dr, c + dc) for dr, dc in ((0, -1), (1, 0), (0, 1), (-1, 0))]
-    return any(0 <= rr < len(u.desc) and 0 <= cc < len(u.desc[0]) and u.desc[rr][cc] == "H"
-               and abs(goal[0] - rr) + abs(goal[1] - cc) < abs(goal[0] - r) + abs(goal[1] - c) for rr, cc in near)
+    return env.unwrapped.tempting_dead_end()
 
 
 def test_a_level_pool_puts_the_levels_that_tempt_a_dead_end_first(worldloop_envs) -> None:

@@ -167,16 +167,16 @@ def demonstration_seeds(env_specs: Sequence[Any], n_episodes: int, seed: int, le
     ``seed, seed+1, ...`` (each seed's spec cycling over ``env_specs`` by its offset): with ``level_pool`` 1 all
     of them; else first every level whose first state tempts a dead end (the env's ``tempting_dead_end()``),
     then the others, each in seed order. ValueError naming the env where it does not say."""
-    import gymnasium
-
-    from worldloop import envs  # noqa: F401  (registers worldloop/* ids)
-
     if level_pool < 1:
         raise ValueError(f"level_pool must be >= 1, got {level_pool}")
     specs = [_spec_fields(s) for s in env_specs]
     pool = [(k % len(specs), seed + k) for k in range(level_pool * n_episodes)]
     if level_pool == 1:
         return pool
+    import gymnasium
+
+    from worldloop import envs  # noqa: F401  (registers worldloop/* ids)
+
     made = [gymnasium.make(env_id, **kwargs) for env_id, kwargs in specs]
     try:
         tempting = []
