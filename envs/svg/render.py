@@ -58,6 +58,7 @@ MAX_USE = 64
 MAX_NUMBER = 1e6
 MIN_DASH = 0.01
 DEFAULT_TIMEOUT_S = 3.0
+START_TIMEOUT_S = 60.0  # a fresh worker's imports (cairosvg, PIL, numpy): not counted against a render
 
 _FORBIDDEN_TAGS = {"script", "foreignobject", "image", "iframe", "object", "embed", "audio", "video",
                    "feimage", "animate", "animatemotion", "animatetransform", "animatecolor", "set",
@@ -235,9 +236,35 @@ class _Worker:
         self.pid_owner = os.getpid()
 
     def _start(self) -> subprocess.Popen:
+        """A new worker, once it has said it is ready (its imports can take seconds on a loaded machine)."""
         path = Path(__file__).with_name("worker.py")
-        return subprocess.Popen([sys.executable, "-u", str(path)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True)
+        self.proc = subprocess.Popen([sys.executable, "-u", str(path)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True)
+        hello = self._read(1, START_TIMEOUT_S, f"the render worker did not start within {START_TIMEOUT_S:g} s")
+        if hello != b"K":
+            self.stop()
+            raise SVGRenderError("the render worker sent no greeting")
+        return self.proc
+
+    def _read(self, n: int, timeout_s: float, late: str) -> bytes:
+        """Exactly ``n`` bytes from the worker within ``timeout_s``; on a timeout or its death it is stopped."""
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout_s
+        buf = bytearray()
+        while len(buf) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.stop()
+                raise SVGRenderError(late)
+            ready, _, _ = select.select([fd], [], [], left)
+            if not ready:
+                continue
+            chunk = os.read(fd, n - len(buf))
+            if not chunk:
+                self.stop()
+                raise SVGRenderError("the render worker died (out of memory or crashed)")
+            buf += chunk
+        return bytes(buf)
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
@@ -273,29 +300,10 @@ class _Worker:
             raise SVGRenderError("the render worker died")  # pragma: no cover
 
     def _reply(self, side: int, timeout_s: float) -> np.ndarray:
-        fd = self.proc.stdout.fileno()
         deadline = time.monotonic() + timeout_s
-        buf = bytearray()
-        need = 5
-        header = None
-        while len(buf) < need:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self.stop()
-                raise SVGRenderError(f"rendering took longer than {timeout_s:g} s")
-            ready, _, _ = select.select([fd], [], [], left)
-            if not ready:
-                continue
-            chunk = os.read(fd, need - len(buf))
-            if not chunk:
-                self.stop()
-                raise SVGRenderError("the render worker died (out of memory or crashed)")
-            buf += chunk
-            if header is None and len(buf) >= 5:
-                header = struct.unpack("!BI", bytes(buf[:5]))
-                need = 5 + header[1]
-        status, n = header
-        payload = bytes(buf[5:5 + n])
+        late = f"rendering took longer than {timeout_s:g} s"
+        status, n = struct.unpack("!BI", self._read(5, timeout_s, late))
+        payload = self._read(n, max(deadline - time.monotonic(), 0.0), late) if n else b""
         if status != 0:
             raise SVGRenderError(payload.decode("utf-8", "replace"))
         if n != side * side * 3:

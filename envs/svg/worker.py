@@ -3,7 +3,8 @@
 Protocol on stdin/stdout, raw bytes only (no pickle): a request is ``b"R"`` + ``!II`` (side in
 pixels, byte length) + that many bytes of UTF-8 SVG; the reply is ``!BI`` (status, byte length) +
 payload: status 0 -> ``side * side * 3`` bytes of RGB (the drawing composited on white), status 1 ->
-a UTF-8 error message. ``b"Q"`` (or end of input) stops the worker.
+a UTF-8 error message. ``b"Q"`` (or end of input) stops the worker. Once its imports are done the
+worker writes one byte, ``b"K"``, so that the parent's time limit counts rendering, not start-up.
 
 The worker runs cairosvg with ``unsafe=False`` and a URL fetcher that refuses everything, under an
 address-space limit; the parent enforces the time limit by killing it.
@@ -50,6 +51,8 @@ def main() -> int:
 
     _limit_memory()
     inp, out = sys.stdin.buffer, sys.stdout.buffer
+    out.write(b"K")
+    out.flush()
     while True:
         op = inp.read(1)
         if not op or op == b"Q":
