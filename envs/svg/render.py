@@ -58,6 +58,7 @@ MAX_USE = 64
 MAX_NUMBER = 1e6
 MIN_DASH = 0.01
 DEFAULT_TIMEOUT_S = 3.0
+WORKER_SCRIPT = Path(__file__).with_name("worker.py")
 START_TIMEOUT_S = 60.0  # a fresh worker's imports (cairosvg, PIL, numpy): not counted against a render
 
 _FORBIDDEN_TAGS = {"script", "foreignobject", "image", "iframe", "object", "embed", "audio", "video",
@@ -230,15 +231,15 @@ def _check_root_size(root: ET.Element) -> None:
 class _Worker:
     """One cairosvg worker process, started on demand and killed on timeout."""
 
-    def __init__(self) -> None:
+    def __init__(self, script: Path = WORKER_SCRIPT) -> None:
+        self.script = script
         self.lock = threading.Lock()
         self.proc: subprocess.Popen | None = None
         self.pid_owner = os.getpid()
 
     def _start(self) -> subprocess.Popen:
         """A new worker, once it has said it is ready (its imports can take seconds on a loaded machine)."""
-        path = Path(__file__).with_name("worker.py")
-        self.proc = subprocess.Popen([sys.executable, "-u", str(path)], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-u", str(self.script)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True)
         hello = self._read(1, START_TIMEOUT_S, f"the render worker did not start within {START_TIMEOUT_S:g} s")
         if hello != b"K":
