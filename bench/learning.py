@@ -1,7 +1,7 @@
 """Does RL improve on the SFT warm start? The tiny run of `worldloop up`, evaluated before and after.
 
     python bench/learning.py [--envs frozenlake,sokoban] [--episodes 2048] [--sampling keyed|batch] [--steps N]
-                             [--seed-start S]
+                             [--seed-start S] [--eval-backend hf|vllm]
                              [--out runs/bench-learning] [key.sub=value ...]
 
 For each env this runs, as a user would, ``worldloop up configs/tiny-<env>.yaml`` with a fresh
@@ -75,7 +75,7 @@ def _cli(args: list[str], log: Path) -> float:
 
 
 def bench_env(env: str, steps: int | None, episodes: int, seed_start: int | None, out: Path,
-              overrides: list[str], sampling: str = "keyed") -> dict:
+              overrides: list[str], sampling: str = "keyed", eval_backend: str | None = None) -> dict:
     config = ROOT / "configs" / f"tiny-{env}.yaml"
     cfg = load_config(config, overrides)
     seed_start = cfg.eval.seed_start if seed_start is None else seed_start
@@ -111,6 +111,8 @@ def bench_env(env: str, steps: int | None, episodes: int, seed_start: int | None
     common = ["--config", str(config), "--episodes", str(episodes), "--max-tokens", str(cfg.actor.max_new_tokens),
               "--max-turns", str(cfg.actor.max_turns), "--temperature", str(cfg.actor.temperature), "--concurrency", "32",
               f"eval.seed_start={seed_start}", f"eval.sampling={sampling}", *overrides]
+    if eval_backend:  # e.g. hf for a run whose actors generated on servers: eval plays locally
+        common += ["--backend", eval_backend]
     results = {}
     # the warm start the run started from: shipped, cached or made by up (model.json says which)
     model_dir = json.loads((run_dir / "model.json").read_text())["path"]
@@ -170,11 +172,15 @@ def main() -> None:
                     help="first held-out seed (default eval.seed_start; tune on another range)")
     ap.add_argument("--out", default=f"runs/bench-learning-{time.strftime('%Y%m%d-%H%M%S')}",
                     help="output folder; rerun with the same folder to resume")
+    ap.add_argument("--eval-backend", choices=["hf", "vllm"], default=None,
+                    help="the evaluations' local backend (default: the config's actor.backend; hf to compare a "
+                         "run whose actors used servers with the others, which evaluate on hf)")
     ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides for up and eval (tuning only)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = [bench_env(env, args.steps, args.episodes, args.seed_start, out, args.overrides, args.sampling)
+    rows = [bench_env(env, args.steps, args.episodes, args.seed_start, out, args.overrides, args.sampling,
+                      args.eval_backend)
             for env in args.envs.split(",")]
     table = render(rows)
     print(table)
