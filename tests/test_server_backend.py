@@ -30,7 +30,7 @@ import torch
 import yaml
 
 from procs import Child, wait_for
-from test_hf_backend import _recomputed, _requests
+from test_hf_backend import _img, _recomputed, _requests
 from test_vllm_backend import SIDE, _require_vllm, long_prompts, make_vllm_tiny_model
 from worldloop.actor.generation import GenRequest
 from worldloop.common.contracts.config import ConfigError
@@ -262,10 +262,11 @@ def test_per_episode_loop_on_the_server_plays_what_lockstep_plays(served, backen
 
 
 def waves_around_a_load(served: Served, codec, tensors: dict, version: int, *, max_new_tokens: int,
-                        n_waves: int) -> tuple[list, list]:
+                        n_waves: int, base: list[GenRequest] | None = None) -> tuple[list, list]:
     """Waves of the same requests sent before, during and after publishing ``tensors`` as ``version``,
     so that some are decoding when it lands whatever the machine's speed; (requests, results) of
-    all waves, in order (a client that keeps responses spanning two versions).
+    all waves, in order (a client that keeps responses spanning two versions). ``base``: the
+    requests of a wave (default: :func:`_requests` twice).
 
     Unseeded, as the actors' training requests are: vLLM's CPU sampler cannot rewind a seeded
     request's generator when a preempted request is prefilled again (docs/backends.md "Limits")."""
@@ -273,7 +274,8 @@ def waves_around_a_load(served: Served, codec, tensors: dict, version: int, *, m
 
     mixed_ok = ServerBackend([served.url], served.model, max_image_side=SIDE, max_model_len=MAX_LEN, max_lag=2,
                              mixed_versions=True)
-    reqs = [GenRequest(r.prompt_ids, r.images, session=f"s{i}") for i, r in enumerate(_requests(codec) * 2)]
+    base = _requests(codec) * 2 if base is None else base
+    reqs = [GenRequest(r.prompt_ids, r.images, session=f"s{i}") for i, r in enumerate(base)]
     waves: list[list] = []
     threads = []
 
@@ -541,3 +543,31 @@ def test_seeded_prompts_longer_than_a_steps_budget_leave_the_server_serving(serv
     assert [r.error is None and len(r.response_ids) >= 1 for r in results] == [True] * 8
     info = served.info()
     assert info["ready"] and not info["error"]
+
+
+def test_a_version_landing_on_later_turns_whose_first_image_the_prefix_cache_holds(served, backend, policy) -> None:
+    """A later turn's prompt starts with the turn before it, image included, and vLLM's prefix cache
+    holds that part: the scheduler then hands the workers that image without its pixels (nothing
+    would encode it). A version landing under ``interrupt`` clears the caches and preempts the
+    requests in flight, which recompute everything, that image too: the engine died ("Expected
+    number of multimodal embeddings to match number of input items: 1, but got 0", twice in five
+    minutes of the FrozenLake preset with ``actor.backend=server``). The server now keeps every
+    image's pixels with its request (launch.keep_covered_images), and such requests span the load."""
+    codec = backend.codec
+    # ~370 tokens after the first image: the prefix cache's whole blocks (16 to 256 tokens) cover it
+    first = codec.encode_obs("[Initial Observation]:\n<image>\n" + "Look at the board, then decide. " * 30,
+                             [_img(112, 112, 7)], system="Play.", first=True)
+    prev = backend.generate([GenRequest(first.ids, first.images)], temperature=0.0, top_p=1.0, max_new_tokens=8)[0]
+    later = [codec.encode_obs("[Observation]:\n<image>\nDecide.", [_img(112, 112, 8 + i)], system=None, first=False,
+                              prev_response_ended=not prev.truncated) for i in range(4)]
+    turns = [GenRequest(first.ids + prev.response_ids + seg.ids, first.images + seg.images) for seg in later]
+    assert all(len(t.prompt_ids) + 400 <= MAX_LEN for t in turns)
+    version = served.info()["version"] + 1
+    reqs, results = waves_around_a_load(served, codec, _noisy(policy, 9), version, max_new_tokens=400, n_waves=2,
+                                        base=turns * 2)
+    served.wait_version(version)
+    info = served.info()
+    assert info["ready"] and not info["error"] and served.child.returncode is None, served.child.output(None)[-3000:]
+    assert all(r.error is None and r.response_ids for r in results), [r.error for r in results]
+    assert any(r.token_versions is not None for r in results), [(r.version, len(r.response_ids)) for r in results]
+    assert "multimodal embeddings" not in served.child.output(None)

