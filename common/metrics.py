@@ -117,6 +117,7 @@ CATALOG: dict[str, Spec] = {
         "histogram", "Seconds generation was paused to load one version (drain of the requests in flight included)",
         buckets=_TIME_BUCKETS),
     "worldloop_server_weight_update_failures": Spec("counter", "Weight versions the server failed to load", ("reason",)),
+    "worldloop_server_cpu_seconds": Spec("gauge", "CPU seconds of the server with its engine-core and worker processes"),
     # ---- judge
     "worldloop_judge_scored_turns": Spec("counter", "Turns scored", ("scorer",)),
     "worldloop_judge_trajectories": Spec("counter", "Trajectories scored and forwarded"),
@@ -200,6 +201,23 @@ def exported_names() -> set[str]:
         else:
             out.add(name)
     return out
+
+
+def process_tree_cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of process ``pid`` (default: this one) and every process below it,
+    those still running (a child that exited is not counted: an inference server's engine and
+    workers live as long as it does)."""
+    import psutil
+
+    top = psutil.Process(pid)
+    total = 0.0
+    for p in [top, *top.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:  # exited between the listing and the read
+            continue
+        total += t.user + t.system
+    return total
 
 
 def free_port(host: str = "127.0.0.1") -> int:

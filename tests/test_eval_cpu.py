@@ -3,10 +3,13 @@ CPU seconds on a real Redis, and `worldloop up`'s CPU seconds per role."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
 
+from worldloop.common.metrics import process_tree_cpu_seconds
 from worldloop.common.transport.control import list_processes, register_process
 from worldloop.common.contracts.keys import Keys
 from worldloop.common.transport.streams import connect
@@ -84,6 +87,25 @@ def test_heartbeats_carry_the_process_cpu_seconds(redis_url: str) -> None:
     assert before <= beat["cpu_s"] <= time.process_time() + 0.01
 
 
+def test_a_process_trees_cpu_counts_its_children_and_goes_into_the_heartbeat(redis_url: str) -> None:
+    # an inference server's engine and workers are its children: their CPU is the server's
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                              "while time.process_time() - t < 1.5: pass\nprint('done', flush=True)\ntime.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "done"  # 1.5 CPU seconds spent, still running
+        own = time.process_time()
+        tree = process_tree_cpu_seconds()
+        assert tree >= own + 1.5 - 0.05, (tree, own)
+        assert process_tree_cpu_seconds(child.pid) >= 1.5 - 0.05
+        r, keys = connect(redis_url), Keys("cpu-tree")
+        register_process(r, keys, "server", "s", None, cpu_s=tree)
+        assert list_processes(r, keys)[0]["cpu_s"] == round(tree, 3)
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_cpu_by_role_sums_the_last_scrapes() -> None:
     scrapes = {
         "learner:l": {"metrics": {"process_cpu_seconds_total": 30.0}},
@@ -91,7 +113,10 @@ def test_cpu_by_role_sums_the_last_scrapes() -> None:
         "actor:a-1": {"metrics": {"process_cpu_seconds_total": 20.0}},
         "evaluator:e": {"metrics": {"process_cpu_seconds_total": 15.0, "worldloop_eval_episodes_total": 64}},
         "judge:j": {"metrics": {}},  # a process collector that was not there: left out
+        # vLLM's collector counts the API server alone; worldloop's gauge its engine and workers too
+        "server:s": {"metrics": {"process_cpu_seconds_total": 2.0, "worldloop_server_cpu_seconds": 25.0}},
     }
-    assert cpu_by_role(scrapes) == {"seconds": {"actor": 30.0, "evaluator": 15.0, "learner": 30.0}, "total_s": 75.0,
-                                    "share": {"actor": 0.4, "evaluator": 0.2, "learner": 0.4}}
+    assert cpu_by_role(scrapes) == {"seconds": {"actor": 30.0, "evaluator": 15.0, "learner": 30.0, "server": 25.0},
+                                    "total_s": 100.0,
+                                    "share": {"actor": 0.3, "evaluator": 0.15, "learner": 0.3, "server": 0.25}}
     assert cpu_by_role({}) == {"seconds": {}, "total_s": 0.0, "share": {}}

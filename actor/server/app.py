@@ -39,7 +39,8 @@ What it adds to vLLM's own server (``/inference/v1/generate``, ``/metrics``, ``/
   Fetching runs in the workers' own thread, so the learner never waits for a server, and
   generation pauses only for the load itself (plus the drain).
 * **Metrics and discovery.** ``worldloop_server_*`` metrics (version, updates, pause seconds,
-  failures) join vLLM's on the server's ``/metrics``. With ``redis.url`` in the config the server
+  failures, CPU seconds with the engine and workers: :func:`server_cpu_seconds`) join vLLM's on the
+  server's ``/metrics``. With ``redis.url`` in the config the server
   heartbeats in ``{ns}:procs`` as role ``server`` with that ``/metrics`` URL
   (:class:`~worldloop.common.transport.process.ProcessScaffold`, heartbeat only), so ``worldloop sd`` hands it
   to Prometheus like every other process of the run.
@@ -63,7 +64,7 @@ from typing import Any
 from worldloop.actor.server.extension import ADAPTER_NAME, server_config
 from worldloop.actor.server.launch import API_KEY_ENV
 from worldloop.actor.server.fingerprint import model_fingerprint
-from worldloop.common.metrics import metric
+from worldloop.common.metrics import metric, process_tree_cpu_seconds
 from worldloop.common.secrets import bearer_ok
 
 log = logging.getLogger("worldloop.server")
@@ -228,7 +229,8 @@ class ServerDriver:
         metrics = self.cfg.metrics.model_copy(update={"enabled": False, "host": host})
         cfg = self.cfg.model_copy(update={"metrics": metrics})
         scaffold = ProcessScaffold(cfg, "server", f"{socket.gethostname()}-{port}", poll_control=False,
-                                   install_signals=False, migrate_keys=False)  # heartbeat only, never waits on Redis
+                                   install_signals=False, migrate_keys=False,  # heartbeat only, never waits on Redis
+                                   cpu_seconds=server_cpu_seconds)
         scaffold.metrics_port = port
         scaffold.set_phase("serving", weights_version=self.version)
         scaffold.start()
@@ -237,6 +239,16 @@ class ServerDriver:
     def close(self) -> None:
         if self.scaffold is not None:
             self.scaffold.close()
+
+
+def server_cpu_seconds() -> float:
+    """CPU seconds of this server with its engine-core and worker processes (vLLM's own
+    ``process_cpu_seconds_total`` counts the API server alone, a small part of it: 67 of ~540 s in a
+    FrozenLake run). Goes into the heartbeat's ``cpu_s`` (the run's CPU, which the evaluator's share
+    is of) and ``worldloop_server_cpu_seconds`` (``worldloop up``'s ``cpu.json``)."""
+    total = process_tree_cpu_seconds()
+    metric("worldloop_server_cpu_seconds").set(total)
+    return total
 
 
 async def _send_json(send: Any, status: int, body: dict) -> None:

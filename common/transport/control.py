@@ -42,10 +42,11 @@ def write_control(r, keys: Keys, **fields) -> None:
 
 
 def register_process(r, keys: Keys, role: str, proc_id: str, metrics_port: int | None, host: str = "127.0.0.1",
-                     extra: dict | None = None) -> None:
+                     extra: dict | None = None, cpu_s: float | None = None) -> None:
     """Heartbeat: record that this process is alive, where its /metrics is and its CPU seconds so far
-    (``cpu_s``, every thread; the run's evaluator sums them to keep to its CPU share) (call every few
-    seconds); ``extra`` adds fields such as the process's current ``phase`` (see ``common/transport/process.py``)."""
+    (``cpu_s``, every thread, or what the caller counts instead, e.g. an inference server's engine and
+    workers too; the run's evaluator sums them to keep to its CPU share) (call every few seconds);
+    ``extra`` adds fields such as the process's current ``phase`` (see ``common/transport/process.py``)."""
     info = {
         **(extra or {}),
         "role": role,
@@ -53,7 +54,7 @@ def register_process(r, keys: Keys, role: str, proc_id: str, metrics_port: int |
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "metrics_url": metrics_url(host, metrics_port) if metrics_port else None,
-        "cpu_s": round(time.process_time(), 3),
+        "cpu_s": round(time.process_time() if cpu_s is None else float(cpu_s), 3),
         "seen_at": time.time(),
     }
     r.hset(keys.procs, f"{role}:{proc_id}", json.dumps(info))

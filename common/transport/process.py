@@ -31,7 +31,7 @@ import logging
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from worldloop.common.contracts.config import Config
 from worldloop.common.transport.control import read_control, register_process
@@ -49,7 +49,7 @@ CONTROL_POLL_S = 0.5
 class ProcessScaffold:
     def __init__(self, cfg: Config, role: str, proc_id: str, *, stop_message: str = "stopping cleanly",
                  poll_control: bool = True, services: bool = True, install_signals: bool = True,
-                 migrate_keys: bool = True):
+                 migrate_keys: bool = True, cpu_seconds: Callable[[], float] | None = None):
         self.cfg = cfg
         self.role = role
         self.proc_id = proc_id
@@ -60,6 +60,7 @@ class ProcessScaffold:
         self.services = services  # False (e.g. learner ranks > 0): signals only, no metrics/heartbeat/control
         self.install_signals = install_signals
         self.migrate_keys = migrate_keys  # rename the run's pre-hash-tag keys first (common/transport/key_migration.py)
+        self.cpu_seconds = cpu_seconds  # the heartbeat's cpu_s (None: this process's own, time.process_time())
         self.metrics_port: int | None = None
         self.control: dict[str, Any] = {"policy_version": 0, "max_turns": None, "run_state": "running", "updated_at": 0.0,
                                         "final_eval_by": 0.0}
@@ -164,7 +165,8 @@ class ProcessScaffold:
             try:
                 r = r or connect(self.cfg.redis.url, self.cfg.redis.socket_timeout_s)
                 register_process(r, self.keys, self.role, self.proc_id, self.metrics_port, host=self.cfg.metrics.host,
-                                 extra={"phase": self.phase, "phase_since": self.phase_since, **self.extra})
+                                 extra={"phase": self.phase, "phase_since": self.phase_since, **self.extra},
+                                 cpu_s=None if self.cpu_seconds is None else self.cpu_seconds())
             except Exception as e:  # a heartbeat never takes the process down; Redis may be restarting
                 log.debug("%s %s: heartbeat failed: %s", self.role, self.proc_id, e)
                 r = None

@@ -83,12 +83,14 @@ class CpuBudget:
 
 
 def cpu_by_role(last_values: dict[str, dict]) -> dict:
-    """CPU seconds per role (``process_cpu_seconds_total`` of the last scrape of each process,
+    """CPU seconds per role (``process_cpu_seconds_total`` of the last scrape of each process, or an
+    inference server's ``worldloop_server_cpu_seconds``, its engine and workers included;
     ``"role:id" -> {"metrics": {...}}`` as ``worldloop up`` keeps them), their total and each role's
     share of it."""
     seconds: dict[str, float] = {}
     for key, value in last_values.items():
-        cpu = (value.get("metrics") or {}).get("process_cpu_seconds_total")
+        metrics = value.get("metrics") or {}
+        cpu = metrics.get("worldloop_server_cpu_seconds", metrics.get("process_cpu_seconds_total"))
         if cpu is not None:
             role = key.split(":", 1)[0]
             seconds[role] = seconds.get(role, 0.0) + float(cpu)
