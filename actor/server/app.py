@@ -243,8 +243,8 @@ class ServerDriver:
 
 def server_cpu_seconds() -> float:
     """CPU seconds of this server with its engine-core and worker processes (vLLM's own
-    ``process_cpu_seconds_total`` counts the API server alone, a small part of it: 67 of ~540 s in a
-    FrozenLake run). Goes into the heartbeat's ``cpu_s`` (the run's CPU, which the evaluator's share
+    ``process_cpu_seconds_total`` counts the API server alone, a small part of it: 67 of at least 540 s
+    in a FrozenLake run). Goes into the heartbeat's ``cpu_s`` (the run's CPU, which the evaluator's share
     is of) and ``worldloop_server_cpu_seconds`` (``worldloop up``'s ``cpu.json``)."""
     total = process_tree_cpu_seconds()
     metric("worldloop_server_cpu_seconds").set(total)
