@@ -254,11 +254,11 @@ class _Worker:
         buf = bytearray()
         while len(buf) < n:
             left = deadline - time.monotonic()
-            if left <= 0:
-                self.stop()
-                raise SVGRenderError(late)
-            ready, _, _ = select.select([fd], [], [], left)
+            ready, _, _ = select.select([fd], [], [], max(left, 0.0))  # bytes already there are read, even late
             if not ready:
+                if left <= 0:
+                    self.stop()
+                    raise SVGRenderError(late)
                 continue
             chunk = os.read(fd, n - len(buf))
             if not chunk:
