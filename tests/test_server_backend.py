@@ -563,7 +563,7 @@ def test_a_version_landing_on_later_turns_whose_first_image_the_prefix_cache_hol
     turns = [GenRequest(first.ids + prev.response_ids + seg.ids, first.images + seg.images) for seg in later]
     assert all(len(t.prompt_ids) + 400 <= MAX_LEN for t in turns)
     version = served.info()["version"] + 1
-    reqs, results = waves_around_a_load(served, codec, _noisy(policy, 9), version, max_new_tokens=400, n_waves=2,
+    reqs, results = waves_around_a_load(served, codec, _noisy(policy, 9), version, max_new_tokens=400, n_waves=3,
                                         base=turns * 2)
     served.wait_version(version)
     info = served.info()
