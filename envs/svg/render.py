@@ -237,20 +237,20 @@ class _Worker:
         self.proc: subprocess.Popen | None = None
         self.pid_owner = os.getpid()
 
-    def _start(self) -> subprocess.Popen:
+    def _start(self) -> None:
         """A new worker, once it has said it is ready (its imports can take seconds on a loaded machine)."""
         self.proc = subprocess.Popen([sys.executable, "-u", str(self.script)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True)
-        hello = self._read(1, START_TIMEOUT_S, f"the render worker did not start within {START_TIMEOUT_S:g} s")
+        hello = self._read(1, time.monotonic() + START_TIMEOUT_S,
+                           f"the render worker did not start within {START_TIMEOUT_S:g} s")
         if hello != b"K":
             self.stop()
             raise SVGRenderError("the render worker sent no greeting")
-        return self.proc
 
-    def _read(self, n: int, timeout_s: float, late: str) -> bytes:
-        """Exactly ``n`` bytes from the worker within ``timeout_s``; on a timeout or its death it is stopped."""
+    def _read(self, n: int, deadline: float, late: str) -> bytes:
+        """Exactly ``n`` bytes from the worker by ``deadline`` (``time.monotonic()``); on a timeout or its
+        death it is stopped."""
         fd = self.proc.stdout.fileno()
-        deadline = time.monotonic() + timeout_s
         buf = bytearray()
         while len(buf) < n:
             left = deadline - time.monotonic()
@@ -288,7 +288,7 @@ class _Worker:
             for attempt in range(2):
                 if self.proc is None or self.proc.poll() is not None:
                     self.stop()
-                    self.proc = self._start()
+                    self._start()
                 try:
                     self.proc.stdin.write(b"R" + struct.pack("!II", side, len(data)) + data)
                     self.proc.stdin.flush()
@@ -303,8 +303,8 @@ class _Worker:
     def _reply(self, side: int, timeout_s: float) -> np.ndarray:
         deadline = time.monotonic() + timeout_s
         late = f"rendering took longer than {timeout_s:g} s"
-        status, n = struct.unpack("!BI", self._read(5, timeout_s, late))
-        payload = self._read(n, max(deadline - time.monotonic(), 0.0), late) if n else b""
+        status, n = struct.unpack("!BI", self._read(5, deadline, late))
+        payload = self._read(n, deadline, late)
         if status != 0:
             raise SVGRenderError(payload.decode("utf-8", "replace"))
         if n != side * side * 3:
