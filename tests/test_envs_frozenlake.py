@@ -94,6 +94,32 @@ def test_the_outlook_around_adds_the_four_diagonal_cells() -> None:
         FrozenLakeEnv(outlook="all")
 
 
+def test_the_outlook_toward_names_the_moves_that_close_in_on_the_goal_again() -> None:
+    """outlook="toward" on DESC (goal at (3, 3)) along the same path: after the eight cells, the moves
+    that shorten the Manhattan distance to the goal, in the order Left, Down, Right, Up, with their cells
+    (checked against each step's row and column difference by hand)."""
+    env, _ = make(outlook="toward")
+    u = env.unwrapped
+    seen = [u.move_outlook()]
+    for moves in ("Right,Right", "Down", "Down", "Down"):
+        env.step(ans(moves))
+        seen.append(u.move_outlook())
+    assert [s.split("; ")[2] for s in seen] == [
+        "Toward the goal: Down ice, Right ice.",    # (0, 0): goal below and right; (1, 0) F, (0, 1) F
+        "Toward the goal: Down ice, Right ice.",    # (0, 2): (1, 2) F, (0, 3) F
+        "Toward the goal: Down ice, Right hole.",   # (1, 2): (2, 2) F, (1, 3) H
+        "Toward the goal: Down ice, Right hole.",   # (2, 2): (3, 2) F, (2, 3) H
+        "Toward the goal: Right goal.",             # (3, 2): same row, goal on the right
+    ]
+    assert seen[0].startswith("Left edge, Down ice, Right ice, Up edge; Down-left edge, Down-right hole, ")
+    # the judge's parser reads the eight cells by their first mention: the repeated moves change nothing
+    from worldloop.judge.rule.outlook import outlook_cells, outlook_score
+    assert len(outlook_cells(seen[2])) == 8 and outlook_cells(seen[2])["right"] == "hole"
+    assert outlook_score(seen[2], seen[2]) == 1.0
+    env.step(ans("Right"))  # on the goal: no move closes in, so no third part
+    assert "Toward" not in u.move_outlook()
+
+
 def test_reaching_the_goal() -> None:
     env, _ = make(max_actions_per_step=6)
     # optimal path S(0,0) -> (0,2) -> (2,2) -> (3,3): Right,Right,Down,Down,Down,Right = 6 actions

@@ -8,7 +8,9 @@ list of equal-length strings over ``S F H G``, one ``S``; None: a new random map
 whole board as it lies; "egocentric": a window of ``2 * size - 1`` cells a side centred on the player,
 cells off the board black, so the whole board is always in it and the cell a move reaches is always
 the same cell of the image), ``outlook`` (what :meth:`FrozenLakeEnv.move_outlook` names: "moves", the
-four cells one move reaches; "around", the eight cells around the player), ``relation_prompt``
+four cells one move reaches; "around", the eight cells around the player; "toward", the eight cells and
+then the moves toward the goal again with their cells: "...; Toward the goal: Down hole, Right ice."),
+``relation_prompt``
 ("default"; "vagen": both relations of goal and holes to the player; "local": the goal and the holes
 next to the player, see below and :mod:`worldloop.envs.grid.grid_env`), plus the common kwargs of
 :class:`worldloop.envs.base.VisualEnv`.
@@ -146,7 +148,7 @@ class FrozenLakeEnv(GridEnv):
                      'side of the player", "hole is at the same row and to the left of the player".')
 
     VIEWS = ("board", "egocentric")
-    OUTLOOKS = ("moves", "around")
+    OUTLOOKS = ("moves", "around", "toward")
 
     def __init__(
         self,
@@ -252,7 +254,10 @@ class FrozenLakeEnv(GridEnv):
         """Each move's cell, in the order of the actions: "Left ice, Down hole, Right edge, Up goal.";
         with ``outlook="around"`` the four diagonal cells follow (every cell a turn of distinct moves can
         reach): "Left ice, Down hole, Right edge, Up goal; Down-left ice, Down-right hole, Up-left edge,
-        Up-right edge."."""
+        Up-right edge."; with ``outlook="toward"`` the moves that bring the player closer to the goal follow
+        again, in the same order, with their cells: "...; Toward the goal: Down hole, Right ice.", so the
+        answer can pick the safe one of the few moves just written (docs/learning-history.md "Naming the
+        moves toward the goal")."""
         r, c = self.player
         h, w = len(self.desc), len(self.desc[0])
 
@@ -261,8 +266,15 @@ class FrozenLakeEnv(GridEnv):
             return self.OUTLOOK_WORDS[self.desc[rr][cc]] if 0 <= rr < h and 0 <= cc < w else "edge"
 
         text = ", ".join(f"{name} {cell(*DIRECTIONS[name])}" for name in ("Left", "Down", "Right", "Up"))
-        if self.outlook == "around":
+        if self.outlook in ("around", "toward"):
             text += "; " + ", ".join(f"{name} {cell(dr, dc)}" for name, (dr, dc) in self.DIAGONALS)
+        if self.outlook == "toward":
+            goal = divmod("".join(self.desc).index("G"), w)
+            toward = [name for name in ("Left", "Down", "Right", "Up")
+                      if abs(goal[0] - r - DIRECTIONS[name][0]) + abs(goal[1] - c - DIRECTIONS[name][1])
+                      < abs(goal[0] - r) + abs(goal[1] - c)]
+            if toward:
+                text += "; Toward the goal: " + ", ".join(f"{name} {cell(*DIRECTIONS[name])}" for name in toward)
         return text + "."
 
     def tempting_dead_end(self) -> bool:
