@@ -268,24 +268,26 @@ class FrozenLakeEnv(GridEnv):
         text = ", ".join(f"{name} {cell(*DIRECTIONS[name])}" for name in ("Left", "Down", "Right", "Up"))
         if self.outlook in ("around", "toward"):
             text += "; " + ", ".join(f"{name} {cell(dr, dc)}" for name, (dr, dc) in self.DIAGONALS)
-        if self.outlook == "toward":
-            goal = divmod("".join(self.desc).index("G"), w)
-            toward = [name for name in ("Left", "Down", "Right", "Up")
-                      if abs(goal[0] - r - DIRECTIONS[name][0]) + abs(goal[1] - c - DIRECTIONS[name][1])
-                      < abs(goal[0] - r) + abs(goal[1] - c)]
-            if toward:
-                text += "; Toward the goal: " + ", ".join(f"{name} {cell(*DIRECTIONS[name])}" for name in toward)
+        toward = self._moves_toward_goal() if self.outlook == "toward" else []
+        if toward:
+            text += "; Toward the goal: " + ", ".join(f"{name} {cell(*DIRECTIONS[name])}" for name in toward)
         return text + "."
+
+    def _moves_toward_goal(self) -> list[str]:
+        """The moves (in the order Left, Down, Right, Up) that shorten the player's Manhattan distance to
+        the goal, whatever their cell holds."""
+        r, c = self.player
+        goal = divmod("".join(self.desc).index("G"), len(self.desc[0]))
+        return [name for name, (dr, dc) in ((n, DIRECTIONS[n]) for n in ("Left", "Down", "Right", "Up"))
+                if abs(goal[0] - r - dr) + abs(goal[1] - c - dc) < abs(goal[0] - r) + abs(goal[1] - c)]
 
     def tempting_dead_end(self) -> bool:
         """A move that shortens the player's Manhattan distance to the goal steps into a hole."""
         r, c = self.player
-        goal = divmod("".join(self.desc).index("G"), len(self.desc[0]))
         h, w = len(self.desc), len(self.desc[0])
-        for dr, dc in DIRECTIONS.values():
-            rr, cc = r + dr, c + dc
-            closer = abs(goal[0] - rr) + abs(goal[1] - cc) < abs(goal[0] - r) + abs(goal[1] - c)
-            if closer and 0 <= rr < h and 0 <= cc < w and self.desc[rr][cc] == "H":
+        for name in self._moves_toward_goal():
+            rr, cc = r + DIRECTIONS[name][0], c + DIRECTIONS[name][1]
+            if 0 <= rr < h and 0 <= cc < w and self.desc[rr][cc] == "H":
                 return True
         return False
 
