@@ -44,7 +44,7 @@ import numpy as np
 from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv as GymFrozenLake
 
 from worldloop.envs.base import ActionResult, check_int, relation_sentence
-from worldloop.envs.grid.grid_env import GridEnv, generate_level
+from worldloop.envs.grid.grid_env import MOVES, GridEnv, generate_level
 from worldloop.envs.grid.render import cell_size, compose, grid_image_shape, tile_stack
 from worldloop.envs.grid.solvers import DIRECTIONS, Plan, bfs
 
@@ -258,38 +258,33 @@ class FrozenLakeEnv(GridEnv):
         again, in the same order, with their cells: "...; Toward the goal: Down hole, Right ice.", so the
         answer can pick the safe one of the few moves just written (docs/learning-history.md "Naming the
         moves toward the goal")."""
-        r, c = self.player
-        h, w = len(self.desc), len(self.desc[0])
-
-        def cell(dr: int, dc: int) -> str:
-            rr, cc = r + dr, c + dc
-            return self.OUTLOOK_WORDS[self.desc[rr][cc]] if 0 <= rr < h and 0 <= cc < w else "edge"
-
-        text = ", ".join(f"{name} {cell(*DIRECTIONS[name])}" for name in ("Left", "Down", "Right", "Up"))
+        text = ", ".join(f"{name} {self._cell(*DIRECTIONS[name])}" for name in MOVES)
         if self.outlook in ("around", "toward"):
-            text += "; " + ", ".join(f"{name} {cell(dr, dc)}" for name, (dr, dc) in self.DIAGONALS)
+            text += "; " + ", ".join(f"{name} {self._cell(dr, dc)}" for name, (dr, dc) in self.DIAGONALS)
         toward = self._moves_toward_goal() if self.outlook == "toward" else []
         if toward:
-            text += "; Toward the goal: " + ", ".join(f"{name} {cell(*DIRECTIONS[name])}" for name in toward)
+            text += "; Toward the goal: " + ", ".join(f"{name} {self._cell(*DIRECTIONS[name])}" for name in toward)
         return text + "."
 
+    def _cell(self, dr: int, dc: int) -> str:
+        """The outlook's word for the cell ``(dr, dc)`` from the player: ice, hole, goal, or edge off the board."""
+        r, c = self.player
+        rr, cc = r + dr, c + dc
+        inside = 0 <= rr < len(self.desc) and 0 <= cc < len(self.desc[0])
+        return self.OUTLOOK_WORDS[self.desc[rr][cc]] if inside else "edge"
+
     def _moves_toward_goal(self) -> list[str]:
-        """The moves (in the order Left, Down, Right, Up) that shorten the player's Manhattan distance to
-        the goal, whatever their cell holds."""
+        """The moves (in the order of MOVES) that shorten the player's Manhattan distance to the goal,
+        whatever their cell holds."""
         r, c = self.player
         goal = divmod("".join(self.desc).index("G"), len(self.desc[0]))
-        return [name for name, (dr, dc) in ((n, DIRECTIONS[n]) for n in ("Left", "Down", "Right", "Up"))
-                if abs(goal[0] - r - dr) + abs(goal[1] - c - dc) < abs(goal[0] - r) + abs(goal[1] - c)]
+        return [name for name in MOVES
+                if abs(goal[0] - r - DIRECTIONS[name][0]) + abs(goal[1] - c - DIRECTIONS[name][1])
+                < abs(goal[0] - r) + abs(goal[1] - c)]
 
     def tempting_dead_end(self) -> bool:
         """A move that shortens the player's Manhattan distance to the goal steps into a hole."""
-        r, c = self.player
-        h, w = len(self.desc), len(self.desc[0])
-        for name in self._moves_toward_goal():
-            rr, cc = r + DIRECTIONS[name][0], c + DIRECTIONS[name][1]
-            if 0 <= rr < h and 0 <= cc < w and self.desc[rr][cc] == "H":
-                return True
-        return False
+        return any(self._cell(*DIRECTIONS[name]) == "hole" for name in self._moves_toward_goal())
 
     def _solver_key(self) -> Hashable:
         return self.player
