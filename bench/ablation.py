@@ -48,6 +48,9 @@ paired by (env, run seed, held-out seed): seeds only NEW solved against seeds on
 two-sided sign test (``worldloop.eval.compare``), per run seed and pooled. The pooled test holds the
 trained policies fixed: it asks whether these policies differ, while the spread between run seeds
 (the t-intervals of the table) is what says how much a method's result varies from run to run.
+With ``--warm-start shipped`` the shipped warm start plays the same seeds once per env (into
+``<out>/warm-start-<env>-eval-paired``), and a second table pairs each of the two arms' final
+policies with it: whether the method moved the model it began from at all.
 
 Resume: every finished run leaves ``done.json`` in its folder and is not run again; progress goes
 to stdout, and ``ablation-<suite>.md`` (and ``.json``) is rewritten after every run with the runs
@@ -199,19 +202,20 @@ def run_one(cfg: dict, run_dir: Path, grounded: Path, warm: Path, shipped: Path 
     return row
 
 
-def paired_eval(cfg: dict, run_dir: Path, episodes: int) -> dict:
-    """The run's final policy on ``episodes`` held-out seeds, keyed (``worldloop eval`` into
-    ``<run_dir>/eval-paired``, resumable): ``{(env name, seed): success}``."""
+def paired_eval(cfg: dict, run_dir: Path, episodes: int, model: Path | None = None, out: Path | None = None) -> dict:
+    """The run's final policy (or ``model``) on ``episodes`` held-out seeds, keyed, with the run's
+    eval settings (``worldloop eval`` into ``out``, default ``<run_dir>/eval-paired``, resumable):
+    ``{(env name, seed): success}``."""
     from worldloop.common.contracts.config import check_held_out_seeds, config_from_dict
     from worldloop.eval.compare import outcomes
 
     check_held_out_seeds(config_from_dict(cfg), cfg["eval"]["seed_start"], episodes, key="--paired-episodes")
-    out = run_dir / "eval-paired"
+    out = out or run_dir / "eval-paired"
     a = cfg["actor"]
-    args = ["eval", "--config", str(run_dir / "config.yaml"), "--model", str(run_dir), "--output", str(out),
+    args = ["eval", "--config", str(run_dir / "config.yaml"), "--model", str(model or run_dir), "--output", str(out),
             "--episodes", str(episodes), "--max-tokens", str(a["max_new_tokens"]), "--max-turns", str(a["max_turns"]),
             "--temperature", str(a["temperature"]), "--concurrency", "32", "eval.sampling=keyed"]
-    _worldloop(args, run_dir / "eval-paired.log")
+    _worldloop(args, out.with_name(out.name + ".log"))
     return outcomes(out)
 
 
@@ -228,6 +232,19 @@ def paired_report(base: str, new: str, per_seed: dict) -> str:
         pooled_base.update({(env, seed, *k): v for k, v in b.items()})
         pooled_new.update({(env, seed, *k): v for k, v in n.items()})
     lines.append(paired(pooled_base, pooled_new).row("pooled"))
+    return "\n".join(lines)
+
+
+def start_report(starts: dict, finals: dict) -> str:
+    """Each arm's final policies against the warm start they all began from (``--warm-start
+    shipped``), per (env, run seed): ``starts`` {env: outcomes of the shipped warm start},
+    ``finals`` {(arm, env, seed): outcomes of that run's final policy}."""
+    from worldloop.eval.compare import HEADER, paired
+
+    lines = ["### paired: each arm's final policy (new) against the shipped warm start (base), keyed, the same held-out seeds\n",
+             HEADER]
+    for (name, env, seed), got in finals.items():
+        lines.append(paired(starts[env], got).row(f"{name}, {ENV_TITLES.get(env, env)}, run seed {seed}"))
     return "\n".join(lines)
 
 
@@ -327,6 +344,17 @@ def main() -> int:
                           f"{len(got[-1])} ({time.monotonic() - t0:.0f}s)", flush=True)
                 per_seed[(env, seed)] = tuple(got)
         text = paired_report(pair[0], pair[1], per_seed)
+        if args.warm_start == "shipped":  # did either arm move the warm start it began from?
+            starts = {}
+            for env in envs:
+                cfg, run_dir = configs[(pair[0], env, 0)]
+                starts[env] = paired_eval(cfg, run_dir, args.paired_episodes, model=shipped[env],
+                                          out=out / f"warm-start-{env}-eval-paired")
+                print(f"[ablation paired] the shipped warm start on {env}: solved {sum(starts[env].values())}/"
+                      f"{len(starts[env])}", flush=True)
+            finals = {(name, env, seed): per_seed[(env, seed)][i] for i, name in enumerate(pair)
+                      for env in envs for seed in range(args.seeds)}
+            text += "\n\n" + start_report(starts, finals)
         (out / "ablation-paired.md").write_text(text + "\n")
         print(text)
     return 0

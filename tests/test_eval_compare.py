@@ -73,3 +73,22 @@ def test_ablation_pairs_two_arms_per_run_seed_and_pools_without_merging_seeds() 
     assert seed1.startswith("| FrozenLake, run seed 1 | 2 | 0.000") and "| 2 / 0 | 0.500 |" in seed1
     # pooled: 4 pairs, base solved 1, new 3; 3 only-new against 1 only-base: p = 2 x (4 + 1) / 16
     assert pooled.startswith("| pooled | 4 | 0.250") and "| 0.750 [" in pooled and "| 3 / 1 | 0.625 |" in pooled
+
+
+def test_ablation_pairs_each_arm_with_the_warm_start_it_began_from() -> None:
+    """bench/ablation.py --paired with --warm-start shipped: one row per (arm, env, run seed), each
+    paired with that env's warm start on the seeds both played."""
+    spec = importlib.util.spec_from_file_location("bench_ablation", Path(__file__).resolve().parent.parent / "bench" / "ablation.py")
+    ablation = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ablation)
+    start = {("FrozenLake", s): s < 2 for s in range(4)}  # the warm start solves seeds 0 and 1
+    finals = {("VAGEN-Base", "frozenlake", 0): {("FrozenLake", s): True for s in range(4)},
+              ("VAGEN-Full", "frozenlake", 0): {("FrozenLake", s): s in (1, 2) for s in range(4)},
+              ("VAGEN-Full", "frozenlake", 1): {("FrozenLake", s): s == 0 for s in range(3)}}  # seed 3 not played
+    rows = ablation.start_report({"frozenlake": start}, finals).splitlines()[-3:]
+    # Base solves all 4: 2 only-new, 0 only-base, p = 2 x 1/4
+    assert rows[0].startswith("| VAGEN-Base, FrozenLake, run seed 0 | 4 | 0.500") and "| +0.500 | 2 / 0 | 0.500 |" in rows[0]
+    # Full seed 0 solves 1 and 2: seed 2 only-new, seed 0 only-base, p 1
+    assert rows[1].startswith("| VAGEN-Full, FrozenLake, run seed 0 | 4 | 0.500") and "| +0.000 | 1 / 1 | 1.000 |" in rows[1]
+    # Full seed 1 played seeds 0-2: 3 pairs, the start solves 2 of them, Full 1; seed 1 only-base, p 1
+    assert rows[2].startswith("| VAGEN-Full, FrozenLake, run seed 1 | 3 | 0.667") and "| -0.333 | 0 / 1 | 1.000 |" in rows[2]
