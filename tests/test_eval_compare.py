@@ -19,6 +19,14 @@ def _write(path: Path, rows: list[tuple[str, int, bool, str | None]]) -> Path:
     return path
 
 
+def _bench_ablation():
+    """``bench/ablation.py`` as a module (bench/ is scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location("bench_ablation", Path(__file__).resolve().parent.parent / "bench" / "ablation.py")
+    ablation = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ablation)
+    return ablation
+
+
 def test_paired_counts_and_sign_test_by_hand(tmp_path: Path, capsys) -> None:
     base = _write(tmp_path / "base", [("sokoban", 1, True, None), ("sokoban", 2, False, None), ("sokoban", 3, False, None),
                                       ("sokoban", 4, True, None), ("sokoban", 5, False, "env_error"),
@@ -59,9 +67,7 @@ def test_compare_says_what_is_wrong(tmp_path: Path, capsys) -> None:
 def test_ablation_pairs_two_arms_per_run_seed_and_pools_without_merging_seeds() -> None:
     """bench/ablation.py --paired: each run seed's rows, then the pooled row over (env, run seed,
     held-out seed), where held-out seed 1 of run seed 0 and of run seed 1 are two pairs, not one."""
-    spec = importlib.util.spec_from_file_location("bench_ablation", Path(__file__).resolve().parent.parent / "bench" / "ablation.py")
-    ablation = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ablation)
+    ablation = _bench_ablation()
     per_seed = {("frozenlake", 0): ({("FrozenLake", 1): True, ("FrozenLake", 2): False},
                                     {("FrozenLake", 1): False, ("FrozenLake", 2): True}),
                 ("frozenlake", 1): ({("FrozenLake", 1): False, ("FrozenLake", 2): False},
@@ -78,9 +84,7 @@ def test_ablation_pairs_two_arms_per_run_seed_and_pools_without_merging_seeds() 
 def test_ablation_pairs_each_arm_with_the_warm_start_it_began_from() -> None:
     """bench/ablation.py --paired with --warm-start shipped: one row per (arm, env, run seed), each
     paired with that env's warm start on the seeds both played."""
-    spec = importlib.util.spec_from_file_location("bench_ablation", Path(__file__).resolve().parent.parent / "bench" / "ablation.py")
-    ablation = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ablation)
+    ablation = _bench_ablation()
     start = {("FrozenLake", s): s < 2 for s in range(4)}  # the warm start solves seeds 0 and 1
     finals = {("VAGEN-Base", "frozenlake", 0): {("FrozenLake", s): True for s in range(4)},
               ("VAGEN-Full", "frozenlake", 0): {("FrozenLake", s): s in (1, 2) for s in range(4)},
