@@ -1,10 +1,13 @@
 """The Hugging Face transformers generation backend (CPU or one GPU); the contract is
 ``worldloop.actor.generation``. The codec's prompt-only tokens (``ChatCodec.prompt_only_ids``) are
-never sampled: ``generate``'s ``bad_words_ids`` sets their logits to -inf before every other
-processor (temperature, top-p, keyed sampling), and the reported log-probs are taken from the
-logits under the same mask.
+never sampled: their logits are -inf before every other processor (temperature, top-p, keyed
+sampling), and the reported log-probs are taken from the logits under the same mask.
 
-    HFBackend(model_dir, device="cpu", dtype="auto", codec=None, max_image_side=224, lora=None)
+    HFBackend(model_dir, device="cpu", dtype="auto", codec=None, max_image_side=224, lora=None, decode_loop=True)
+
+Qwen2.5-VL models generate with :mod:`worldloop.actor.hf_decode`, a decode loop that gives
+``generate``'s tokens and log-probs bit for bit in less CPU time; other models, and
+``decode_loop=False`` (``bench/generation.py``'s baseline), call ``generate`` itself.
 
 With ``lora`` (the config's ``model.lora``, rank > 0) the model gets the same peft adapters as the
 learner's policy (``common/lora.py``, ``B`` = 0: the base model until the first version) and
@@ -19,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from worldloop.actor import hf_decode
 from worldloop.actor.generation import (GenRequest, GenResult, check_finite, check_state_dict, cut_at_eos, keyed_gumbel_scores,
                                         resolve_device, validate_requests)
 from worldloop.common import lora as common_lora
@@ -38,6 +42,7 @@ class HFBackend:
         codec: ChatCodec | None = None,
         max_image_side: int = 224,
         lora=None,
+        decode_loop: bool = True,
     ):
         self.device = resolve_device(device)
         self.codec = codec or ChatCodec(model_dir, max_image_side=max_image_side)
@@ -48,6 +53,7 @@ class HFBackend:
         self.version = 0
         self._vocab = self.model.get_input_embeddings().num_embeddings
         self._masked = list(self.codec.prompt_only_ids)
+        self.decode_loop = bool(decode_loop) and hf_decode.supports(self.model)
 
     # -- generation
     def _batch(self, requests: list[GenRequest]) -> dict[str, torch.Tensor]:
@@ -86,7 +92,7 @@ class HFBackend:
         max_new_tokens: int,
         seed: int | None = None,
     ) -> list[GenResult]:
-        """Sample one response per request in one batched ``generate`` call.
+        """Sample one response per request in one batched call (the decode loop or ``generate``).
 
         With a ``sample_key`` on every request, each row samples from its own stream (Gumbel-max
         over the processed logits, then greedy decoding): see "Keyed sampling" in
@@ -96,8 +102,26 @@ class HFBackend:
             return []
         validate_requests(requests, max_new_tokens, self._vocab)
         batch = self._batch(requests)
+        with torch.random.fork_rng(devices=[self.device] if self.device.startswith("cuda") else []):
+            if seed is not None:
+                torch.manual_seed(seed)
+            if self.decode_loop:
+                new, logits = hf_decode.decode(self.model, batch, hf_decode.sampler(temperature, top_p, [r.sample_key for r in requests]),
+                                               max_new_tokens=int(max_new_tokens), eos_token_ids=self.codec.eos_token_ids,
+                                               pad_token_id=self.codec.pad_token_id, masked_ids=self._masked)
+            else:
+                new, logits = self._generate(batch, [r.sample_key for r in requests], temperature, top_p, max_new_tokens)
+        new, logits = new.cpu(), logits.float().cpu()  # logits: [B, T, V], raw (pre-processing)
+        logits[..., self._masked] = float("-inf")  # the distribution sampled from: prompt-only tokens masked
         sample = temperature > 0
-        keys = [r.sample_key for r in requests]
+        logp = torch.log_softmax(logits / (temperature if sample else 1.0), dim=-1)
+        token_lp = logp.gather(-1, new[:, : logits.shape[1]].unsqueeze(-1)).squeeze(-1)
+        return [self._result(new[i], token_lp[i]) for i in range(len(requests))]
+
+    def _generate(self, batch: dict[str, torch.Tensor], keys: list, temperature: float, top_p: float,
+                  max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``transformers``' ``generate``: the new tokens [B, T] and the raw logits [B, T, V]."""
+        sample = temperature > 0
         if sample and all(k is not None for k in keys):
             from transformers import LogitsProcessorList
 
@@ -111,26 +135,18 @@ class HFBackend:
             kwargs = dict(do_sample=True, temperature=float(temperature), top_p=float(top_p), top_k=0)
         else:
             kwargs = dict(do_sample=False)
-        with torch.random.fork_rng(devices=[self.device] if self.device.startswith("cuda") else []):
-            if seed is not None:
-                torch.manual_seed(seed)
-            out = self.model.generate(
-                **batch,
-                **kwargs,
-                max_new_tokens=int(max_new_tokens),
-                eos_token_id=self.codec.eos_token_ids,
-                pad_token_id=self.codec.pad_token_id,
-                bad_words_ids=[[i] for i in self._masked] or None,  # prompt-only tokens: -inf, first
-                output_logits=True,
-                return_dict_in_generate=True,
-                use_cache=True,
-            )
-        new = out.sequences[:, batch["input_ids"].shape[1] :].cpu()
-        logits = torch.stack(out.logits, dim=1).float().cpu()  # [B, T, V], raw (pre-processing)
-        logits[..., self._masked] = float("-inf")  # the distribution sampled from: prompt-only tokens masked
-        logp = torch.log_softmax(logits / (temperature if sample else 1.0), dim=-1)
-        token_lp = logp.gather(-1, new[:, : logits.shape[1]].unsqueeze(-1)).squeeze(-1)
-        return [self._result(new[i], token_lp[i]) for i in range(len(requests))]
+        out = self.model.generate(
+            **batch,
+            **kwargs,
+            max_new_tokens=int(max_new_tokens),
+            eos_token_id=self.codec.eos_token_ids,
+            pad_token_id=self.codec.pad_token_id,
+            bad_words_ids=[[i] for i in self._masked] or None,  # prompt-only tokens: -inf, first
+            output_logits=True,
+            return_dict_in_generate=True,
+            use_cache=True,
+        )
+        return out.sequences[:, batch["input_ids"].shape[1] :], torch.stack(out.logits, dim=1)
 
     def _result(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> GenResult:
         keep, truncated = cut_at_eos(tokens.tolist(), self.codec.eos_token_ids)

@@ -1,0 +1,84 @@
+"""The HF backend's decode loop (``actor/hf_decode.py``) against ``transformers``' ``generate``.
+
+    python bench/generation.py [--config tiny-frozenlake] [--episodes 48] [--concurrency 8] [--threads 1] [--repeats 2]
+
+Both play the same episodes of the preset's env with the preset's shipped warm start (the model
+``worldloop up`` trains), its turns, token limit and image side, in one process, one after the
+other, ``--repeats`` times each in alternation: as the actors sample (``sampled``: one random stream
+per call, temperature and top-p of ``actor.*``) and as the evaluator does (``keyed``: each episode
+turn its own stream, temperature ``eval.temperature``). torch gets ``--threads`` threads (one is what
+each of ``worldloop up``'s children gets on 2 cores). The table gives episodes/s, generated tokens/s,
+the process's CPU seconds, the ratio to ``generate`` measured in the same run (best repeat of each),
+and whether both gave the same episodes: the same response tokens and log-probs in every turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def _play(backend, cfg, args, keyed: bool):
+    from worldloop.actor.episodes import play_episodes
+    from worldloop.actor.rollout import EpisodeSpec, Sampling
+
+    env = cfg.actor.envs[0]
+    temperature, top_p = (cfg.eval.temperature, 1.0) if keyed else (cfg.actor.temperature, cfg.actor.top_p)
+    specs = [EpisodeSpec(env.id, args.seed_start + i, dict(env.kwargs), max_turns=cfg.actor.max_turns) for i in range(args.episodes)]
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    trajs = play_episodes(backend, specs, concurrency=args.concurrency,
+                          sampling=Sampling(temperature, top_p, cfg.actor.max_new_tokens),
+                          max_model_len=cfg.model.max_model_len, sample_seed=7, keyed_sampling=keyed)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    turns = [(tuple(t.response_ids), tuple(t.logprobs)) for tr in trajs for t in tr.turns]
+    return wall, cpu, turns
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="tiny-frozenlake")
+    ap.add_argument("--episodes", type=int, default=48)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--seed-start", type=int, default=40_000_000)
+    args = ap.parse_args()
+
+    import torch
+
+    from worldloop.actor.hf_backend import HFBackend
+    from worldloop.bootstrap.store import SHIPPED_DIR
+    from worldloop.common.contracts.config import load_config
+
+    torch.set_num_threads(args.threads)
+    cfg = load_config(args.config)
+    model = SHIPPED_DIR / cfg.run.name
+    backends = {"generate": HFBackend(model, max_image_side=cfg.model.max_image_side, decode_loop=False),
+                "decode loop": HFBackend(model, max_image_side=cfg.model.max_image_side)}
+    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} thread(s), "
+          f"{args.episodes} episodes of {cfg.run.name} ({model}), {args.concurrency} at a time, {args.repeats} repeats")
+    print("| sampling | backend | episodes/s | generated tokens/s | CPU s | vs generate | same episodes |")
+    print("|---|---|---|---|---|---|---|")
+    for keyed in (False, True):
+        best: dict[str, tuple] = {}
+        for _ in range(args.repeats):
+            for name, backend in backends.items():
+                wall, cpu, turns = _play(backend, cfg, args, keyed)
+                if name not in best or wall < best[name][0]:
+                    best[name] = (wall, cpu, turns)
+        base = best["generate"]
+        for name, (wall, cpu, turns) in best.items():
+            tokens = sum(len(ids) for ids, _ in turns)
+            same = "yes" if turns == base[2] else f"no ({sum(a != b for a, b in zip(turns, base[2]))} turns differ)"
+            print(f"| {'keyed (evaluator)' if keyed else 'sampled (actors)'} | {name} | {args.episodes / wall:.2f} | "
+                  f"{tokens / wall:.0f} | {cpu:.1f} | {base[0] / wall:.2f}x | {same} |")
+
+
+if __name__ == "__main__":
+    main()
