@@ -139,3 +139,15 @@ def test_a_model_the_loop_does_not_know_keeps_generate(shared_tiny_model) -> Non
     assert not hf_decode.supports(backend.model)
     assert not hf_decode.supports(torch.nn.Linear(2, 2))
 
+
+
+def test_actor_hf_decode_picks_the_path_and_a_bad_value_names_the_key(shared_tiny_model) -> None:
+    from worldloop.actor.backends import make_backend
+    from worldloop.common.contracts.config import ConfigError
+
+    path = shared_tiny_model(seed=0, max_image_side=112)
+    for value, expected in (("loop", True), ("generate", False)):
+        cfg = load_config("tiny-frozenlake", [f"actor.hf_decode={value}", "model.max_image_side=112"])
+        assert make_backend(cfg, str(path)).decode_loop is expected
+    with pytest.raises(ConfigError, match="actor.hf_decode"):
+        load_config("tiny-frozenlake", ["actor.hf_decode=fast"])
