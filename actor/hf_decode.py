@@ -1,7 +1,7 @@
 """The HF backend's own decode loop: the tokens and log-probs of ``transformers``' ``generate``, bit
-for bit, in about half its CPU time on the tiny presets.
+for bit on the CPU, in about two thirds of its CPU time on the tiny presets.
 
-    supports(model) -> bool                      # a Qwen2.5-VL model with SDPA and no sliding window
+    supports(model) -> bool                      # Qwen2.5-VL, SDPA, full attention, no extra processors
     decode(model, batch, pick, *, max_new_tokens, eos_token_ids, pad_token_id, masked_ids)
         -> (tokens [B, T], logits [B, T, V])     # T <= max_new_tokens; logits raw (before the mask)
     sampler(temperature, top_p, keys) -> pick    # pick(scores [B, V], step) -> next token ids [B]
@@ -30,8 +30,10 @@ What it does, and why the result does not change:
   ``max_new_tokens``, as ``generate`` does.
 
 ``tests/test_hf_decode.py`` checks tokens and log-probs equal to ``generate``'s (``torch.equal``)
-in all three sampling modes, with and without padding, images and LoRA. A model this loop does not
-know (another architecture, eager attention, sliding windows) keeps ``generate``.
+in all three sampling modes, with and without padding, images and LoRA, on the CPU (it has not run
+on a GPU, where SDPA picks other kernels). A model this loop does not know (another architecture,
+eager attention, sliding windows, a generation config with a repetition penalty or another
+processor of its own) keeps ``generate``.
 """
 
 from __future__ import annotations
@@ -43,8 +45,21 @@ import torch
 Pick = Callable[[torch.Tensor, int], torch.Tensor]
 
 
+# generation_config.json settings that make ``generate`` add a logits processor of its own (value: the
+# settings that add none). Released Qwen2.5-VL checkpoints set repetition_penalty 1.05: those keep
+# ``generate``, whose samples then differ from the distribution the learner trains on, as before.
+_NEUTRAL = {"repetition_penalty": (None, 1.0), "encoder_repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0),
+            "encoder_no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,), "min_length": (None, 0),
+            "min_new_tokens": (None, 0), "suppress_tokens": (None,), "begin_suppress_tokens": (None,),
+            "forced_bos_token_id": (None,), "forced_eos_token_id": (None,), "sequence_bias": (None,),
+            "exponential_decay_length_penalty": (None,), "renormalize_logits": (None, False), "typical_p": (None, 1.0),
+            "min_p": (None,), "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0), "guidance_scale": (None, 1.0),
+            "watermarking_config": (None,), "top_h": (None,)}
+
+
 def supports(model: torch.nn.Module) -> bool:
-    """Whether :func:`decode` reproduces ``generate`` for ``model``."""
+    """Whether :func:`decode` reproduces ``generate`` for ``model``: a Qwen2.5-VL model with SDPA,
+    full attention in every layer, and a generation config that adds no logits processor."""
     try:
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
     except ImportError:  # pragma: no cover - transformers without Qwen2.5-VL
@@ -52,6 +67,9 @@ def supports(model: torch.nn.Module) -> bool:
     if not isinstance(model, Qwen2_5_VLForConditionalGeneration):
         return False
     text = model.config.get_text_config()
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and any(getattr(gen, k, None) not in neutral for k, neutral in _NEUTRAL.items()):
+        return False
     return (getattr(text, "_attn_implementation", None) == "sdpa" and not getattr(text, "use_sliding_window", False)
             and set(getattr(text, "layer_types", None) or ["full_attention"]) == {"full_attention"})
 

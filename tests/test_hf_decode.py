@@ -135,6 +135,10 @@ def test_a_model_the_loop_does_not_know_keeps_generate(shared_tiny_model) -> Non
     path = shared_tiny_model(seed=0, max_image_side=112)
     backend = HFBackend(path, max_image_side=112)
     assert hf_decode.supports(backend.model)
+    backend.model.generation_config.repetition_penalty = 1.05  # as released Qwen2.5-VL checkpoints have it
+    assert not hf_decode.supports(backend.model)
+    backend.model.generation_config.repetition_penalty = 1.0
+    assert hf_decode.supports(backend.model)
     backend.model.config.get_text_config()._attn_implementation = "eager"
     assert not hf_decode.supports(backend.model)
     assert not hf_decode.supports(torch.nn.Linear(2, 2))
