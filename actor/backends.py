@@ -26,7 +26,7 @@ def make_backend(cfg: "Config", model_dir: str | None = None, *, local: bool = F
         from worldloop.actor.hf_backend import HFBackend
 
         return HFBackend(path, device=resolve_device(cfg.actor.device), dtype=cfg.model.dtype, max_image_side=cfg.model.max_image_side,
-                         lora=cfg.model.lora, decode_loop=cfg.actor.hf_decode == "loop")
+                         lora=cfg.model.lora, decode=cfg.actor.hf_decode)
     if cfg.actor.backend == "vllm":
         try:
             from worldloop.actor.vllm_backend import VLLMBackend

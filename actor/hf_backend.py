@@ -3,11 +3,16 @@
 never sampled: their logits are -inf before every other processor (temperature, top-p, keyed
 sampling), and the reported log-probs are taken from the logits under the same mask.
 
-    HFBackend(model_dir, device="cpu", dtype="auto", codec=None, max_image_side=224, lora=None, decode_loop=True)
+    HFBackend(model_dir, device="cpu", dtype="auto", codec=None, max_image_side=224, lora=None, decode="loop")
+        .decode_mode                             # what it uses: "loop", "cached" or "generate"
 
-Qwen2.5-VL models generate with :mod:`worldloop.actor.hf_decode`, a decode loop that gives
-``generate``'s tokens and log-probs bit for bit in less CPU time; other models, and
-``decode_loop=False`` (``bench/generation.py``'s baseline), call ``generate`` itself.
+``decode`` (the config's ``actor.hf_decode``): ``loop``, :mod:`worldloop.actor.hf_decode`, a decode
+loop that gives ``generate``'s tokens and log-probs bit for bit in less CPU time; ``cached``, the
+same loop with each episode's keys and values kept between its turns
+(:mod:`worldloop.actor.hf_episode_kv`: only the new tokens are prefilled; ``generate``'s
+distribution, not its bits; the store is emptied by every weight update); ``generate``,
+transformers' own. Models the loop does not support, and GPUs for ``cached``, use ``generate``
+and ``loop`` respectively.
 
 With ``lora`` (the config's ``model.lora``, rank > 0) the model gets the same peft adapters as the
 learner's policy (``common/lora.py``, ``B`` = 0: the base model until the first version) and
@@ -22,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from worldloop.actor import hf_decode
+from worldloop.actor import hf_decode, hf_episode_kv
 from worldloop.actor.generation import (GenRequest, GenResult, check_finite, check_state_dict, cut_at_eos, keyed_gumbel_scores,
                                         resolve_device, validate_requests)
 from worldloop.common import lora as common_lora
@@ -42,7 +47,7 @@ class HFBackend:
         codec: ChatCodec | None = None,
         max_image_side: int = 224,
         lora=None,
-        decode_loop: bool = True,
+        decode: str = "loop",
     ):
         self.device = resolve_device(device)
         self.codec = codec or ChatCodec(model_dir, max_image_side=max_image_side)
@@ -53,7 +58,14 @@ class HFBackend:
         self.version = 0
         self._vocab = self.model.get_input_embeddings().num_embeddings
         self._masked = list(self.codec.prompt_only_ids)
-        self.decode_loop = bool(decode_loop) and hf_decode.supports(self.model)
+        if decode not in ("loop", "cached", "generate"):
+            raise ValueError(f"decode must be loop, cached or generate, got {decode!r}")
+        if decode != "generate" and not hf_decode.supports(self.model):
+            decode = "generate"
+        if decode == "cached" and not self.device.startswith("cpu"):
+            decode = "loop"  # the episode store keeps its tensors on the CPU
+        self.decode_mode = decode
+        self.episode_kv = hf_episode_kv.EpisodeKV() if decode == "cached" else None
 
     # -- generation
     def _batch(self, requests: list[GenRequest]) -> dict[str, torch.Tensor]:
@@ -101,16 +113,20 @@ class HFBackend:
         if not requests:
             return []
         validate_requests(requests, max_new_tokens, self._vocab)
-        batch = self._batch(requests)
+        pick = hf_decode.sampler(temperature, top_p, [r.sample_key for r in requests])
         with torch.random.fork_rng(devices=[self.device] if self.device.startswith("cuda") else []):
             if seed is not None:
                 torch.manual_seed(seed)
-            if self.decode_loop:
-                new, logits = hf_decode.decode(self.model, batch, hf_decode.sampler(temperature, top_p, [r.sample_key for r in requests]),
-                                               max_new_tokens=int(max_new_tokens), eos_token_ids=self.codec.eos_token_ids,
-                                               pad_token_id=self.codec.pad_token_id, masked_ids=self._masked)
+            if self.decode_mode == "cached":
+                new, logits = hf_episode_kv.decode_cached(self.model, self.codec, requests, pick, self.episode_kv,
+                                                          max_new_tokens=int(max_new_tokens), masked_ids=self._masked)
+            elif self.decode_mode == "loop":
+                new, logits = hf_decode.decode(self.model, self._batch(requests), pick, max_new_tokens=int(max_new_tokens),
+                                               eos_token_ids=self.codec.eos_token_ids, pad_token_id=self.codec.pad_token_id,
+                                               masked_ids=self._masked)
             else:
-                new, logits = self._generate(batch, [r.sample_key for r in requests], temperature, top_p, max_new_tokens)
+                new, logits = self._generate(self._batch(requests), [r.sample_key for r in requests], temperature, top_p,
+                                             max_new_tokens)
         new, logits = new.cpu(), logits.float().cpu()  # logits: [B, T, V], raw (pre-processing)
         logits[..., self._masked] = float("-inf")  # the distribution sampled from: prompt-only tokens masked
         sample = temperature > 0
@@ -170,6 +186,8 @@ class HFBackend:
         check_finite(tensors)
         for k, t in tensors.items():
             own[k].copy_(t.to(device=own[k].device, dtype=own[k].dtype))
+        if self.episode_kv is not None:
+            self.episode_kv.clear()  # keys and values of the old weights
         self.version = int(version)
 
     def close(self) -> None:

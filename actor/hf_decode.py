@@ -131,6 +131,26 @@ class _KV:
                 dst.append(buf)
         self.length = cache.layers[0].keys.shape[2]
 
+    @classmethod
+    def right_aligned(cls, caches: list, extra: int) -> tuple["_KV", torch.Tensor]:
+        """One row per single-row cache, each right-aligned to the longest (zeros before), and the
+        [B, length] mask of the positions that hold a key."""
+        lengths = [c.layers[0].keys.shape[2] for c in caches]
+        width = max(lengths)
+        kv = cls.__new__(cls)
+        kv.keys, kv.values, kv.length = [], [], width
+        for layer in range(len(caches[0].layers)):
+            for name, dst in (("keys", kv.keys), ("values", kv.values)):
+                ref = getattr(caches[0].layers[layer], name)
+                buf = ref.new_zeros(len(caches), ref.shape[1], width + extra, ref.shape[3])
+                for i, c in enumerate(caches):
+                    buf[i, :, width - lengths[i] : width] = getattr(c.layers[layer], name)[0]
+                dst.append(buf)
+        real = torch.zeros(len(caches), width, dtype=torch.bool, device=kv.keys[0].device)
+        for i, n in enumerate(lengths):
+            real[i, width - n :] = True
+        return kv, real
+
     def append(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.length
         self.keys[i][:, :, n : n + 1] = k
@@ -139,13 +159,13 @@ class _KV:
 
 
 def _step(model, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, kv: _KV) -> torch.Tensor:
-    """The logits [B, V] after one more token per row (``pos``: its [4, B, 1] position ids)."""
+    """The logits [B, V] after one more token per row (``pos``: its [3, B, 1] rotary position ids)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb
 
     lm = model.model.language_model
     h = lm.embed_tokens(tok.unsqueeze(1))
-    cos, sin = lm.rotary_emb(h, pos[1:])
+    cos, sin = lm.rotary_emb(h, pos)
     b = h.shape[0]
     for i, layer in enumerate(lm.layers):
         attn = layer.self_attn
@@ -160,6 +180,36 @@ def _step(model, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     kv.length += 1
     return model.lm_head(lm.norm(h))[:, -1, :]
+
+
+def _sample(model, logits: torch.Tensor, pos: torch.Tensor, keys_real: torch.Tensor | None, kv: _KV, pick: Pick, *,
+            max_new_tokens: int, eos_token_ids: Sequence[int], pad_token_id: int,
+            masked_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token loop after a prefill: ``logits`` [B, V] of each row's last prompt token, ``pos`` its
+    [3, B, 1] rotary positions, ``keys_real`` [B, kv.length] the cached positions a row may attend
+    to (None: all of them)."""
+    rows = logits.shape[0]
+    eos = torch.tensor(list(eos_token_ids), device=logits.device)
+    masked = list(masked_ids)
+    finished = torch.zeros(rows, dtype=torch.bool, device=logits.device)
+    mask = None if keys_real is None else torch.cat([keys_real, keys_real.new_ones(rows, max_new_tokens)], 1)
+    tokens, raw = [], []
+    for step in range(max_new_tokens):
+        step_logits = logits.to(dtype=torch.float32, copy=True)
+        raw.append(step_logits)
+        scores = step_logits.clone()
+        if masked:
+            scores[:, masked] = float("-inf")
+        tok = pick(scores, step)
+        tok = torch.where(finished, torch.full_like(tok, pad_token_id), tok)
+        tokens.append(tok)
+        finished |= torch.isin(tok, eos)
+        if bool(finished.all()) or step == max_new_tokens - 1:
+            break
+        pos = pos + 1
+        step_mask = None if mask is None else mask[:, None, None, : kv.length + 1]
+        logits = _step(model, tok, pos, step_mask, kv)
+    return torch.stack(tokens, dim=1), torch.stack(raw, dim=1)
 
 
 @torch.no_grad()
@@ -186,28 +236,7 @@ def decode(
     vision = {k: batch[k] for k in ("pixel_values", "image_grid_thw", "mm_token_type_ids") if batch.get(k) is not None}
     out = model(input_ids=batch["input_ids"], attention_mask={"full_attention": _prefill_mask(am, model.dtype)},
                 position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1, **vision)
-    logits = out.logits[:, -1, :]
     kv = _KV(cache, max_new_tokens)
-    del out, cache
-    rows = am.shape[0]
-    eos = torch.tensor(list(eos_token_ids), device=am.device)
-    masked = list(masked_ids)
-    finished = torch.zeros(rows, dtype=torch.bool, device=am.device)
-    mask = None if bool(am.all()) else torch.cat([am.bool(), am.new_ones(rows, max_new_tokens, dtype=torch.bool)], 1)
-    tokens, raw = [], []
-    for step in range(max_new_tokens):
-        step_logits = logits.to(dtype=torch.float32, copy=True)
-        raw.append(step_logits)
-        scores = step_logits.clone()
-        if masked:
-            scores[:, masked] = float("-inf")
-        tok = pick(scores, step)
-        tok = torch.where(finished, torch.full_like(tok, pad_token_id), tok)
-        tokens.append(tok)
-        finished |= torch.isin(tok, eos)
-        if bool(finished.all()) or step == max_new_tokens - 1:
-            break
-        pos = pos[..., -1:] + 1
-        step_mask = None if mask is None else mask[:, None, None, : kv.length + 1]
-        logits = _step(model, tok, pos, step_mask, kv)
-    return torch.stack(tokens, dim=1), torch.stack(raw, dim=1)
+    return _sample(model, out.logits[:, -1, :], pos[1:, :, -1:], None if bool(am.all()) else am.bool(), kv, pick,
+                   max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
+                   masked_ids=masked_ids)

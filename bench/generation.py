@@ -1,8 +1,10 @@
-"""The HF backend's decode loop (``actor/hf_decode.py``) against ``transformers``' ``generate``.
+"""The HF backend's decode loops (``actor.hf_decode``) against ``transformers``' ``generate``.
 
     python bench/generation.py [--config tiny-frozenlake] [--episodes 48] [--concurrency 8] [--threads 1] [--repeats 2]
+                               [--decode generate,loop,cached]
 
-Both play the same episodes of the preset's env with the preset's shipped warm start (the model
+``loop`` is ``actor/hf_decode.py``, ``cached`` the same loop with each episode's keys and values kept
+between its turns (``actor/hf_episode_kv.py``). All play the same episodes of the preset's env with the preset's shipped warm start (the model
 ``worldloop up`` trains), its turns, token limit and image side, in one process, one after the
 other, ``--repeats`` times each in alternation: as the actors sample (``sampled``: one random stream
 per call, temperature and top-p of ``actor.*``) and as the evaluator does (``keyed``: each episode
@@ -40,6 +42,13 @@ def _play(backend, cfg, args, keyed: bool):
     return wall, cpu, turns
 
 
+def _difference(turns, base) -> str:
+    """How two runs' turns differ: turns with other tokens, and the largest log-prob gap where the tokens agree."""
+    other = sum(a[0] != b[0] for a, b in zip(turns, base)) + abs(len(turns) - len(base))
+    gap = max((abs(x - y) for a, b in zip(turns, base) if a[0] == b[0] for x, y in zip(a[1], b[1])), default=0.0)
+    return f"tokens: {other} of {len(base)} turns differ; log-probs: max gap {gap:.1e}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="tiny-frozenlake")
@@ -48,6 +57,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed-start", type=int, default=40_000_000)
+    ap.add_argument("--decode", default="generate,loop,cached", help="actor.hf_decode values, the first the baseline")
     args = ap.parse_args()
 
     import torch
@@ -59,11 +69,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config)
     model = SHIPPED_DIR / cfg.run.name
-    backends = {"generate": HFBackend(model, max_image_side=cfg.model.max_image_side, decode_loop=False),
-                "decode loop": HFBackend(model, max_image_side=cfg.model.max_image_side)}
+    backends = {name: HFBackend(model, max_image_side=cfg.model.max_image_side, decode=name) for name in args.decode.split(",")}
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} thread(s), "
           f"{args.episodes} episodes of {cfg.run.name} ({model}), {args.concurrency} at a time, {args.repeats} repeats")
-    print("| sampling | backend | episodes/s | generated tokens/s | CPU s | vs generate | same episodes |")
+    print(f"| sampling | actor.hf_decode | episodes/s | generated tokens/s | CPU s | vs {args.decode.split(',')[0]} | same episodes |")
     print("|---|---|---|---|---|---|---|")
     for keyed in (False, True):
         best: dict[str, tuple] = {}
@@ -72,10 +81,10 @@ def main() -> None:
                 wall, cpu, turns = _play(backend, cfg, args, keyed)
                 if name not in best or wall < best[name][0]:
                     best[name] = (wall, cpu, turns)
-        base = best["generate"]
+        base = best[args.decode.split(",")[0]]
         for name, (wall, cpu, turns) in best.items():
             tokens = sum(len(ids) for ids, _ in turns)
-            same = "yes" if turns == base[2] else f"no ({sum(a != b for a, b in zip(turns, base[2]))} turns differ)"
+            same = "yes" if turns == base[2] else _difference(turns, base[2])
             print(f"| {'keyed (evaluator)' if keyed else 'sampled (actors)'} | {name} | {args.episodes / wall:.2f} | "
                   f"{tokens / wall:.0f} | {cpu:.1f} | {base[0] / wall:.2f}x | {same} |")
 

@@ -49,8 +49,8 @@ def warm() -> tuple[HFBackend, HFBackend, list[list[GenRequest]]]:
     episodes played to their end (3 turns at most), 6 at a time."""
     cfg = load_config("tiny-frozenlake")
     path, side = SHIPPED_DIR / "tiny-frozenlake", cfg.model.max_image_side
-    loop, ref = HFBackend(path, max_image_side=side), HFBackend(path, max_image_side=side, decode_loop=False)
-    assert loop.decode_loop and not ref.decode_loop
+    loop, ref = HFBackend(path, max_image_side=side), HFBackend(path, max_image_side=side, decode="generate")
+    assert (loop.decode_mode, ref.decode_mode) == ("loop", "generate")
     calls: list[list[GenRequest]] = []
 
     class Recording:
@@ -96,7 +96,7 @@ def test_a_call_that_ends_at_eos_ends_there_and_pads_the_rows_that_ended(warm) -
 @pytest.fixture(scope="module")
 def untrained(shared_tiny_model) -> tuple[HFBackend, HFBackend, list[GenRequest]]:
     path = shared_tiny_model(seed=0, max_image_side=112)
-    loop, ref = HFBackend(path, max_image_side=112), HFBackend(path, max_image_side=112, decode_loop=False)
+    loop, ref = HFBackend(path, max_image_side=112), HFBackend(path, max_image_side=112, decode="generate")
     codec = loop.codec
     img = lambda h, w, s: np.random.RandomState(s).randint(0, 256, (h, w, 3), dtype=np.uint8)
     obs = [codec.encode_obs("[Initial Observation]:\n<image>\nDecide.", [img(90, 60, 0)], system="Play.", first=True),
@@ -117,8 +117,8 @@ def test_any_batch_of_mixed_rows_matches_generate(untrained, rows, max_new_token
 def test_lora_adapters_take_part_in_every_step(shared_tiny_model) -> None:
     path = shared_tiny_model(seed=0, max_image_side=112)
     lora = LoraConfig(rank=4, alpha=8.0)
-    loop, ref = HFBackend(path, max_image_side=112, lora=lora), HFBackend(path, max_image_side=112, lora=lora, decode_loop=False)
-    assert loop.decode_loop
+    loop, ref = HFBackend(path, max_image_side=112, lora=lora), HFBackend(path, max_image_side=112, lora=lora, decode="generate")
+    assert loop.decode_mode == "loop"
     gen = torch.Generator().manual_seed(0)
     adapters = {k: torch.randn(v.shape, generator=gen) * 0.5 for k, v in loop.model.state_dict().items() if is_adapter_name(k)}
     req = [GenRequest(loop.codec.encode_obs("go", [], system="Play.", first=True).ids, sample_key=3)]
@@ -141,6 +141,9 @@ def test_a_model_the_loop_does_not_know_keeps_generate(shared_tiny_model) -> Non
     assert hf_decode.supports(backend.model)
     backend.model.config.get_text_config()._attn_implementation = "eager"
     assert not hf_decode.supports(backend.model)
+    assert HFBackend(path, max_image_side=112, decode="cached").decode_mode == "cached"
+    with pytest.raises(ValueError, match="decode must be loop, cached or generate"):
+        HFBackend(path, max_image_side=112, decode="fast")
     assert not hf_decode.supports(torch.nn.Linear(2, 2))
 
 
@@ -150,8 +153,8 @@ def test_actor_hf_decode_picks_the_path_and_a_bad_value_names_the_key(shared_tin
     from worldloop.common.contracts.config import ConfigError
 
     path = shared_tiny_model(seed=0, max_image_side=112)
-    for value, expected in (("loop", True), ("generate", False)):
+    for value in ("loop", "cached", "generate"):
         cfg = load_config("tiny-frozenlake", [f"actor.hf_decode={value}", "model.max_image_side=112"])
-        assert make_backend(cfg, str(path)).decode_loop is expected
+        assert make_backend(cfg, str(path)).decode_mode == value
     with pytest.raises(ConfigError, match="actor.hf_decode"):
         load_config("tiny-frozenlake", ["actor.hf_decode=fast"])

@@ -243,10 +243,12 @@ class ActorConfig(Section):
     server_startup_timeout_s: Float = Field(900.0, gt=0, le=MAX_WAIT_S, description="an actor waits this long at start for a ready "
                                                                      "server")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the actor's model runs; auto = cuda when visible")
-    hf_decode: Literal["loop", "generate"] = Field(
-        "loop", description="actor.backend=hf (and local evaluations): loop = worldloop's decode loop for Qwen2.5-VL "
+    hf_decode: Literal["loop", "cached", "generate"] = Field(
+        "cached", description="actor.backend=hf (and local evaluations): loop = worldloop's decode loop for Qwen2.5-VL "
                             "(actor/hf_decode.py: generate's tokens and log-probs bit for bit, in less CPU; other models "
-                            "use generate); generate = transformers' generate")
+                            "use generate); cached = the loop with each episode's keys and values kept between its turns "
+                            "(actor/hf_episode_kv.py, CPU: only new tokens are prefilled; generate's distribution, not "
+                            "its bits); generate = transformers' generate")
     temperature: Float = Field(0.7, ge=0, description="sampling temperature")
     top_p: Float = Field(0.95, gt=0, le=1, description="nucleus sampling mass")
     max_new_tokens: int = Field(200, ge=1, description="tokens generated per turn at most (less than model.max_model_len)")

@@ -1,0 +1,84 @@
+"""``actor.hf_decode: cached`` (``actor/hf_episode_kv.py``): each episode's keys and values kept between
+its turns, so that a turn prefills only its new tokens and images.
+
+It gives ``generate``'s distribution, not its bits, so it is checked against what is exact: the
+learner's one-pass log-probs over the whole multi-turn sequence (which a wrong rotary offset, a
+wrong mask or a stale key would move far more than float rounding), and the bit-exact ``loop``
+on the same real FrozenLake episodes of the shipped warm start."""
+
+from __future__ import annotations
+
+import torch
+
+from worldloop.actor.episodes import play_episodes
+from worldloop.actor.generation import GenRequest
+from worldloop.actor.hf_backend import HFBackend
+from worldloop.actor.rollout import EpisodeSpec, Sampling
+from worldloop.bootstrap.store import SHIPPED_DIR
+from worldloop.common.contracts.config import load_config
+from worldloop.common.contracts.modeling import build_sequence, collate, token_logprobs
+
+CFG = load_config("tiny-frozenlake")
+MODEL = SHIPPED_DIR / "tiny-frozenlake"
+
+
+def _backend(decode: str) -> HFBackend:
+    return HFBackend(MODEL, max_image_side=CFG.model.max_image_side, decode=decode)
+
+
+def _play(backend: HFBackend, n: int, temperature: float, keyed: bool, seed0: int = 20_000_000):
+    env = CFG.actor.envs[0]
+    specs = [EpisodeSpec(env.id, seed0 + i, dict(env.kwargs), max_turns=3) for i in range(n)]
+    return play_episodes(backend, specs, concurrency=n, sampling=Sampling(temperature, 1.0, CFG.actor.max_new_tokens),
+                         max_model_len=CFG.model.max_model_len, sample_seed=3, keyed_sampling=keyed)
+
+
+def _gap(model, codec, traj) -> float:
+    layout = build_sequence(traj)
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, collate([layout], codec), temperature=0.7, masked_ids=codec.prompt_only_ids)
+    return max((lp[0, s:e] - layout.behaviour_logprobs[s:e]).abs().max().item() for s, e in layout.turn_spans)
+
+
+def test_cached_turns_have_the_learners_logprobs_over_the_whole_sequence() -> None:
+    backend = _backend("cached")
+    trajs = _play(backend, 8, temperature=0.7, keyed=False)
+    store = backend.episode_kv
+    multi = [t for t in trajs if len(t.turns) > 1]
+    assert len(multi) >= 2, [len(t.turns) for t in trajs]
+    assert store.hits >= sum(len(t.turns) - 1 for t in trajs)  # every later turn found its episode
+    assert store.reused_tokens > store.prefilled_tokens  # most of a later turn's context was not prefilled
+    for t in multi:
+        assert _gap(backend.model, backend.codec, t) < 1e-4
+
+
+def test_cached_plays_the_loops_episodes() -> None:
+    """Greedy, the same episodes turn by turn as the bit-exact loop (log-probs within float rounding)."""
+    cached, loop = _backend("cached"), _backend("loop")
+    a, b = _play(cached, 8, temperature=0.0, keyed=False), _play(loop, 8, temperature=0.0, keyed=False)
+    turns_a = [(list(t.response_ids), list(t.logprobs)) for tr in a for t in tr.turns]
+    turns_b = [(list(t.response_ids), list(t.logprobs)) for tr in b for t in tr.turns]
+    assert len(turns_a) == len(turns_b) > 8
+    same = [(x, y) for x, y in zip(turns_a, turns_b) if x[0] == y[0]]
+    assert len(same) >= 0.9 * len(turns_b)  # a near-tie may flip a greedy token; none did here when written
+    assert max(abs(p - q) for x, y in same for p, q in zip(x[1], y[1])) < 1e-4
+    assert cached.episode_kv.hits > 0
+
+
+def test_a_weight_update_empties_the_store_and_an_unrelated_prompt_is_prefilled_whole() -> None:
+    backend = _backend("cached")
+    codec = backend.codec
+    first = codec.encode_obs("go", [], system="Play.", first=True).ids
+    r = backend.generate([GenRequest(first, session="e1")], temperature=0.0, top_p=1.0, max_new_tokens=8)[0]
+    store = backend.episode_kv
+    assert len(store) == 1 and store.hits == 0
+    follow = first + r.response_ids + codec.encode_obs("again", [], system=None, first=False).ids
+    backend.generate([GenRequest(follow, session="e1")], temperature=0.0, top_p=1.0, max_new_tokens=8)
+    assert store.hits == 1 and store.reused_tokens == len(first) + len(r.response_ids) - 1
+    # the same episode name with a prompt that does not continue the stored one: a miss, prefilled whole
+    other = codec.encode_obs("something else", [], system="Play.", first=True).ids
+    backend.generate([GenRequest(other, session="e1")], temperature=0.0, top_p=1.0, max_new_tokens=8)
+    assert store.hits == 1 and store.misses == 2
+    own = backend.model.state_dict()
+    backend.update_weights({k: v.clone() for k, v in own.items()}, 2)
+    assert len(store) == 0 and backend.version == 2
