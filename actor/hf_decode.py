@@ -29,11 +29,13 @@ What it does, and why the result does not change:
   have ended take the pad token, and the loop stops when every row has ended or after
   ``max_new_tokens``, as ``generate`` does.
 
-``tests/test_hf_decode.py`` checks tokens and log-probs equal to ``generate``'s (``torch.equal``)
-in all three sampling modes, with and without padding, images and LoRA, on the CPU (it has not run
+``tests/test_hf_decode.py`` checks tokens and log-probs equal to ``generate``'s (compared with ``==``)
+in every sampling mode, with and without padding, images and LoRA, on the CPU (it has not run
 on a GPU, where SDPA picks other kernels). A model this loop does not know (another architecture,
 eager attention, sliding windows, a generation config with a repetition penalty or another
-processor of its own) keeps ``generate``.
+processor of its own) keeps ``generate``. This is ``actor.hf_decode: loop``; ``cached`` (the default,
+:mod:`worldloop.actor.hf_episode_kv`) runs the same token loop after a prefill of only what each
+episode did not hold from its last turn.
 """
 
 from __future__ import annotations

@@ -14,18 +14,18 @@ the second; on the tiny model the prefill and the images' preprocessing were 38 
 
 How: after a call, each request that names its episode (``GenRequest.session``) leaves here the
 keys and values of its prompt and of its response less the last token (the one never fed back),
-the token ids they belong to, the number of images they hold, and the next rotary position. At the
-next call, a request whose prompt starts with exactly those ids (and holds at least one more token)
+the token ids they belong to, the images they hold, and the next rotary position. At the next
+call, a request whose prompt starts with exactly those ids and images (and holds at least one more token)
 prefills only the rest: its new tokens and new images, at rotary positions offset by the stored one
 (Qwen2.5-VL's positions continue from the largest so far plus one, so a suffix's positions computed
-on its own and shifted are the whole sequence's). Rows are right-aligned: a row's cached keys, then
-any padding, then its new tokens; one additive mask lets each new token see its row's cached and
-earlier new positions and nothing else. Rows with nothing cached prefill as
-:func:`worldloop.actor.hf_decode.decode` does.
+on its own and shifted are the whole sequence's). Each row prefills alone: a first turn's 590
+tokens would otherwise pad every later turn's 300 in the same batch, and a row with nothing stored
+takes SDPA's causal kernel with no mask at all. Then the rows decode together, right-aligned (a
+row's keys, zeros before them, and a mask that hides the zeros).
 
 What changes: the same computation in another order. Keys of response tokens were computed one at a
 time, and a prompt's attention runs over a split context, so log-probs differ from a full prefill's
-in the last bits (about 1e-6 on the tiny model), and a sampled token can differ where two were
+in the last bits (at most 2e-5 in ``bench/generation.py``'s 219 turns), and a sampled token can differ where two were
 almost tied: ``cached`` gives ``generate``'s distribution, not its bits (``loop`` gives both). The
 learner recomputes every log-prob over the whole sequence in one pass, as for every backend.
 A weight update must empty the store (:meth:`HFBackend.update_weights` does): keys computed by one
@@ -48,7 +48,7 @@ class _Entry:
     ids: list[int]
     keys: list[torch.Tensor]  # per layer [kv heads, len(ids), head dim]
     values: list[torch.Tensor]
-    images: int
+    images: list[bytes]  # the PNGs the ids hold, in order
     next_pos: int  # the rotary position of the token after ids
 
 
@@ -68,10 +68,11 @@ class EpisodeKV:
     def clear(self) -> None:
         self._entries.clear()
 
-    def lookup(self, session: str | None, prompt_ids: Sequence[int], n_images: int) -> _Entry | None:
+    def lookup(self, session: str | None, prompt_ids: Sequence[int], images: Sequence[bytes]) -> _Entry | None:
+        """The entry ``prompt_ids`` and ``images`` continue (the same ids and PNGs, and more ids), or None."""
         e = self._entries.get(session) if session is not None else None
-        if (e is None or len(e.ids) >= len(prompt_ids) or e.images > n_images
-                or list(prompt_ids[: len(e.ids)]) != e.ids):
+        if (e is None or len(e.ids) >= len(prompt_ids) or len(e.images) > len(images)
+                or list(prompt_ids[: len(e.ids)]) != e.ids or list(images[: len(e.images)]) != e.images):
             return None
         return e
 
@@ -87,7 +88,7 @@ def _new_part(model, codec, request, entry: _Entry | None) -> dict:
     ids = torch.tensor([list(request.prompt_ids[len(entry.ids) if entry else 0 :])], dtype=torch.long)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if codec.is_vision:
-        images = list(request.images[entry.images if entry else 0 :])
+        images = list(request.images[len(entry.images) if entry else 0 :])
         found = int((ids == codec.image_token_id).sum())
         vis = codec.vision_inputs(images)
         expected = int(vis["image_grid_thw"].prod(-1).sum()) // 4 if vis else 0
@@ -135,7 +136,7 @@ def decode_cached(model, codec, requests, pick: Pick, store: EpisodeKV, *, max_n
     """:func:`worldloop.actor.hf_decode.decode` for ``requests`` (``GenRequest``), prefilling only what
     ``store`` does not hold, one row at a time; then all rows decode together, right-aligned. Leaves
     each named episode's keys and values in ``store``. CPU only."""
-    entries = [store.lookup(r.session, r.prompt_ids, len(r.images)) for r in requests]
+    entries = [store.lookup(r.session, r.prompt_ids, r.images) for r in requests]
     rows = [_prefill_row(model, codec, r, e) for r, e in zip(requests, entries)]
     kv, real = _KV.right_aligned([c for _, c, _ in rows], max_new_tokens)
     width = kv.length
@@ -157,5 +158,5 @@ def decode_cached(model, codec, requests, pick: Pick, store: EpisodeKV, *, max_n
         store.store(r.session, _Entry(ids=list(r.prompt_ids) + row[:keep],
                                       keys=[buf[i, :, span].clone() for buf in kv.keys],
                                       values=[buf[i, :, span].clone() for buf in kv.values],
-                                      images=len(r.images), next_pos=int(rows[i][2][0, 0, 0]) + n))
+                                      images=list(r.images), next_pos=int(rows[i][2][0, 0, 0]) + n))
     return tokens, raw

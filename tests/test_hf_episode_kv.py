@@ -8,6 +8,7 @@ on the same real FrozenLake episodes of the shipped warm start."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from worldloop.actor.episodes import play_episodes
@@ -79,6 +80,14 @@ def test_a_weight_update_empties_the_store_and_an_unrelated_prompt_is_prefilled_
     other = codec.encode_obs("something else", [], system="Play.", first=True).ids
     backend.generate([GenRequest(other, session="e1")], temperature=0.0, top_p=1.0, max_new_tokens=8)
     assert store.hits == 1 and store.misses == 2
+    # the same ids with another image where the stored one was: a miss too
+    img = lambda seed: np.random.RandomState(seed).randint(0, 256, (60, 60, 3), dtype=np.uint8)
+    obs = codec.encode_obs("look <image>", [img(0)], system="Play.", first=True)
+    r = backend.generate([GenRequest(obs.ids, obs.images, session="e2")], temperature=0.0, top_p=1.0, max_new_tokens=8)[0]
+    more = obs.ids + r.response_ids + codec.encode_obs("again", [], system=None, first=False).ids
+    other_image = codec.encode_obs("look <image>", [img(1)], system="Play.", first=True).images
+    backend.generate([GenRequest(more, other_image, session="e2")], temperature=0.0, top_p=1.0, max_new_tokens=8)
+    assert store.hits == 1 and store.misses == 4
     own = backend.model.state_dict()
     backend.update_weights({k: v.clone() for k, v in own.items()}, 2)
     assert len(store) == 0 and backend.version == 2
