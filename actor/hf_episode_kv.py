@@ -9,8 +9,9 @@ computes only what is new since the episode's last call (``actor.hf_decode: cach
 
 Why: an episode's request is its whole context every turn (token-in/token-out), so the third turn
 of a FrozenLake episode of the preset prefills about 1,200 tokens of which about 900 were there at
-the second; on the tiny model the prefill and the images' preprocessing were 38 % of a call
-(``bench/generation.py``).
+the second; on the tiny model the prefill and the images' preprocessing were 38 % of ``loop``'s time
+(the 8 batched calls of 24 of the preset's episodes, timed one by one; docs/benchmarks.md "The HF
+backend's decode loops").
 
 How: after a call, each request that names its episode (``GenRequest.session``) leaves here the
 keys and values of its prompt and of its response less the last token (the one never fed back),
