@@ -82,17 +82,7 @@ class HFBackend:
         return {k: v.to(self.device) for k, v in batch.items()}
 
     def _vision(self, requests: list[GenRequest], ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        images = [png for r in requests for png in r.images]
-        found = int((ids == self.codec.image_token_id).sum())
-        vis = self.codec.vision_inputs(images)
-        expected = int(vis["image_grid_thw"].prod(-1).sum()) // 4 if vis else 0
-        if found != expected:
-            raise ValueError(f"prompts hold {found} image tokens but their {len(images)} image(s) need {expected}")
-        out = {"mm_token_type_ids": (ids == self.codec.image_token_id).long()}
-        if vis:
-            out["pixel_values"] = vis["pixel_values"].to(self.model.dtype)
-            out["image_grid_thw"] = vis["image_grid_thw"]
-        return out
+        return hf_decode.vision_batch(self.codec, ids, [png for r in requests for png in r.images], self.model.dtype)
 
     @torch.no_grad()
     def generate(
@@ -113,7 +103,8 @@ class HFBackend:
         if not requests:
             return []
         validate_requests(requests, max_new_tokens, self._vocab)
-        pick = hf_decode.sampler(temperature, top_p, [r.sample_key for r in requests])
+        keys = [r.sample_key for r in requests]
+        pick = hf_decode.sampler(temperature, top_p, keys)
         with torch.random.fork_rng(devices=[self.device] if self.device.startswith("cuda") else []):
             if seed is not None:
                 torch.manual_seed(seed)
@@ -125,8 +116,7 @@ class HFBackend:
                                                eos_token_ids=self.codec.eos_token_ids, pad_token_id=self.codec.pad_token_id,
                                                masked_ids=self._masked)
             else:
-                new, logits = self._generate(self._batch(requests), [r.sample_key for r in requests], temperature, top_p,
-                                             max_new_tokens)
+                new, logits = self._generate(self._batch(requests), keys, temperature, top_p, max_new_tokens)
         new, logits = new.cpu(), logits.float().cpu()  # logits: [B, T, V], raw (pre-processing)
         logits[..., self._masked] = float("-inf")  # the distribution sampled from: prompt-only tokens masked
         sample = temperature > 0

@@ -110,14 +110,34 @@ def _positions(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([text.unsqueeze(0), rope.to(text.dtype)], dim=0)
 
 
+def vision_batch(codec, ids: torch.Tensor, images, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``mm_token_type_ids`` for the token ids ``ids`` and, with images, their ``pixel_values`` (in
+    ``dtype``) and ``image_grid_thw``; ValueError unless the ids hold exactly the images' image tokens."""
+    found = int((ids == codec.image_token_id).sum())
+    vis = codec.vision_inputs(images)
+    expected = int(vis["image_grid_thw"].prod(-1).sum()) // 4 if vis else 0
+    if found != expected:
+        raise ValueError(f"prompts hold {found} image tokens but their {len(images)} image(s) need {expected}")
+    out = {"mm_token_type_ids": (ids == codec.image_token_id).long()}
+    if vis:
+        out["pixel_values"] = vis["pixel_values"].to(dtype)
+        out["image_grid_thw"] = vis["image_grid_thw"]
+    return out
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask as an additive one: 0 where allowed, the dtype's minimum where not."""
+    return torch.where(allowed, torch.tensor(0.0, dtype=dtype, device=allowed.device),
+                       torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=allowed.device))
+
+
 def _prefill_mask(am: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """The causal-and-padding mask as an additive [B, 1, L, L] (None without padding)."""
     if bool(am.all()):
         return None
     width = am.shape[1]
-    allowed = torch.ones(width, width, dtype=torch.bool, device=am.device).tril()[None, None] & am.bool()[:, None, None, :]
-    return torch.where(allowed, torch.tensor(0.0, dtype=dtype, device=am.device),
-                       torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=am.device))
+    return additive_mask(torch.ones(width, width, dtype=torch.bool, device=am.device).tril()[None, None]
+                         & am.bool()[:, None, None, :], dtype)
 
 
 class _KV:

@@ -41,7 +41,7 @@ from typing import Sequence
 
 import torch
 
-from worldloop.actor.hf_decode import Pick, _KV, _sample
+from worldloop.actor.hf_decode import Pick, _KV, _positions, _sample, additive_mask, vision_batch
 
 
 @dataclass
@@ -89,16 +89,7 @@ def _new_part(model, codec, request, entry: _Entry | None) -> dict:
     ids = torch.tensor([list(request.prompt_ids[len(entry.ids) if entry else 0 :])], dtype=torch.long)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if codec.is_vision:
-        images = list(request.images[len(entry.images) if entry else 0 :])
-        found = int((ids == codec.image_token_id).sum())
-        vis = codec.vision_inputs(images)
-        expected = int(vis["image_grid_thw"].prod(-1).sum()) // 4 if vis else 0
-        if found != expected:
-            raise ValueError(f"the new tokens hold {found} image tokens but their {len(images)} new image(s) need {expected}")
-        batch["mm_token_type_ids"] = (ids == codec.image_token_id).long()
-        if vis:
-            batch["pixel_values"] = vis["pixel_values"].to(model.dtype)
-            batch["image_grid_thw"] = vis["image_grid_thw"]
+        batch.update(vision_batch(codec, ids, list(request.images[len(entry.images) if entry else 0 :]), model.dtype))
     return batch
 
 
@@ -110,21 +101,14 @@ def _prefill_row(model, codec, request, entry: _Entry | None):
 
     batch = _new_part(model, codec, request, entry)
     new = batch["input_ids"].shape[1]
-    if batch.get("image_grid_thw") is not None:
-        rope, _ = model.model.get_rope_index(batch["input_ids"], mm_token_type_ids=batch["mm_token_type_ids"],
-                                             image_grid_thw=batch["image_grid_thw"], attention_mask=batch["attention_mask"])
-    else:
-        rope = torch.arange(new, dtype=torch.long).view(1, 1, new).expand(3, 1, new)
-    rope = rope.long() + (entry.next_pos if entry else 0)
+    rope = _positions(model, batch)[1:] + (entry.next_pos if entry else 0)
     cache = DynamicCache(config=model.config)
     mask = None
     if entry is not None:
         for layer, (k, v) in enumerate(zip(entry.keys, entry.values)):
             cache.update(k.unsqueeze(0), v.unsqueeze(0), layer)
         held = len(entry.ids)
-        allowed = torch.arange(held + new).view(1, -1) <= (held + torch.arange(new)).view(-1, 1)
-        mask = torch.where(allowed, torch.tensor(0.0, dtype=model.dtype),
-                           torch.tensor(torch.finfo(model.dtype).min, dtype=model.dtype))[None, None]
+        mask = additive_mask(torch.arange(held + new).view(1, -1) <= (held + torch.arange(new)).view(-1, 1), model.dtype)[None, None]
     vision = {k: batch[k] for k in ("pixel_values", "image_grid_thw", "mm_token_type_ids") if k in batch}
     out = model(input_ids=batch["input_ids"], attention_mask={"full_attention": mask}, position_ids=rope,
                 past_key_values=cache, use_cache=True, logits_to_keep=1, **vision)
