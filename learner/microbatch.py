@@ -54,7 +54,7 @@ import torch
 from worldloop.common.contracts.logprobs import segments_of
 
 PAD_TO = 8  # the default multiple micro-batch lengths are rounded up to (trainer.pad_to_multiple)
-_SPANS = ("pixel_values", "image_grid_thw")
+_SPANS = ("pixel_values", "image_grid_thw", "image_keys")
 
 
 def _padded(n: int, pad_to: int) -> int:
@@ -149,9 +149,10 @@ def image_patch_rows(batch: dict[str, torch.Tensor], image_counts: list[int]) ->
 
 
 def _images_of(batch: dict[str, torch.Tensor], rows: list[int], image_counts: list[int]) -> dict:
-    """``pixel_values`` / ``image_grid_thw`` of ``rows``, in row order, and ``image_ids`` (each
-    image's index in the collated batch, a tuple: the key of learner/vision.py's cache); {} without
-    images."""
+    """``pixel_values`` / ``image_grid_thw`` of ``rows``, in row order, ``image_ids`` (each image's
+    index in the collated batch) and, where the batch has them, ``image_keys`` (the index of the
+    batch's first image with the same PNG bytes): tuples, the keys of learner/vision.py's cache;
+    {} without images."""
     if "pixel_values" not in batch:
         return {}
     spans = image_patch_rows(batch, image_counts)
@@ -160,7 +161,11 @@ def _images_of(batch: dict[str, torch.Tensor], rows: list[int], image_counts: li
     if not sum(x.shape[0] for x in pix):
         return {}
     ids = tuple(i for r in rows for i in range(spans[r][2], spans[r][3]))
-    return {"pixel_values": torch.cat(pix), "image_grid_thw": torch.cat(grid), "image_ids": ids}
+    out = {"pixel_values": torch.cat(pix), "image_grid_thw": torch.cat(grid), "image_ids": ids}
+    if "image_keys" in batch:
+        keys = batch["image_keys"].tolist()
+        out["image_keys"] = tuple(keys[i] for i in ids)
+    return out
 
 
 def micro_slices(batch: dict[str, torch.Tensor], rows: list[int], image_counts: list[int], pad_to: int = 8) -> dict[str, torch.Tensor]:

@@ -23,6 +23,10 @@ How:
   partitioned by ZeRO-3 is gathered for it one parameter pair at a time, a collective every rank
   makes. A tower with any parameter that trains (``freeze_vision: false``, LoRA on the tower) is
   never cached.
+* **Once per distinct image.** Images with the same PNG bytes share a key (``image_keys``,
+  common/contracts/modeling.py ``collate``): a GRPO group's episodes start from one image, so
+  the tower runs on each distinct image once, however many rows repeat it (not for a ZeRO-3
+  tower: its calls gather parameters, so each rank keeps one call per micro-batch with images).
 * **Kept for one update.** Features live on the device until the update ends: images x merged
   tokens per image x hidden size in the model's dtype (3B, 256 tokens an image: 1 MiB an image).
 
@@ -97,6 +101,7 @@ class TowerGroups:
     def __init__(self) -> None:
         self._group: dict[int, int | None] = {}
         self._reps: list[torch.nn.Module] = []
+        self._sharded: list[bool] = []  # per group: its towers are partitioned by ZeRO-3
         self._owners: list[torch.nn.Module] = []  # kept alive, so their ids are never reused
 
     def prepare(self, owners: list[torch.nn.Module]) -> None:
@@ -120,6 +125,7 @@ class TowerGroups:
                               if rep is owner or (may_compare(rep) and _same_tower(rep, owner))), None)
                 if group is None:
                     self._reps.append(owner)
+                    self._sharded.append(_partitioned(owner))
                     group = len(self._reps) - 1
             self._group[key] = group
             log.info("vision features of %s: %s", type(owner).__name__,
@@ -128,8 +134,16 @@ class TowerGroups:
         return self._group[key]
 
 
+    def partitioned(self, group: int) -> bool:
+        """Whether ``group``'s towers are partitioned by ZeRO-3: their forward gathers parameters, a
+        collective, so every rank must call them as often (once per micro-batch with images), and
+        images repeated in the batch are not run once only."""
+        return self._sharded[group]
+
+
 class VisionCache:
-    """One update's image features, per tower group and image index of the collated batch."""
+    """One update's image features, per tower group and image key of the collated batch (the index
+    of the batch's first image with the same PNG bytes: learner/microbatch.py ``_images_of``)."""
 
     def __init__(self, groups: TowerGroups) -> None:
         self.groups = groups
@@ -145,13 +159,19 @@ class VisionCache:
         group = self.groups.of(owner)
         if group is None:
             return None
-        missing = [i for i, image in enumerate(ids) if (group, image) not in self._features]
+        if "image_keys" in batch and not self.groups.partitioned(group):
+            ids = batch["image_keys"]  # by content; a ZeRO-3 tower keeps one call per micro-batch on every rank
+        missing, asked = [], set()
+        for i, image in enumerate(ids):  # an image repeated in the batch (the same PNG) runs once
+            if (group, image) not in self._features and image not in asked:
+                missing.append(i)
+                asked.add(image)
         if missing:
-            self._compute(owner, group, batch, missing)
+            self._compute(owner, group, batch, ids, missing)
         return tuple(self._features[(group, image)] for image in ids)
 
     @torch.no_grad()
-    def _compute(self, owner: torch.nn.Module, group: int, batch: dict[str, Any], missing: list[int]) -> None:
+    def _compute(self, owner: torch.nn.Module, group: int, batch: dict[str, Any], ids, missing: list[int]) -> None:
         grid = batch["image_grid_thw"]
         patches = grid.prod(-1).tolist()
         starts = [0]
@@ -164,7 +184,7 @@ class VisionCache:
         if len(pooled) != len(missing):
             raise RuntimeError(f"the vision tower gave {len(pooled)} feature sets for {len(missing)} images")
         for i, feats in zip(missing, pooled):
-            self._features[(group, batch["image_ids"][i])] = feats.detach()
+            self._features[(group, ids[i])] = feats.detach()
         self.tower_calls += 1
 
 

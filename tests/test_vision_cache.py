@@ -41,8 +41,11 @@ def _towers(models) -> list[torch.nn.Module]:
 
 
 def _run(model_dir: Path, *, vision_cache: bool, freeze_vision: bool = True, packing: bool = True,
-         perturb_critic_tower: bool = False, precompute_only: bool = False, zero_stage: int = 0):
-    """One update (or only its proximal pass) on fresh models: (result, tower calls per model, trainer)."""
+         perturb_critic_tower: bool = False, precompute_only: bool = False, zero_stage: int = 0,
+         trajectories=None, images_seen: dict | None = None):
+    """One update (or only its proximal pass) on fresh models: (result, tower calls per model, trainer).
+    ``trajectories(codec)`` gives the batch (default: :func:`_trajectories`); ``images_seen`` gets
+    the images each model's tower was given, summed over its calls."""
     from worldloop.common.contracts.modeling import ChatCodec, load_policy
     from worldloop.learner.engine import assemble_models, init_distributed, load_backbone
     from worldloop.learner.trainer import PPOTrainer
@@ -65,10 +68,17 @@ def _run(model_dir: Path, *, vision_cache: bool, freeze_vision: bool = True, pac
                              engine_fn=_recording_engine(optimizers))
     torch.nn.init.normal_(models.critic.module.value_head.weight, std=0.5)  # values that are not all 0
     calls = {"policy": 0, "critic": 0, "reference": 0}
+    seen = images_seen if images_seen is not None else {}
+    seen.update({name: 0 for name in calls})
+
+    def count(module, args, kwargs, _out, name):
+        calls[name] += 1
+        seen[name] += int((kwargs["grid_thw"] if "grid_thw" in kwargs else args[1]).shape[0])
+
     for name, tower in zip(calls, _towers(models)):
-        tower.register_forward_hook(lambda *_, n=name: calls.__setitem__(n, calls[n] + 1))
+        tower.register_forward_hook(lambda *a, n=name: count(*a, n), with_kwargs=True)
     trainer = PPOTrainer(cfg, models, seed=3)
-    trajs = _trajectories(codec, 8)
+    trajs = (trajectories or (lambda c: _trajectories(c, 8)))(codec)
     if precompute_only:
         batch, counts, lengths = trainer._collate(trajs)
         trainer._vision = VisionCache(trainer._towers) if trainer._towers is not None else None
@@ -92,6 +102,41 @@ def test_a_frozen_tower_runs_once_per_image_and_the_update_is_unchanged(model_di
     # features (equal towers), and the training passes find every image already computed
     assert cached_calls == {"policy": 4, "critic": 0, "reference": 0}
     assert trainer.last_vision_tower_calls == 4
+    assert_same_update(plain, cached)
+
+
+def _levels(codec):
+    """8 episodes of two levels, 4 each (seeds 0 and 1), of other lengths: the episodes of a level
+    start from the same PNG, as a GRPO group's do."""
+    from worldloop.testing.trajectories import synthetic_trajectory
+
+    shapes = [(1, 4), (3, 40), (1, 8), (2, 30), (3, 36), (1, 6), (2, 12), (3, 24)]
+    return [synthetic_trajectory(codec, trajectory_id=f"g{i}", seed=i // 4, turns=t, response_tokens=n,
+                                 env_reward=float(i % 3), success=i % 2 == 1) for i, (t, n) in enumerate(shapes)]
+
+
+def test_repeated_images_are_processed_once_and_run_once(model_dir):
+    """``collate`` processes each distinct PNG once and keys every image by its first copy: the
+    pixels are bit for bit those of processing each row's images alone; with the cache the tower
+    sees each distinct PNG once in the whole update, and the update is the uncached one."""
+    from worldloop.common.contracts.modeling import ChatCodec, build_sequence, collate
+
+    codec = ChatCodec(model_dir, max_image_side=112)
+    layouts = [build_sequence(t) for t in _levels(codec)]
+    pngs = [bytes(p) for x in layouts for p in x.images]
+    distinct = list(dict.fromkeys(pngs))
+    assert 2 <= len(distinct) < len(pngs) - 4  # the premise: the first turns repeat
+    batch = collate(layouts, codec)
+    assert batch["image_keys"].tolist() == [pngs.index(p) for p in pngs]
+    alone = [codec.vision_inputs(x.images) for x in layouts]
+    assert torch.equal(batch["pixel_values"], torch.cat([v["pixel_values"] for v in alone]))
+    assert torch.equal(batch["image_grid_thw"], torch.cat([v["image_grid_thw"] for v in alone]))
+
+    plain, _, _ = _run(model_dir, vision_cache=False, trajectories=_levels)
+    seen: dict = {}
+    cached, calls, trainer = _run(model_dir, vision_cache=True, trajectories=_levels, images_seen=seen)
+    assert seen == {"policy": len(distinct), "critic": 0, "reference": 0}
+    assert calls["policy"] <= 4 and trainer.last_vision_tower_calls == calls["policy"]
     assert_same_update(plain, cached)
 
 

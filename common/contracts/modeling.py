@@ -450,7 +450,8 @@ def _pad_stack(rows: list[torch.Tensor], length: int, value: float) -> torch.Ten
 def collate(layouts: Sequence[SequenceLayout], codec: ChatCodec, pad_to_multiple: int = 8) -> dict[str, torch.Tensor]:
     """Right-pad a batch: input_ids, attention_mask, the per-position fields of SequenceLayout,
     and for vision models ``pixel_values``/``image_grid_thw`` (sequence by sequence, image by
-    image) plus ``mm_token_type_ids`` (1 on ``<|image_pad|>``). Raises ValueError when a
+    image) plus ``mm_token_type_ids`` (1 on ``<|image_pad|>``) and ``image_keys`` (images with the
+    same PNG bytes share a key: :func:`_collate_vision`). Raises ValueError when a
     sequence's image tokens do not match its images' grids.
     """
     if not layouts:
@@ -468,21 +469,41 @@ def collate(layouts: Sequence[SequenceLayout], codec: ChatCodec, pad_to_multiple
 
 
 def _collate_vision(layouts: Sequence[SequenceLayout], codec: ChatCodec, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``mm_token_type_ids`` and, with images, ``pixel_values`` / ``image_grid_thw`` (sequence by
+    sequence, image by image) and ``image_keys``: for each image, the index of the batch's first
+    image with the same PNG bytes. Each distinct PNG is processed once (a GRPO group's first turns
+    share their image, and later turns often do): its rows are copied for every repeat."""
     image_tokens = (input_ids == codec.image_token_id) if codec.is_vision else torch.zeros_like(input_ids, dtype=torch.bool)
-    pixel, grids = [], []
+    keys: list[int] = []
+    distinct: dict[bytes, int] = {}
+    for x in layouts:
+        for png in x.images if codec.is_vision else ():
+            keys.append(distinct.setdefault(bytes(png), len(distinct)))
+    vis = codec.vision_inputs(list(distinct)) if distinct else {}
+    per_image = _split_images(vis)
+    at = 0
     for i, x in enumerate(layouts):
-        vis = codec.vision_inputs(x.images) if codec.is_vision else {}
-        expected = int(vis["image_grid_thw"].prod(-1).sum()) // (MERGE * MERGE) if vis else 0
+        n = len(x.images) if codec.is_vision else 0
+        expected = sum(int(per_image[k][1].prod()) for k in keys[at : at + n]) // (MERGE * MERGE)
+        at += n
         found = int(image_tokens[i].sum())
         if found != expected:
             raise ValueError(f"sequence {i}: {found} image tokens but its {len(x.images)} image(s) need {expected}")
-        if vis:
-            pixel.append(vis["pixel_values"])
-            grids.append(vis["image_grid_thw"])
     if not codec.is_vision:
         return {}
     out = {"mm_token_type_ids": image_tokens.long()}
-    if pixel:
-        out["pixel_values"] = torch.cat(pixel)
-        out["image_grid_thw"] = torch.cat(grids)
+    if keys:
+        first = {}
+        out["pixel_values"] = torch.cat([per_image[k][0] for k in keys])
+        out["image_grid_thw"] = torch.stack([per_image[k][1] for k in keys])
+        out["image_keys"] = torch.tensor([first.setdefault(k, j) for j, k in enumerate(keys)], dtype=torch.long)
     return out
+
+
+def _split_images(vis: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:meth:`ChatCodec.vision_inputs`' output as one (pixel rows, grid) pair per image."""
+    if not vis:
+        return []
+    grid = vis["image_grid_thw"]
+    rows = torch.split(vis["pixel_values"], grid.prod(-1).tolist())
+    return list(zip(rows, grid))
