@@ -10,7 +10,10 @@ An iteration, for this rank's contiguous slice of the global batch:
 
 1. collate the slice (token layout of ``worldloop.common.contracts.modeling``; images stay with their sequence);
 2. without gradients, per micro-batch: proximal log-probs of the current policy (version v, at
-   the actors' sampling temperature), reference log-probs, critic values;
+   the actors' sampling temperature), reference log-probs, critic values; with
+   ``trainer.proximal_from_first_pass`` (and no reference model, ``off_policy: cap``, no dropout)
+   the proximal log-probs of the first epoch's first mini-batch are left to its own training
+   forward, which runs the same weights on the same inputs before any step;
 3. turn rewards r_t = reasoning + format + env (``worldloop.learner.rewards.assemble_token_rewards``, WMAct Eq. 4
    rescaling by config) at each turn's last token; with ``kl_in_reward`` the token rewards are
    ``-kl_coef * KL(prox || ref)``; advantages and returns from ``worldloop.learner.advantages``; the
@@ -254,22 +257,43 @@ class PPOTrainer:
         engine.set_gradient_accumulation_boundary(bool(last))
 
     @torch.no_grad()
-    def _precompute(self, batch: dict, image_counts: list[int], lengths: list[int], timing: dict) -> dict[str, torch.Tensor]:
-        """Proximal / reference log-probs and old values of every local row, [B, L] on CPU."""
+    def _precompute(self, batch: dict, image_counts: list[int], lengths: list[int], timing: dict,
+                    first: list[int] | None = None) -> dict[str, torch.Tensor]:
+        """Proximal / reference log-probs and old values of every local row, [B, L] on CPU; the
+        proximal log-probs of the rows in ``first`` are left to the first training pass."""
         shape = batch["input_ids"].shape
         out = {"old_logprobs": torch.zeros(shape), "ref_logprobs": torch.zeros(shape), "old_values": torch.zeros(shape)}
-        policy = self.models.policy.module
-        for rows in self._plan([list(range(shape[0]))], lengths)[0]:
-            mb = self._slices(batch, rows, image_counts, lengths)
-            self._count_slots(mb, timing)
-            lp, _ = policy(mb, temperature=self.temperature)
-            place(out["old_logprobs"], mb, rows, lp)
-            if self.models.reference is not None:
-                ref, _ = self.models.reference(mb, temperature=self.temperature)
-                place(out["ref_logprobs"], mb, rows, ref)
-            if self.models.critic is not None:
-                place(out["old_values"], mb, rows, self.models.critic.module(mb))
+        every = list(range(shape[0]))
+        others = self.models.reference is not None or self.models.critic is not None
+        passes = [(every, True, others)]  # (rows, proximal, reference and critic)
+        if first is not None:  # the reference and critic on every row first (each micro-batch meets new
+            # images: a ZeRO-3 tower is called as often on every rank), then the proximal on the others
+            skip = set(first)
+            rest = [x for x in every if x not in skip]
+            passes = ([(every, False, True)] if others else []) + ([(rest, True, False)] if rest else [])
+        for rows_of_pass, proximal, with_others in passes:
+            for rows in self._plan([rows_of_pass], lengths)[0]:
+                mb = self._slices(batch, rows, image_counts, lengths)
+                self._count_slots(mb, timing)
+                if proximal:
+                    lp, _ = self.models.policy.module(mb, temperature=self.temperature)
+                    place(out["old_logprobs"], mb, rows, lp)
+                if with_others and self.models.reference is not None:
+                    ref, _ = self.models.reference(mb, temperature=self.temperature)
+                    place(out["ref_logprobs"], mb, rows, ref)
+                if with_others and self.models.critic is not None:
+                    place(out["old_values"], mb, rows, self.models.critic.module(mb))
         return out
+
+    def _proximal_in_training(self) -> bool:
+        """Whether the first mini-batch's proximal log-probs may come from its training forward
+        (``trainer.proximal_from_first_pass``): nothing reads them before training (no reference
+        model, whose KL takes them; ``off_policy: cap``, whose weights policy_loss computes per micro-batch)
+        and the training forward is the no-grad one (no dropout)."""
+        if not self.t.proximal_from_first_pass or self.models.reference is not None or self.t.off_policy != "cap":
+            return False
+        return not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.models.policy.module.modules()) \
+            and not float(getattr(getattr(self.models.policy_hf, "config", None), "attention_dropout", 0.0) or 0.0)
 
     def _kl(self, logprobs: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
         return kl_penalty(logprobs, ref, kind=self.t.kl_estimator)
@@ -333,15 +357,21 @@ class PPOTrainer:
                 local: list[Trajectory], step: int, version: int | None, timing: dict) -> dict:
         self._sync()
         t0 = time.perf_counter()
-        pre = self._precompute(batch, image_counts, lengths, timing)
+        orders = self._orders(len(lengths), step)
+        first = self._chunks(orders[0], self.local_mini)[0] if self._proximal_in_training() else None
+        pre = self._precompute(batch, image_counts, lengths, timing, first)
         self._sync()
         timing["forward"] += time.perf_counter() - t0
         raw_adv, kl_tok, credit = self._advantages(batch, pre, trajectories, local)
-        mismatch = apply_correction(batch, self.t, version, self.models.dist)  # batch["is_weight"] unless cap
+        if first is None:
+            mismatch = apply_correction(batch, self.t, version, self.models.dist)  # batch["is_weight"] unless cap
         acc = _Acc()
         grad_norms: dict[str, list[float]] = defaultdict(list)
         clock = _Clock(self.device)
-        n_micro_batches = self._ppo_epochs(batch, image_counts, lengths, step, acc, grad_norms, timing, clock)
+        n_micro_batches = self._ppo_epochs(batch, image_counts, lengths, orders, first is not None, acc, grad_norms,
+                                           timing, clock)
+        if first is not None:  # the first mini-batch's proximal log-probs are in the batch now
+            mismatch = apply_correction(batch, self.t, version, self.models.dist)
         timing["forward"] += clock.seconds("forward")  # one sync on CUDA, after the training passes
         timing["backward"] += clock.seconds("backward")
         stats = acc.reduce(self.models)
@@ -403,25 +433,31 @@ class PPOTrainer:
         batch.update(advantages=whitened, returns=returns, loss_weight=aggregation_weights(mask, t.loss_agg_mode))
         return advantages, kl_tok, credit
 
-    def _ppo_epochs(self, batch: dict, image_counts: list[int], lengths: list[int], step: int, acc: _Acc,
-                    grad_norms: dict[str, list[float]], timing: dict, clock: "_Clock") -> int:
-        """``ppo_epochs`` passes over shuffled mini-batches, one optimizer step each; returns the
-        number of micro-batches trained."""
+    def _orders(self, n_rows: int, step: int) -> list[list[int]]:
+        """Each PPO epoch's shuffled order of this rank's rows."""
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 101 + self.models.dist.rank)
+        return [torch.randperm(n_rows, generator=gen).tolist() for _ in range(self.t.ppo_epochs)]
+
+    def _ppo_epochs(self, batch: dict, image_counts: list[int], lengths: list[int], orders: list[list[int]],
+                    fill_first: bool, acc: _Acc, grad_norms: dict[str, list[float]], timing: dict, clock: "_Clock") -> int:
+        """``ppo_epochs`` passes over shuffled mini-batches, one optimizer step each; with
+        ``fill_first`` the first mini-batch's forwards give its proximal log-probs (into ``batch``);
+        returns the number of micro-batches trained."""
         t, models = self.t, self.models
         mask = batch["loss_mask"]
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 101 + models.dist.rank)
         n_micro_batches = 0
-        for _epoch in range(t.ppo_epochs):
-            order = torch.randperm(len(lengths), generator=gen).tolist()
+        for epoch, order in enumerate(orders):
             minis = self._chunks(order, self.local_mini)
-            for mini, micros in zip(minis, self._plan(minis, lengths)):
+            for k, (mini, micros) in enumerate(zip(minis, self._plan(minis, lengths))):
                 n_global, n_tokens = all_reduce_sum([aggregation_normaliser(mask[mini], t.loss_agg_mode),
                                                      float(mask[mini].sum())], models.dist)
                 for i, micro in enumerate(micros):
                     mb = self._slices(batch, micro, image_counts, lengths)
                     self._count_slots(mb, timing)
                     n_micro = float(mb["loss_mask"].sum())  # a host tensor: no device sync
-                    self._train_micro(mb, n_micro, n_global, n_tokens, acc, clock, last=i == len(micros) - 1)
+                    proximal = (batch["old_logprobs"], micro) if fill_first and epoch == k == 0 else None
+                    self._train_micro(mb, n_micro, n_global, n_tokens, acc, clock, last=i == len(micros) - 1,
+                                      proximal=proximal)
                 n_micro_batches += len(micros)
                 self._boundary(grad_norms)
         return n_micro_batches
@@ -454,12 +490,13 @@ class PPOTrainer:
         return raw_adv, advantages, out
 
     def _train_micro(self, mb: dict, n_micro: float, n_global: float, n_tokens: float, acc: _Acc, clock: "_Clock",
-                     last: bool) -> None:
+                     last: bool, proximal: tuple | None = None) -> None:
         """One micro-batch. The policy terms are weighted sums over ``loss_weight`` divided by the
         mini-batch's normaliser ``n_global`` (``trainer.loss_agg_mode``); the critic's is its token
         mean weighted by the micro-batch's share ``n_micro`` of the mini-batch's ``n_tokens``. One
         host sync of its own (the stats, read together at the end); tensors reach the device
-        through pinned memory without waiting."""
+        through pinned memory without waiting. ``proximal`` (the batch's ``old_logprobs`` and the
+        micro-batch's rows): this forward, before any step, gives the proximal log-probs, written there."""
         t, models = self.t, self.models
         on = self._on_device
         m, w = on(mb["loss_mask"]), on(mb["loss_weight"])
@@ -469,6 +506,9 @@ class PPOTrainer:
         # entropy_coef 0 with Liger: the fused head, no entropy and no full logits (learner/kernels.py)
         want_entropy = bool(t.entropy_coef) or not models.liger
         lp, ent = models.policy(mb, temperature=self.temperature, return_entropy=want_entropy)
+        if proximal is not None:
+            mb["old_logprobs"] = lp.detach()
+            place(proximal[0], mb, proximal[1], mb["old_logprobs"])
         pl, pst = policy_loss(lp, on(mb["old_logprobs"]), on(mb["behaviour_logprobs"]), on(mb["advantages"]), m,
                               clip_ratio=t.clip_ratio, iw_cap=t.importance_weight_cap, token_weights=w,
                               is_weights=on(mb["is_weight"]) if "is_weight" in mb else None, as_tensors=True)

@@ -46,6 +46,11 @@ class TrainerConfig(Section):
                                                  "update: its image features are kept for the update's other passes "
                                                  "and shared by the models whose towers are equal (learner/vision.py); "
                                                  "false = every pass runs the tower")
+    proximal_from_first_pass: bool = Field(True, description="the proximal log-probs of the first PPO mini-batch "
+                                                             "are its first training forward's (the same weights and "
+                                                             "inputs), so the no-grad proximal pass runs on the other "
+                                                             "rows only; applies without a reference model, with "
+                                                             "off_policy cap and no dropout (learner/trainer.py)")
     pad_to_multiple: Annotated[int | Literal["auto"], Rule("must be auto or an integer in [1, 4096]",
                                                         lambda v: v == "auto" or 1 <= v <= 4096)] = Field(
         "auto", description="every micro-batch is right-padded to a multiple of this many tokens so that its shapes "
