@@ -16,7 +16,7 @@ def peak_flops(arg: float | None) -> float | None:
     return None
 
 
-_FLAGS = ("packing", "checkpointing", "offload", "vision_cache", "preset")
+_FLAGS = ("packing", "checkpointing", "offload", "vision_cache", "proximal", "group_start", "preset")
 
 
 def _twin(r: dict, rows: list[dict], keys=("engine", "budget"), **changed) -> dict | None:
@@ -43,9 +43,11 @@ def _cells(r: dict, rows: list[dict], peak: float | None) -> str:
         how = f"auto: {how}"
     lp = r.get("logprobs", "chunked") + (f" ({r['logprob_chunk']})" if r.get("logprobs") != "full" else "")
     cache = "" if r.get("vision_cache", "on") == "on" else " (no vision cache)"
+    cache += "" if r.get("proximal", "first") == "first" else " (proximal whole)"
+    cache += "" if r.get("group_start", "own") == "own" else " (groups share a start)"
     return (f"| {r['size']} | {r['engine']} | {r.get('packing', 'on')}{cache} | {r.get('checkpointing', 'default')} | "
             f"{r.get('offload', 'none')} | {lp} | {how} | {r['micro_batches']:g} | {r['padding_fraction']:.3f} | "
-            f"{r['tokens_per_update']:,} | {r['seconds']:.2f} | {r['cpu_s']:.1f} | {r['tokens_per_s']:,.0f} | "
+            f"{r['tokens_per_update']:,} | {r['seconds']:.2f} | {r['cpu_s']:.2f} | {r['tokens_per_s']:,.0f} | "
             f"{ratio} | {vs_padded} | {mfu} | {r['forward_s']:.2f} | {r['backward_s']:.2f} | {r['publish_s']:.2f} | "
             f"{peak_gb} | {model} |")
 
@@ -76,5 +78,12 @@ def print_table(rows: list[dict], lengths: str, peak: float | None) -> None:
         if "seconds" in r and r.get("vision_cache", "on") == "on" and off:
             print(f"vision cache: {r['size']} {r['engine']} packing {r.get('packing')}: {r['tokens_per_s']:,.0f} vs "
                   f"{off['tokens_per_s']:,.0f} tokens/s without it: {r['tokens_per_s'] / off['tokens_per_s']:.2f}x")
+    for key, base, label in (("proximal", "whole", "the first mini-batch's proximal from its training forward"),
+                             ("group_start", "own", "a group's trajectories starting from one observation")):
+        for r in rows:  # against the same variant with the baseline value, CPU seconds per update
+            other = _twin(r, rows, **{key: base})
+            if "seconds" in r and r.get(key, base) != base and other:
+                print(f"{label}: {r['size']} {r['engine']} packing {r.get('packing')}: {r['cpu_s']:.2f} vs "
+                      f"{other['cpu_s']:.2f} cpu s/update ({key} {base}): {other['cpu_s'] / r['cpu_s']:.2f}x")
     if peak:
         print(f"\nMFU against {peak / 1e12:.0f} TFLOP/s (bf16 dense peak); model FLOPs as in the module docstring.")

@@ -6,7 +6,7 @@
         [--engines torch,zero2,zero3] [--steps 3] [--peak-tflops 989] [--json out.json]
         [--lengths fixed|varied] [--micro-tokens 0,auto,4096] [--batch TRAIN,MINI,MICRO]
         [--packing on,off] [--checkpointing default,full,selective,none] [--offload none,cpu] [--vision-cache on,off]
-        [--preset NAME|YAML]
+        [--proximal first,whole] [--group-start own,shared] [--preset NAME|YAML]
         [--logprobs chunked,full] [--logprob-chunk 512]
     python bench/learner.py --size tiny-bigvocab --engines torch --logprobs chunked,full --steps 1   # CPU, 3 min
 
@@ -33,8 +33,14 @@ else 0) 0 = micro_batch_size trajectories per micro-batch, N = a token budget, a
 trainer's (CPU: micro_batch_size x the longest; CUDA: the memory model's); ``--checkpointing`` = ``trainer.activation_checkpointing``
 (default: the size's own); ``--offload cpu`` = ZeRO's ``offload_optimizer`` on the host
 (``trainer.offload_optimizer``); ``--vision-cache off`` = every pass runs the frozen vision tower
-(``trainer.vision_cache``, learner/vision.py); ``--logprobs full`` = the counterfactual of the chunked LM head
-(the whole [N, V] logits with autograd, patched into the variant's process only).
+(``trainer.vision_cache``, learner/vision.py); ``--proximal whole`` = the no-grad proximal pass over every
+row (``trainer.proximal_from_first_pass: false``; ``first``, the default, leaves the first mini-batch's to its
+training forward where the trainer allows it); ``--group-start shared`` = each GRPO group's trajectories
+start from one observation (the same first image and tokens, as a group of one level does: its PNG is
+processed and run through the tower once per update); ``--logprobs full`` = the counterfactual of the chunked LM head
+(the whole [N, V] logits with autograd, patched into the variant's process only). Below the table, a
+line per variant whose ``--proximal`` or ``--group-start`` is not the baseline's gives its CPU seconds
+per update against that twin's.
 
 Columns: ``pad`` the share of the computed token slots (all forwards of the update) that are
 padding; ``micro`` micro-batches per update; ``cpu s`` the process's CPU time per update (steadier
@@ -331,7 +337,8 @@ def preset_trainer(name: str) -> tuple[dict, int]:
 
 def _trainer_overrides(v: dict) -> dict:
     """The trainer keys of a variant's flags (``--packing``, ``--checkpointing``, ``--offload``)."""
-    out = {"packing": v.get("packing", "on") == "on", "vision_cache": v.get("vision_cache", "on") == "on"}
+    out = {"packing": v.get("packing", "on") == "on", "vision_cache": v.get("vision_cache", "on") == "on",
+           "proximal_from_first_pass": v.get("proximal", "first") == "first"}
     if v.get("checkpointing", "default") != "default":
         out["activation_checkpointing"] = v["checkpointing"]
     if v.get("offload", "none") != "none":
@@ -367,7 +374,8 @@ def run_variant(size: str, engine: str, steps: int, out: Path, lengths: str = "f
     batch_size = spec["trainer"]["train_batch_size"]
 
     def batch(step: int):
-        return [synthetic_trajectory(codec, trajectory_id=f"b{step}-{i}", seed=step * 1000 + i, turns=turns,
+        shared = (variant or {}).get("group_start", "own") == "shared"  # a group's episodes start from one observation
+        return [synthetic_trajectory(codec, trajectory_id=f"b{step}-{i}", seed=step * 1000 + (i // group if shared else i), turns=turns,
                                      response_tokens=response, filler_tokens=filler, group_id=f"g{i // group}",
                                      env_reward=float(i % 3))
                 for i, (turns, response, filler) in enumerate(_shapes(size, lengths, step, batch_size))]
@@ -489,6 +497,11 @@ def main() -> int:
                     help="comma list of default/full/selective/none (trainer.activation_checkpointing)")
     ap.add_argument("--offload", default="none", help="comma list of none/cpu (trainer.offload_optimizer, ZeRO only)")
     ap.add_argument("--vision-cache", default="on", help="comma list of on/off (trainer.vision_cache), one variant each")
+    ap.add_argument("--proximal", default="first",
+                    help="comma list of first/whole (trainer.proximal_from_first_pass true/false), one variant each")
+    ap.add_argument("--group-start", default="own",
+                    help="comma list of own/shared: shared = a GRPO group's trajectories start from one observation "
+                         "(the same first image and tokens, as a group of one level does), one variant each")
     ap.add_argument("--train-vision", action="store_true", help="3b: train the vision tower (model.freeze_vision false)")
     ap.add_argument("--logprobs", default="chunked",
                     help="comma list, one variant each: chunked (the learner's) or full (all [N, V] logits with autograd)")
@@ -507,17 +520,18 @@ def main() -> int:
         return 0
     variants = itertools.product(args.size or ["tiny"], _split(args.engines), _split(args.micro_tokens) or [""],
                                  _split(args.logprobs), _split(args.packing), _split(args.checkpointing),
-                                 _split(args.offload), _split(args.vision_cache))
+                                 _split(args.offload), _split(args.vision_cache), _split(args.proximal),
+                                 _split(args.group_start))
     rows = []
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")}
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
     env.setdefault("PYTHONUNBUFFERED", "1")
     with tempfile.TemporaryDirectory() as d:
-        for size, engine, budget, logprobs, packing, ckpt, offload, vcache in variants:
+        for size, engine, budget, logprobs, packing, ckpt, offload, vcache, proximal, start in variants:
             if offload != "none" and engine in ("torch", "zero0"):
                 continue  # optimizer offload is ZeRO's
             flags = {"packing": packing, "checkpointing": ckpt, "offload": offload, "vision_cache": vcache,
-                     "train_vision": args.train_vision, "preset": args.preset}
+                     "proximal": proximal, "group_start": start, "train_vision": args.train_vision, "preset": args.preset}
             rows.append(_run_one(args, size, engine, budget, logprobs, flags, Path(d), env))
             if args.json:  # after every variant, so a run cut short keeps what it measured
                 Path(args.json).write_text(json.dumps(rows, indent=2))
