@@ -263,8 +263,9 @@ def test_per_episode_loop_on_the_server_plays_what_lockstep_plays(served, backen
 
 def waves_around_a_load(served: Served, codec, tensors: dict, version: int, *, max_new_tokens: int,
                         n_waves: int, base: list[GenRequest] | None = None) -> tuple[list, list]:
-    """Waves of the same requests sent before, during and after publishing ``tensors`` as ``version``,
-    so that some are decoding when it lands whatever the machine's speed; (requests, results) of
+    """Waves of the same requests sent before, during and after publishing ``tensors`` as ``version``
+    (and more until the server has loaded it), so that some are decoding when it lands whatever the
+    machine's speed; (requests, results) of
     all waves, in order (a client that keeps responses spanning two versions). ``base``: the
     requests of a wave (default: :func:`_requests` twice).
 
@@ -302,6 +303,14 @@ def waves_around_a_load(served: Served, codec, tensors: dict, version: int, *, m
         for _ in range(n_waves):
             wave()
             time.sleep(0.3)
+        # and a new wave whenever fewer than two run, until the server has loaded the version: its
+        # workers fetch it while they decode, which on a busy machine outlasted every wave sent above
+        # (once in a CI-like run: all responses at the old version, none spanning the load)
+        deadline = time.monotonic() + 300
+        while served.info()["version"] != version and time.monotonic() < deadline:
+            if sum(t.is_alive() for t in threads) < 2:
+                wave()
+            time.sleep(0.5)
         for t in threads:
             t.join(timeout=600)
         assert not any(t.is_alive() for t in threads) and all(len(w) == len(reqs) for w in waves)
