@@ -133,7 +133,6 @@ class TowerGroups:
                      else f"cached once per update (tower group {group})")
         return self._group[key]
 
-
     def partitioned(self, group: int) -> bool:
         """Whether ``group``'s towers are partitioned by ZeRO-3: their forward gathers parameters, a
         collective, so every rank must call them as often (once per micro-batch with images), and
@@ -143,7 +142,8 @@ class TowerGroups:
 
 class VisionCache:
     """One update's image features, per tower group and image key of the collated batch (the index
-    of the batch's first image with the same PNG bytes: learner/microbatch.py ``_images_of``)."""
+    of the batch's first image with the same PNG bytes: learner/microbatch.py ``_images_of``; for a
+    ZeRO-3 tower, the image's own index)."""
 
     def __init__(self, groups: TowerGroups) -> None:
         self.groups = groups
