@@ -156,7 +156,11 @@ def test_a_clean_exit_is_restarted_only_while_the_run_goes_on(tmp_path, redis_ur
     write_control(r, keys, run_state=run_state)
     cfg = load_config(None, ["up.progress_interval_s=60"])
     py = sys.executable
-    children = [UpChild("learner", "learner", [py, "-c", "import time; time.sleep(3)"], tmp_path / "learner.log"),
+    # the learner ends 3 s after the actor's first run has (a fixed 3 s from the start was once less
+    # than a loaded machine took to start the actor's Python: up saw the learner end first)
+    learner = ("import os, sys, time\nt = time.time()\nwhile not os.path.exists(sys.argv[1]) and time.time() - t < 120:\n"
+               "    time.sleep(0.05)\ntime.sleep(3)")
+    children = [UpChild("learner", "learner", [py, "-c", learner, str(tmp_path / "ran")], tmp_path / "learner.log"),
                 # exits 0 at once the first time, then stays up (a restarted actor)
                 UpChild("actor-0", "actor", [py, "-c", "import os, sys, time\nif os.path.exists(sys.argv[1]): time.sleep(30)\n"
                                                  "open(sys.argv[1], 'w').close()", str(tmp_path / "ran")], tmp_path / "actor.log")]
