@@ -187,6 +187,9 @@ class PPOTrainer:
         self._towers = TowerGroups() if self.t.vision_cache else None  # learner/vision.py
         self._vision: VisionCache | None = None  # this update's image features
         self.last_vision_tower_calls: int | None = None
+        # the policy's training forward computes what its no-grad one does (_proximal_in_training)
+        self._dropout_free = not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in models.policy.module.modules()) \
+            and not float(getattr(getattr(models.policy_hf, "config", None), "attention_dropout", 0.0) or 0.0)
         self._grad_norm_now: dict[str, float] = {}
         if not self.spec.reads_values and models.critic is not None:
             log.warning("trainer.estimator=%s does not read values: the critic (trainer.use_critic) is trained for nothing",
@@ -290,10 +293,8 @@ class PPOTrainer:
         (``trainer.proximal_from_first_pass``): nothing reads them before training (no reference
         model, whose KL takes them; ``off_policy: cap``, whose weights policy_loss computes per micro-batch)
         and the training forward is the no-grad one (no dropout)."""
-        if not self.t.proximal_from_first_pass or self.models.reference is not None or self.t.off_policy != "cap":
-            return False
-        return not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.models.policy.module.modules()) \
-            and not float(getattr(getattr(self.models.policy_hf, "config", None), "attention_dropout", 0.0) or 0.0)
+        return (self.t.proximal_from_first_pass and self.models.reference is None and self.t.off_policy == "cap"
+                and self._dropout_free)
 
     def _kl(self, logprobs: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
         return kl_penalty(logprobs, ref, kind=self.t.kl_estimator)

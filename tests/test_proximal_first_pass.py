@@ -3,7 +3,7 @@ first training forward, made with the same weights on the same inputs (learner/t
 
 * the update (losses, importance weights, the gradient at both optimizer steps, the weights after
   them, the behaviour/proximal mismatch statistics) equals the one with the whole no-grad proximal
-  pass, with a critic (bilevel_gae) and without (gigpo), packed and padded, ZeRO-0 and ZeRO-2;
+  pass, with a critic (bilevel_gae) and without (grpo, two groups of 4), packed and padded, ZeRO-0 and ZeRO-2;
 * the no-grad proximal pass runs on the other mini-batch's rows only (the tokens the policy's
   no-grad forwards saw, counted);
 * it stays off where something reads the proximal log-probs before training: a reference model
