@@ -5,7 +5,7 @@ computes only what is new since the episode's last call (``actor.hf_decode: cach
     decode_cached(model, codec, requests, pick, store, *, max_new_tokens, masked_ids)
         -> (tokens [B, T], logits [B, T, V])      # as hf_decode.decode; store updated
     store.clear()                                  # after every weight update: old keys are not the new model's
-    store.hits, .misses, .reused_tokens, .prefilled_tokens
+    store.hits, .misses, .reused_tokens, .prefilled_tokens, .shared_prefills
 
 Why: an episode's request is its whole context every turn (token-in/token-out), so the third turn
 of a FrozenLake episode of the preset prefills about 1,200 tokens of which about 900 were there at
@@ -22,7 +22,11 @@ prefills only the rest: its new tokens and new images, at rotary positions offse
 on its own and shifted are the whole sequence's). Each row prefills alone: a first turn's 590
 tokens would otherwise pad every later turn's 300 in the same batch, and a row with nothing stored
 takes SDPA's causal kernel with no mask at all. Then the rows decode together, right-aligned (a
-row's keys, zeros before them, and a mask that hides the zeros).
+row's keys, zeros before them, and a mask that hides the zeros). Rows of one call with nothing stored
+and the same prompt ids and images share one prefill: a GRPO group's episodes start on one level, so
+the first turns of an actor's lockstep batch are one prompt (8 in the presets). The prefill of a row
+is the same computation whatever the other rows are, so the shared one gives each row the bits its
+own would have (``tests/test_hf_episode_kv.py``).
 
 What changes: the same computation in another order. Keys of response tokens were computed one at a
 time, and a prompt's attention runs over a split context, so log-probs differ from a full prefill's
@@ -62,6 +66,8 @@ class EpisodeKV:
         self.max_episodes = max_episodes
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self.hits = self.misses = self.reused_tokens = self.prefilled_tokens = 0
+        self.shared_prefills = 0  # rows that took an earlier row's prefill in the same call
+        self.share_prefill = True  # False: every row prefills on its own (bench/generation.py's baseline)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -115,14 +121,34 @@ def _prefill_row(model, codec, request, entry: _Entry | None):
     return out.logits[:, -1, :], cache, rope[:, :, -1:]
 
 
+def _prefill_rows(model, codec, requests, entries: list[_Entry | None], share: bool = True) -> tuple[list, int]:
+    """Each row's :func:`_prefill_row`, once per distinct (prompt ids, images) among the rows with nothing
+    stored (with ``share``); the others take that row's (logits, cache, positions), which nothing after
+    changes. Returns the rows and how many were shared."""
+    first: dict[tuple, tuple] = {}
+    rows, shared = [], 0
+    for r, e in zip(requests, entries):
+        key = None if e is not None or not share else (tuple(r.prompt_ids), tuple(r.images))
+        if key is not None and key in first:
+            rows.append(first[key])
+            shared += 1
+            continue
+        row = _prefill_row(model, codec, r, e)
+        if key is not None:
+            first[key] = row
+        rows.append(row)
+    return rows, shared
+
+
 @torch.no_grad()
 def decode_cached(model, codec, requests, pick: Pick, store: EpisodeKV, *, max_new_tokens: int,
                   masked_ids: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`worldloop.actor.hf_decode.decode` for ``requests`` (``GenRequest``), prefilling only what
-    ``store`` does not hold, one row at a time; then all rows decode together, right-aligned. Leaves
-    each named episode's keys and values in ``store``. CPU only."""
+    ``store`` does not hold, one row at a time (one prefill for identical new rows); then all rows decode
+    together, right-aligned. Leaves each named episode's keys and values in ``store``. CPU only."""
     entries = [store.lookup(r.session, r.prompt_ids, r.images) for r in requests]
-    rows = [_prefill_row(model, codec, r, e) for r, e in zip(requests, entries)]
+    rows, shared = _prefill_rows(model, codec, requests, entries, store.share_prefill)
+    store.shared_prefills += shared
     kv, real = _KV.right_aligned([c for _, c, _ in rows], max_new_tokens)
     width = kv.length
     tokens, raw = _sample(model, torch.cat([lg for lg, _, _ in rows]), torch.cat([p for _, _, p in rows], dim=1),

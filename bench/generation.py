@@ -1,7 +1,7 @@
 """The HF backend's decode loops (``actor.hf_decode``) against ``transformers``' ``generate``.
 
     python bench/generation.py [--config tiny-frozenlake] [--episodes 48] [--concurrency 8] [--threads 1] [--repeats 2]
-                               [--decode generate,loop,cached]
+                               [--decode generate,loop,cached] [--group 1]
 
 ``loop`` is ``actor/hf_decode.py``, ``cached`` the same loop with each episode's keys and values kept
 between its turns (``actor/hf_episode_kv.py``). All play the same episodes of the preset's env with the preset's shipped warm start (the model
@@ -12,6 +12,12 @@ turn its own stream, temperature ``eval.temperature``). torch gets ``--threads``
 each of ``worldloop up``'s children gets on 2 cores). The table gives episodes/s, generated tokens/s,
 the process's CPU seconds, the ratio to ``generate`` measured in the same run (best repeat of each),
 and whether both gave the same episodes: the same response tokens and log-probs in every turn.
+
+``--group N`` plays each level N times, as an actor plays a GRPO group (``actor.n_samples_per_seed``):
+whole groups ``--concurrency`` episodes at a time, each batch to its end before the next starts, as an
+actor whose ``actor.num_envs`` holds whole groups admits them. ``cached-rowwise`` in ``--decode`` is
+``cached`` with every row prefilled on its own, as before a group's identical first turns shared one
+prefill.
 """
 
 from __future__ import annotations
@@ -32,11 +38,15 @@ def _play(backend, cfg, args, keyed: bool):
 
     env = cfg.actor.envs[0]
     temperature, top_p = (cfg.eval.temperature, 1.0) if keyed else (cfg.actor.temperature, cfg.actor.top_p)
-    specs = [EpisodeSpec(env.id, args.seed_start + i, dict(env.kwargs), max_turns=cfg.actor.max_turns) for i in range(args.episodes)]
+    specs = [EpisodeSpec(env.id, args.seed_start + i // args.group, dict(env.kwargs), max_turns=cfg.actor.max_turns)
+             for i in range(args.episodes)]
+    batches = ([specs] if args.group == 1 else
+               [specs[i : i + args.concurrency] for i in range(0, len(specs), args.concurrency)])
     cpu0, t0 = time.process_time(), time.perf_counter()
-    trajs = play_episodes(backend, specs, concurrency=args.concurrency,
-                          sampling=Sampling(temperature, top_p, cfg.actor.max_new_tokens),
-                          max_model_len=cfg.model.max_model_len, sample_seed=7, keyed_sampling=keyed)
+    trajs = [t for batch in batches
+             for t in play_episodes(backend, batch, concurrency=args.concurrency,
+                                    sampling=Sampling(temperature, top_p, cfg.actor.max_new_tokens),
+                                    max_model_len=cfg.model.max_model_len, sample_seed=7, keyed_sampling=keyed)]
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     turns = [(tuple(t.response_ids), tuple(t.logprobs)) for tr in trajs for t in tr.turns]
     return wall, cpu, turns
@@ -57,8 +67,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed-start", type=int, default=40_000_000)
-    ap.add_argument("--decode", default="generate,loop,cached", help="actor.hf_decode values, the first the baseline")
+    ap.add_argument("--decode", default="generate,loop,cached",
+                    help="actor.hf_decode values (and cached-rowwise), the first the baseline")
+    ap.add_argument("--group", type=int, default=1, help="episodes per level, as actor.n_samples_per_seed")
     args = ap.parse_args()
+    if args.group < 1 or (args.group > 1 and (args.concurrency % args.group or args.episodes % args.concurrency)):
+        ap.error("--group must divide --concurrency, which must divide --episodes")
 
     import torch
 
@@ -69,9 +83,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config)
     model = SHIPPED_DIR / cfg.run.name
-    backends = {name: HFBackend(model, max_image_side=cfg.model.max_image_side, decode=name) for name in args.decode.split(",")}
+    backends = {}
+    for name in args.decode.split(","):
+        backends[name] = HFBackend(model, max_image_side=cfg.model.max_image_side, decode=name.removesuffix("-rowwise"))
+        if name.endswith("-rowwise"):
+            backends[name].episode_kv.share_prefill = False
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} thread(s), "
-          f"{args.episodes} episodes of {cfg.run.name} ({model}), {args.concurrency} at a time, {args.repeats} repeats")
+          f"{args.episodes} episodes of {cfg.run.name} ({model}), {args.concurrency} at a time, {args.group} per level, "
+          f"{args.repeats} repeats")
     print(f"| sampling | actor.hf_decode | episodes/s | generated tokens/s | CPU s | vs {args.decode.split(',')[0]} | same episodes |")
     print("|---|---|---|---|---|---|---|")
     for keyed in (False, True):

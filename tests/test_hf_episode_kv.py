@@ -91,3 +91,51 @@ def test_a_weight_update_empties_the_store_and_an_unrelated_prompt_is_prefilled_
     own = backend.model.state_dict()
     backend.update_weights({k: v.clone() for k, v in own.items()}, 2)
     assert len(store) == 0 and backend.version == 2
+
+
+def test_identical_first_turns_share_one_prefill_and_keep_their_bits(monkeypatch) -> None:
+    """A GRPO group's episodes start on one level: the actor's lockstep batch holds the same first prompt
+    several times. They are prefilled once, and every row gets exactly what its own prefill gives (the
+    same call with the prefill run per row, compared with ``torch.equal``)."""
+    import gymnasium as gym
+
+    from worldloop.actor import hf_episode_kv
+    from worldloop.envs.base import observation_parts
+
+    env = CFG.actor.envs[0]
+    backend = _backend("cached")
+    codec = backend.codec
+
+    def first_turn(seed: int):
+        e = gym.make(env.id, **dict(env.kwargs))
+        obs, _ = e.reset(seed=seed)
+        text, images = observation_parts(obs)
+        return codec.encode_obs(text, images, system=str(e.unwrapped.system_prompt()), first=True)
+
+    a, b = first_turn(20_000_000), first_turn(20_000_001)
+    # the preset's egocentric first observation says the same words on every level: only the image tells
+    # two levels apart, so a prefill shared by token ids alone would give level b level a's keys
+    assert a.ids == b.ids and a.images != b.images
+    requests = [GenRequest(a.ids, a.images, session=f"s{i}") for i in range(3)] + [GenRequest(b.ids, b.images, session="s3")]
+    calls = []
+    real = hf_episode_kv._prefill_row
+
+    def counted(model, codec, request, entry):
+        calls.append(request.session)
+        return real(model, codec, request, entry)
+
+    monkeypatch.setattr(hf_episode_kv, "_prefill_row", counted)
+    shared = backend.generate(requests, temperature=1.5, top_p=1.0, max_new_tokens=24, seed=11)
+    assert calls == ["s0", "s3"] and backend.episode_kv.shared_prefills == 2
+    stored = {s: backend.episode_kv._entries[s] for s in ("s0", "s1", "s2", "s3")}
+    calls.clear()
+    backend.episode_kv.clear()
+    backend.episode_kv.shared_prefills = 0
+    backend.episode_kv.share_prefill = False  # as before sharing: one prefill per row
+    alone = backend.generate(requests, temperature=1.5, top_p=1.0, max_new_tokens=24, seed=11)
+    assert calls == ["s0", "s1", "s2", "s3"] and backend.episode_kv.shared_prefills == 0
+    assert [(r.response_ids, r.logprobs) for r in shared] == [(r.response_ids, r.logprobs) for r in alone]
+    assert len({tuple(r.response_ids) for r in shared[:3]}) > 1  # the three rows sampled on their own
+    for s, e in stored.items():  # and each episode keeps its own keys for its next turn
+        o = backend.episode_kv._entries[s]
+        assert e.ids == o.ids and all(torch.equal(x, y) for x, y in zip(e.keys + e.values, o.keys + o.values))
