@@ -308,17 +308,40 @@ _CLASSES = {"jsonl": JsonlTracker, "tensorboard": TensorBoardTracker, "wandb": W
 FINAL_EVAL_OVERHEAD_S = 15.0  # beside its episodes: the final checkpoint's load and the evaluator's exit
 
 
-def final_eval_estimate_s(record: dict | None, eval_episodes: int, final_episodes: int) -> float | None:
+def final_eval_processes(cfg: Config, cores: int | None = None, cuda: bool = False) -> int:
+    """How many processes play the final evaluation: ``trainer.final_eval_processes``, 0 = ``cores`` (default:
+    the cores this process may use); 1 where the evaluator does not generate with HF on the CPU (``cuda``,
+    or a vLLM engine), since a forked copy would share the engine or the device."""
+    if cuda or cfg.actor.backend == "vllm":
+        return 1
+    n = cfg.trainer.final_eval_processes
+    if n == 0:
+        n = cores if cores is not None else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                             else os.cpu_count() or 1)
+    return max(1, int(n))
+
+
+def final_eval_estimate_s(record: dict | None, eval_episodes: int, final_episodes: int,
+                          processes: int = 1) -> float | None:
     """Wall seconds the final held-out evaluation should take, from an in-run evaluation's ``record``:
-    its CPU seconds scaled from ``eval_episodes`` to ``final_episodes`` seeds per env, plus
-    :data:`FINAL_EVAL_OVERHEAD_S`. CPU seconds, not the in-run wall seconds: the in-run evaluations
-    share the cores with the actors and the learner (and wait at low priority), the final one has
-    them to itself, and its wall time is at most its CPU time (one thread or more). None without a
-    usable record."""
+    its CPU seconds scaled from ``eval_episodes`` to ``final_episodes`` seeds per env, shared by
+    ``processes`` (:func:`final_eval_processes`), plus :data:`FINAL_EVAL_OVERHEAD_S`. CPU seconds, not
+    the in-run wall seconds: the in-run evaluations share the cores with the actors and the learner (and
+    wait at low priority), the final one has them to itself, and each process's wall time is at most
+    its CPU time. None without a usable record."""
     cpu = (record or {}).get("cpu_s")
     if cpu is None or eval_episodes <= 0 or float(cpu) <= 0:
         return None
-    return float(cpu) * final_episodes / eval_episodes + FINAL_EVAL_OVERHEAD_S
+    return float(cpu) * final_episodes / eval_episodes / max(1, processes) + FINAL_EVAL_OVERHEAD_S
+
+
+def _cuda_visible() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # no torch here: no CUDA either
+        return False
 
 
 FINAL_EXIT_S = 10.0  # after the final evaluation: worldloop up stops the children and draws the plot
@@ -404,7 +427,10 @@ class Trackers:
         t = cfg.trainer
         if cfg.up.time_limit_s is None or t.eval_every <= 0:
             return 0.0
-        est = final_eval_estimate_s(self.last_in_run_eval, t.eval_episodes, t.final_eval_episodes or t.eval_episodes)
+        processes = final_eval_processes(cfg, cuda=cfg.actor.device == "cuda" or (
+            cfg.actor.device == "auto" and _cuda_visible()))
+        est = final_eval_estimate_s(self.last_in_run_eval, t.eval_episodes, t.final_eval_episodes or t.eval_episodes,
+                                    processes)
         wanted = max(0.0, (est or 0.0) - cfg.up.final_reserve_s)
         # at most up.final_eval_max_share of the budget, the reserve included: on a loaded machine the
         # estimate grows with the load (a 2-core VM under the test suite: 804 s for 512 episodes, and the
@@ -414,9 +440,11 @@ class Trackers:
         if abs(extra - self._extra_logged) >= 5.0:
             self._extra_logged = extra
             log.info("the final evaluation should take %.0fs (the in-run evaluation of v%s: %.1f CPU s for %d "
-                     "episodes): the learner stops %.0fs before trainer.time_limit_s, beyond up.final_reserve_s=%.0f%s",
+                     "episodes; %d processes): the learner stops %.0fs before trainer.time_limit_s, beyond "
+                     "up.final_reserve_s=%.0f%s",
                      est or 0.0, self.last_in_run_eval.get("policy_version"), self.last_in_run_eval.get("cpu_s"),
-                     (self.last_in_run_eval.get("episodes") or {}).get("all", 0), extra, cfg.up.final_reserve_s,
+                     (self.last_in_run_eval.get("episodes") or {}).get("all", 0), processes, extra,
+                     cfg.up.final_reserve_s,
                      f" (up.final_eval_max_share={cfg.up.final_eval_max_share:g} caps it: the final evaluation will be "
                      "cut at its deadline)" if wanted > cap else "")
         return extra

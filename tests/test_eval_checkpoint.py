@@ -186,3 +186,59 @@ def test_the_final_evaluation_stops_between_chunks_at_its_deadline(shared_tiny_m
     assert cut is not None and (cut["planned"], cut["played"]) == (6, 2)
     trajs, cut = play_final(backend, cfg, specs, by=time.time() + 3600.0, chunk=4)  # far off: all of them
     assert cut is None and len(trajs) == 6
+
+
+def test_the_final_evaluation_split_over_forked_processes_plays_what_one_process_plays(shared_tiny_model, tmp_path,
+                                                                                   monkeypatch, caplog) -> None:
+    """play_final_split: every second episode of the seed order in a fork of the evaluator, which holds its
+    weights; each part's trajectories are exactly those of that part played here (the same batches, keyed
+    sampling), merged in the seed order. A fork that fails has its part played here; a deadline already
+    past cuts every process after its first chunk, and the record says how many were played."""
+    import logging
+    import time
+
+    from worldloop.actor.hf_backend import HFBackend
+    from worldloop.common.contracts.config import config_from_dict
+    from worldloop.heldout import held_out_specs, play_final, play_final_split
+    import worldloop.heldout as heldout
+
+    kw = {"size": 3, "is_slippery": False, "min_actions_to_succeed": 2, "render_mode": "vision", "image_size": 56}
+    cfg = config_from_dict({"actor": {"envs": [{"id": "worldloop/FrozenLake-v0", "kwargs": kw}],
+                                      "max_turns": 2, "max_new_tokens": 8, "num_envs": 2},
+                            "eval": {"sampling": "keyed"}, "model": {"max_image_side": 112},
+                            "trainer": {"eval_episodes": 6}})
+    backend = HFBackend(str(shared_tiny_model(seed=0, max_image_side=112)), max_image_side=112)
+    specs = held_out_specs(cfg)
+    key = lambda t: (t.seed, [list(turn.response_ids) for turn in t.turns], [list(turn.logprobs) for turn in t.turns])  # noqa: E731
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each process of the split plays
+    try:
+        want = [key(t) for t in sorted(play_final(backend, cfg, specs[0::2], 0.0)[0] + play_final(backend, cfg, specs[1::2], 0.0)[0],
+                                       key=lambda t: t.seed)]
+    finally:
+        torch.set_num_threads(threads)
+    caplog.set_level(logging.INFO, logger="worldloop.evaluator")
+    trajs, cut = play_final_split(backend, cfg, specs, 0.0, 2, tmp_path)
+    assert cut is None and [key(t) for t in trajs] == want
+    assert "plays 6 episodes in 2 processes (this one and 1 forks)" in caplog.text
+    assert list(tmp_path.iterdir()) == []  # the fork's file was read and removed
+    assert play_final_split(backend, cfg, specs, 0.0, 1, tmp_path)[0] and "brought nothing back" not in caplog.text
+
+    def broken(traj):
+        raise RuntimeError("a fork that cannot write")
+
+    monkeypatch.setattr(heldout, "encode_trajectory", broken)  # only the fork encodes: its part comes back here
+    trajs, cut = play_final_split(backend, cfg, specs, 0.0, 2, tmp_path)
+    assert cut is None and [key(t) for t in trajs] == want
+    assert "brought nothing back: its 3 episodes are played here" in caplog.text
+    monkeypatch.undo()
+    trajs, cut = play_final_split(backend, cfg, specs, time.time() - 1.0, 2, tmp_path)
+    assert cut is None and len(trajs) == 6  # each part is one chunk (FINAL_CHUNK 64), and a first chunk always runs
+    chunked = heldout.play_final
+
+    def small_chunks(backend, cfg, specs, by, chunk=heldout.FINAL_CHUNK):
+        return chunked(backend, cfg, specs, by, chunk=2)
+
+    monkeypatch.setattr(heldout, "play_final", small_chunks)
+    trajs, cut = play_final_split(backend, cfg, specs, time.time() - 1.0, 2, tmp_path)
+    assert [t.seed - cfg.eval.seed_start for t in trajs] == [0, 1, 2, 3] and (cut["planned"], cut["played"]) == (6, 4)

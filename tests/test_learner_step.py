@@ -488,6 +488,7 @@ def test_a_final_evaluation_measured_longer_than_the_reserve_stops_the_learner_e
                                   final_eval_wait_s=0)
         cfg.up.time_limit_s, cfg.up.final_reserve_s, cfg.trainer.time_limit_s = 900.0, 60.0, 700.0
         cfg.up.final_eval_max_share = share
+        cfg.trainer.final_eval_processes = 1  # one process plays the 512 episodes (not one per core)
         (tmp_path / name).mkdir()
         if record:  # what worldloop/heldout.py writes for the in-run evaluation of v0
             (tmp_path / name / "eval.jsonl").write_text(json.dumps({"eval": {

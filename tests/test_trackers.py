@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import io
 import json
+import os
 import logging
 import struct
 import sys
@@ -22,7 +23,7 @@ from PIL import Image
 from worldloop.common.contracts.config import ConfigError, config_from_dict
 from worldloop.common.contracts.schemas import TRAJECTORY_SCHEMA, State, Trajectory, Turn
 from worldloop.learner.trackers import (FINAL_EVAL_OVERHEAD_S, FINAL_EXIT_S, final_eval_deadline,
-                                       final_eval_estimate_s, flatten, open_trackers, pick_samples, sample_record)
+                                       final_eval_estimate_s, final_eval_processes, flatten, open_trackers, pick_samples, sample_record)
 
 # --------------------------------------------------------------------------- readers
 
@@ -204,6 +205,22 @@ def test_the_final_evaluation_estimate_scales_the_in_run_cpu_seconds():
     for unusable in (None, {}, {"cpu_s": None}, {"cpu_s": 0.0}):
         assert final_eval_estimate_s(unusable, 64, 512) is None
     assert final_eval_estimate_s({"cpu_s": 12.0}, 0, 512) is None
+    # two processes share the 96 CPU s: 48 s each, and the overhead once
+    assert final_eval_estimate_s({"cpu_s": 12.0}, 64, 512, processes=2) == 48.0 + 15.0
+
+
+def test_the_final_evaluation_takes_one_process_per_core_on_an_hf_cpu_backend_only(tmp_path):
+    cfg = make_cfg(tmp_path, ["jsonl"])
+    assert cfg.trainer.final_eval_processes == 0  # the default: one per core
+    assert final_eval_processes(cfg, cores=4) == 4 and final_eval_processes(cfg, cores=1) == 1
+    assert final_eval_processes(cfg) == len(os.sched_getaffinity(0))
+    assert final_eval_processes(cfg, cores=4, cuda=True) == 1  # a fork would share the device
+    cfg.trainer.final_eval_processes = 3
+    assert final_eval_processes(cfg, cores=2) == 3  # asked for: as many, whatever the cores
+    cfg.actor.backend = "vllm"
+    assert final_eval_processes(cfg, cores=4) == 1  # a vLLM engine keeps one
+    cfg.actor.backend = "server"  # the evaluator of a server run generates with HF itself
+    assert final_eval_processes(cfg, cores=4) == 3
 
 
 def test_the_final_evaluation_deadline_is_the_learners_share_of_the_budget_plus_the_reserve(tmp_path):
@@ -220,6 +237,7 @@ def test_the_learner_keeps_back_what_the_newest_in_run_evaluation_says_beyond_th
     cfg.trainer.eval_every, cfg.trainer.eval_episodes, cfg.trainer.final_eval_episodes = 5, 64, 512
     cfg.up.final_reserve_s = 60.0
     cfg.up.final_eval_max_share = 1.0  # no cap here (the next test has it)
+    cfg.trainer.final_eval_processes = 1  # the evaluator alone (two: the last lines)
     trackers = open_trackers(tmp_path, cfg)
     try:
         def write(**rec):
@@ -242,6 +260,8 @@ def test_the_learner_keeps_back_what_the_newest_in_run_evaluation_says_beyond_th
         assert trackers.final_eval_extra_s(cfg) == 0.0
         cfg.trainer.eval_every = 5
         assert trackers.final_eval_extra_s(cfg) == 40.0 * 8 + 15.0 - 60.0
+        cfg.trainer.final_eval_processes = 2  # two processes share the 320 CPU s
+        assert trackers.final_eval_extra_s(cfg) == 40.0 * 8 / 2 + 15.0 - 60.0
     finally:
         trackers.close()
 
@@ -252,6 +272,7 @@ def test_the_final_evaluation_keeps_back_at_most_its_share_of_the_budget(tmp_pat
     cfg = make_cfg(tmp_path, ["jsonl"])
     cfg.trainer.eval_every, cfg.trainer.eval_episodes, cfg.trainer.final_eval_episodes = 5, 64, 512
     cfg.up.time_limit_s, cfg.up.final_reserve_s = 570.0, 60.0
+    cfg.trainer.final_eval_processes = 1
     assert cfg.up.final_eval_max_share == 0.25  # the default
     (tmp_path / "eval.jsonl").write_text(json.dumps({"eval": {"policy_version": 0, "episodes": {"all": 64},
                                                               "cpu_s": 98.7, "final": False}}) + "\n")

@@ -43,6 +43,8 @@ import argparse
 import json
 import logging
 import os
+import resource
+import signal
 import threading
 import time
 from pathlib import Path
@@ -56,7 +58,8 @@ from worldloop.common.transport.control import default_proc_id, list_processes
 from worldloop.common.files import append_lines
 from worldloop.common.metrics import metric
 from worldloop.common.transport.process import ProcessScaffold
-from worldloop.common.contracts.schemas import total_turn_reward
+from worldloop.common.contracts.schemas import decode_trajectory, encode_trajectory, packb, total_turn_reward, unpackb
+from worldloop.learner.trackers import final_eval_processes
 from worldloop.eval.cpu import CpuBudget, idle_cores
 from worldloop.eval.reading import first_turn_reading
 from worldloop.eval.stats import wilson_interval
@@ -187,7 +190,8 @@ def run(cfg: Config, args: argparse.Namespace | None = None) -> int:
     proc_id = f"evaluator-{default_proc_id()}"
     backend = subscriber = fetcher = None
     fetch_stop = threading.Event()  # the fetcher outlives a stop request: the final version still comes
-    with ProcessScaffold(cfg, "evaluator", proc_id, stop_message="evaluating the final version, then exiting") as proc:
+    with ProcessScaffold(cfg, "evaluator", proc_id, stop_message="evaluating the final version, then exiting",
+                         cpu_seconds=lambda: time.process_time() + _children_cpu()) as proc:  # the final's forks too
         try:
             proc.set_phase("loading the generation backend")
             backend = make_backend(cfg, local=True)  # weights it sets itself: hf for actor.backend=server
@@ -261,15 +265,20 @@ class Evaluations:
         self.proc.set_phase(f"evaluating v{v} on {len(specs)} held-out episodes" + (" (final)" if final else ""))
         t0, cpu0 = time.monotonic(), time.process_time()
         cut = None
+        kids0 = _children_cpu()
         if final:
-            trajs, cut = play_final(self.backend, self.cfg, specs, self.proc.control.get("final_eval_by", 0.0))
+            processes = final_eval_processes(self.cfg, cuda=str(getattr(self.backend, "device", "cpu")).startswith("cuda"))
+            trajs, cut = play_final_split(self.backend, self.cfg, specs, self.proc.control.get("final_eval_by", 0.0),
+                                          processes, self.run_dir / "eval_scratch")
         else:
             trajs = evaluate(self.backend, self.cfg, specs)
         rec = summarize(trajs, v, time.monotonic() - t0)
         if cut is not None:
             rec["cut"] = cut
         rec["first_turn_reading"] = first_turn_reading(trajs, self.cfg.judge)
-        rec["cpu_s"] = round(time.process_time() - cpu0, 2)
+        rec["cpu_s"] = round(time.process_time() - cpu0 + _children_cpu() - kids0, 2)  # the forks' too
+        if final:
+            rec["processes"] = processes
         if not final:
             self.budget.charge(rec["cpu_s"])
         rec.update(final=final, cpu=self.budget.snapshot())
@@ -306,6 +315,108 @@ def play_final(backend, cfg: Config, specs: list[EpisodeSpec], by: float,
         trajs += evaluate(backend, cfg, order[i:i + chunk])
         last = time.monotonic() - t
     return trajs, None
+
+
+def _children_cpu() -> float:
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return kids.ru_utime + kids.ru_stime
+
+
+def play_final_split(backend, cfg: Config, specs: list[EpisodeSpec], by: float, processes: int,
+                     scratch: Path) -> tuple[list, dict | None]:
+    """:func:`play_final` in ``processes`` processes (:func:`worldloop.learner.trackers.final_eval_processes`):
+    this one and ``processes - 1`` copies of it made by ``os.fork``, which hold its backend and weights
+    as they are now; each plays every ``processes``-th episode of the seed order on one torch thread, with
+    the same deadline. The decode loop is Python-bound on the tiny presets, so a second torch thread
+    did little (the 512 episodes of a 2-core run took 107 s and 108 CPU s) where a second process halves
+    the time. A copy writes its trajectories (the trajectory schema, msgpack) to a file in ``scratch``
+    and exits; one that fails or writes nothing has its episodes played here afterwards, within the
+    deadline. The copies die with this process (``PR_SET_PDEATHSIG``). Returns the trajectories in the
+    seed order and the ``cut`` of :func:`play_final` over all of them (or None)."""
+    import torch
+
+    order = sorted(specs, key=lambda s: s.seed)
+    if processes <= 1 or len(order) < 2:
+        return play_final(backend, cfg, order, by)
+    parts = [order[k::processes] for k in range(processes) if order[k::processes]]
+    scratch.mkdir(parents=True, exist_ok=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    kids = []
+    try:
+        for k, part in enumerate(parts[1:], 1):
+            path = scratch / f"final-{os.getpid()}-{k}.msgpack"
+            pid = os.fork()
+            if pid == 0:  # the copy: play, write, and leave without running the parent's exit handlers
+                code = 1
+                try:
+                    _die_with_parent()
+                    got, cut = play_final(backend, cfg, part, by)
+                    tmp = path.with_suffix(".tmp")
+                    tmp.write_bytes(packb({"trajectories": [encode_trajectory(t) for t in got], "cut": cut}))
+                    os.replace(tmp, path)
+                    code = 0
+                except BaseException:
+                    log.exception("the final evaluation's process %d of %d failed", k + 1, len(parts))
+                finally:
+                    os._exit(code)
+            kids.append((pid, path, part))
+        log.info("the final evaluation plays %d episodes in %d processes (this one and %d forks)", len(order),
+                 len(parts), len(kids))
+        trajs, cuts = [], []
+        got, cut = play_final(backend, cfg, parts[0], by)
+        trajs += got
+        cuts.append(cut)
+        for pid, path, part in kids:
+            got, cut = _collect_fork(pid, path)
+            if got is None:
+                log.warning("the final evaluation's process %d brought nothing back: its %d episodes are played here",
+                            pid, len(part))
+                got, cut = play_final(backend, cfg, part, by)
+            trajs += got
+            cuts.append(cut)
+    finally:
+        torch.set_num_threads(threads)
+        for pid, _, _ in kids:  # a copy still running here (this one failed): stop it
+            try:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+    rank = {(s.env_name, s.seed): i for i, s in enumerate(order)}
+    trajs.sort(key=lambda t: rank.get((t.env_name, t.seed), len(rank)))
+    if all(c is None for c in cuts):
+        return trajs, None
+    return trajs, {"planned": len(order), "played": len(trajs), "by": round(by, 1)}
+
+
+def _collect_fork(pid: int, path: Path) -> tuple[list | None, dict | None]:
+    """Wait for a copy of :func:`play_final_split` and read what it wrote: (trajectories, cut), or
+    (None, None) when it failed or its file does not decode."""
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    try:
+        if code != 0:
+            log.warning("the final evaluation's process %d exited %d", pid, code)
+            return None, None
+        data = unpackb(path.read_bytes())
+        return [decode_trajectory(b) for b in data["trajectories"]], data["cut"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("the final evaluation's process %d wrote nothing readable: %s: %s", pid, type(e).__name__, e)
+        return None, None
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent dies (prctl PR_SET_PDEATHSIG), so a copy of a
+    killed evaluator does not play on alone; elsewhere nothing."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _evaluate_until_final(cfg: Config, proc, backend, fetcher, evals: Evaluations) -> None:
@@ -347,7 +458,8 @@ def _evaluate_until_final(cfg: Config, proc, backend, fetcher, evals: Evaluation
             continue
         if final is not None:
             if done != backend.version or final_episodes(cfg) != cfg.trainer.eval_episodes:
-                idle_core_threads(cfg)
+                if final_eval_processes(cfg, cuda=str(getattr(backend, "device", "cpu")).startswith("cuda")) == 1:
+                    idle_core_threads(cfg)  # more processes take one thread each
                 evals.evaluate(final=True)
             return
         if done is None or backend.version >= done + cfg.trainer.eval_every:

@@ -182,6 +182,12 @@ class TrainerConfig(Section):
                                             description="held-out episodes per env of the final evaluation, played after "
                                                         "the learner stopped (the first eval_episodes of them are the "
                                                         "in-run seeds); null = eval_episodes")
+    final_eval_processes: int = Field(0, ge=0, le=256, json_schema_extra={"note": "0 = one per core the evaluator may use"},
+                                      description="processes that play the final evaluation, each a share of its episodes "
+                                                  "on one torch thread: the evaluator and copies of it made by fork, "
+                                                  "with its weights; 0 = one per core the evaluator may use, 1 = the "
+                                                  "evaluator alone. Only an HF backend on the CPU forks (vLLM and CUDA "
+                                                  "keep 1); the learner's estimate of the final evaluation divides by it")
     # worldloop/eval/cpu.py: the in-run evaluations' CPU against the sum of every process's heartbeat cpu_s
     eval_cpu_share: Float = Field(0.15, gt=0, le=1, description="the in-run evaluations may take at most this share of "
                                                                "the run's CPU seconds (all processes): an evaluation "
