@@ -22,13 +22,15 @@ the run directory (as under ``worldloop up``); otherwise it waits up to ``FINAL_
 channel. Then it exits. Under ``worldloop up``'s time budget the final evaluation also keeps to the
 run's end: the learner's control record says by when (``final_eval_by``), the evaluator plays in
 chunks of :data:`FINAL_CHUNK` episodes, the envs interleaved, and starts no chunk that would end
-past it (its record then says ``cut``: planned, played, by), and its HF backend takes the cores idle
-at that moment (:func:`idle_core_threads`).
+past it (its record then says ``cut``: planned, played, by). An HF backend on the CPU plays it in
+``trainer.final_eval_processes`` processes (default one per core: :func:`play_final_split`, copies of
+the evaluator made by ``fork``, one torch thread each); with one process its torch takes the cores
+idle at that moment (:func:`idle_core_threads`).
 
 Each evaluation is one line ``{"eval": {...}}`` in ``<run_dir>/eval.jsonl`` and in
 ``<run_dir>/metrics.jsonl``: policy version, ``final``, episodes, successes and the success rate
 with its 95% Wilson interval per env and over all, mean episode reward, seconds, ``cpu_s`` (its own
-CPU seconds), ``cpu`` (:meth:`CpuBudget.snapshot`: the in-run evaluations' and the evaluator's
+CPU seconds, the final evaluation's forks included; the final record also ``processes``), ``cpu`` (:meth:`CpuBudget.snapshot`: the in-run evaluations' and the evaluator's
 share of the run's CPU so far; the final record also ``cpu_at_stop``, the same when the run
 stopped: the in-run evaluations' share of the whole run) and ``first_turn_reading`` (per env, the share of first turns whose
 ``<observation>`` reads the board right: :func:`worldloop.eval.reading.first_turn_reading`). On

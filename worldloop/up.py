@@ -27,7 +27,8 @@ Steps, each logged:
    record says ``stopped``, children get SIGTERM (then SIGKILL), ``training.png`` is drawn from
    ``metrics.jsonl`` (:mod:`worldloop.plot`), ``scrapes.json`` records which processes were scraped and
    ``process_metrics.json`` the last scrape of each (its metric sums: idle seconds, episodes, ...)
-   and ``cpu.json`` the CPU seconds per role and the evaluator's share of them.
+   and ``cpu.json`` the CPU seconds per role and the evaluator's share of them (the evaluator process's
+   own: the final evaluation's forks are counted in its record's ``cpu_s``).
 """
 
 from __future__ import annotations
