@@ -242,3 +242,57 @@ def test_the_final_evaluation_split_over_forked_processes_plays_what_one_process
     monkeypatch.setattr(heldout, "play_final", small_chunks)
     trajs, cut = play_final_split(backend, cfg, specs, time.time() - 1.0, 2, tmp_path)
     assert [t.seed - cfg.eval.seed_start for t in trajs] == [0, 1, 2, 3] and (cut["planned"], cut["played"]) == (6, 4)
+
+
+_SPLIT_SCRIPT = """
+import logging, sys
+logging.basicConfig(level=logging.INFO)
+from worldloop.actor.hf_backend import HFBackend
+from worldloop.common.contracts.config import config_from_dict
+from worldloop.heldout import held_out_specs, play_final_split
+kw = {"size": 3, "is_slippery": False, "min_actions_to_succeed": 2, "render_mode": "vision", "image_size": 56}
+cfg = config_from_dict({"actor": {"envs": [{"id": "worldloop/FrozenLake-v0", "kwargs": kw}], "max_turns": 3,
+                                  "max_new_tokens": 64, "num_envs": 2}, "model": {"max_image_side": 112},
+                        "trainer": {"eval_episodes": 100000}})
+backend = HFBackend(sys.argv[1], max_image_side=112)
+play_final_split(backend, cfg, held_out_specs(cfg), 0.0, 2, __import__("pathlib").Path(sys.argv[2]))
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_evaluator_takes_its_final_evaluations_fork_with_it(shared_tiny_model, tmp_path) -> None:
+    """The fork of play_final_split dies with the process that made it (PR_SET_PDEATHSIG): an evaluator
+    that worldloop up SIGKILLs does not leave a copy playing on alone. The parent here plays 100,000
+    episodes, so neither ends on its own within the test's bounds."""
+    import signal
+
+    import psutil
+
+    from procs import Child, wait_for
+
+    helper = Child.script(_SPLIT_SCRIPT, [str(shared_tiny_model(seed=0, max_image_side=112)), str(tmp_path / "scratch")],
+                          tmp_path / "split.log")
+    fork = None
+    try:
+        forks = wait_for(lambda: "in 2 processes" in helper.output(None) and psutil.Process(helper.pid).children(),
+                         "the final evaluation to fork", 120, [helper])
+        fork = forks[0]
+        assert fork.is_running() and fork.status() != psutil.STATUS_ZOMBIE
+        helper.proc.send_signal(signal.SIGKILL)
+        helper.proc.wait(timeout=30)
+
+        def gone() -> bool:
+            try:
+                return fork.status() == psutil.STATUS_ZOMBIE  # dead, waiting for whoever adopted it to reap it
+            except psutil.NoSuchProcess:
+                return True
+
+        wait_for(gone, "the fork to die with its parent", 60)
+    finally:
+        for p in (fork, psutil.Process(helper.pid) if helper.proc.poll() is None else None):
+            try:
+                if p is not None:
+                    p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        helper.proc.wait(timeout=30)

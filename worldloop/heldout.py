@@ -330,8 +330,8 @@ def play_final_split(backend, cfg: Config, specs: list[EpisodeSpec], by: float, 
     this one and ``processes - 1`` copies of it made by ``os.fork``, which hold its backend and weights
     as they are now; each plays every ``processes``-th episode of the seed order on one torch thread, with
     the same deadline. The decode loop is Python-bound on the tiny presets, so a second torch thread
-    did little (the 512 episodes of a 2-core run took 107 s and 108 CPU s) where a second process halves
-    the time. A copy writes its trajectories (the trajectory schema, msgpack) to a file in ``scratch``
+    did little (the 512 episodes of a 2-core run took 107 s and 108 CPU s) where two processes took
+    75 s. A copy writes its trajectories (the trajectory schema, msgpack) to a file in ``scratch``
     and exits; one that fails or writes nothing has its episodes played here afterwards, within the
     deadline. The copies die with this process (``PR_SET_PDEATHSIG``). Returns the trajectories in the
     seed order and the ``cut`` of :func:`play_final` over all of them (or None)."""
@@ -344,7 +344,8 @@ def play_final_split(backend, cfg: Config, specs: list[EpisodeSpec], by: float, 
     scratch.mkdir(parents=True, exist_ok=True)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    kids = []
+    kids, waiting = [], set()  # waiting: the copies not yet reaped (never signal a reaped pid: it may be reused)
+    parent = os.getpid()
     try:
         for k, part in enumerate(parts[1:], 1):
             path = scratch / f"final-{os.getpid()}-{k}.msgpack"
@@ -352,7 +353,7 @@ def play_final_split(backend, cfg: Config, specs: list[EpisodeSpec], by: float, 
             if pid == 0:  # the copy: play, write, and leave without running the parent's exit handlers
                 code = 1
                 try:
-                    _die_with_parent()
+                    _die_with_parent(parent)
                     got, cut = play_final(backend, cfg, part, by)
                     tmp = path.with_suffix(".tmp")
                     tmp.write_bytes(packb({"trajectories": [encode_trajectory(t) for t in got], "cut": cut}))
@@ -363,6 +364,7 @@ def play_final_split(backend, cfg: Config, specs: list[EpisodeSpec], by: float, 
                 finally:
                     os._exit(code)
             kids.append((pid, path, part))
+            waiting.add(pid)
         log.info("the final evaluation plays %d episodes in %d processes (this one and %d forks)", len(order),
                  len(parts), len(kids))
         trajs, cuts = [], []
@@ -371,6 +373,7 @@ def play_final_split(backend, cfg: Config, specs: list[EpisodeSpec], by: float, 
         cuts.append(cut)
         for pid, path, part in kids:
             got, cut = _collect_fork(pid, path)
+            waiting.discard(pid)
             if got is None:
                 log.warning("the final evaluation's process %d brought nothing back: its %d episodes are played here",
                             pid, len(part))
@@ -379,9 +382,9 @@ def play_final_split(backend, cfg: Config, specs: list[EpisodeSpec], by: float, 
             cuts.append(cut)
     finally:
         torch.set_num_threads(threads)
-        for pid, _, _ in kids:  # a copy still running here (this one failed): stop it
+        for pid in waiting:  # a copy still running when this one failed: stop it
             try:
-                os.kill(pid, 9)
+                os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
             except (ProcessLookupError, ChildProcessError):
                 pass
@@ -410,15 +413,17 @@ def _collect_fork(pid: int, path: Path) -> tuple[list | None, dict | None]:
         path.unlink(missing_ok=True)
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int) -> None:
     """Linux: this process gets SIGKILL when its parent dies (prctl PR_SET_PDEATHSIG), so a copy of a
-    killed evaluator does not play on alone; elsewhere nothing."""
+    killed evaluator does not play on alone; elsewhere nothing. A parent already gone ends it at once."""
     try:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+    if os.getppid() != parent:  # it died before the prctl took effect
+        os._exit(1)
 
 
 def _evaluate_until_final(cfg: Config, proc, backend, fetcher, evals: Evaluations) -> None:
