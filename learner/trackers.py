@@ -70,6 +70,7 @@ from typing import Any, Callable
 import msgspec
 
 from worldloop.common.contracts.config import Config, ConfigError, to_dict
+from worldloop.common.cores import usable_cores
 from worldloop.common.secrets import redacted
 from worldloop.common.files import append_lines
 from worldloop.common.contracts.schemas import Trajectory, total_turn_reward
@@ -316,8 +317,7 @@ def final_eval_processes(cfg: Config, cores: int | None = None, cuda: bool = Fal
         return 1
     n = cfg.trainer.final_eval_processes
     if n == 0:
-        n = cores if cores is not None else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                             else os.cpu_count() or 1)
+        n = usable_cores() if cores is None else cores
     return max(1, int(n))
 
 

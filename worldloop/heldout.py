@@ -270,6 +270,8 @@ class Evaluations:
         kids0 = _children_cpu()
         if final:
             processes = final_eval_processes(self.cfg, cuda=str(getattr(self.backend, "device", "cpu")).startswith("cuda"))
+            if processes == 1:
+                idle_core_threads(self.cfg)  # more processes take one thread each
             trajs, cut = play_final_split(self.backend, self.cfg, specs, self.proc.control.get("final_eval_by", 0.0),
                                           processes, self.run_dir / "eval_scratch")
         else:
@@ -348,7 +350,7 @@ def play_final_split(backend, cfg: Config, specs: list[EpisodeSpec], by: float, 
     parent = os.getpid()
     try:
         for k, part in enumerate(parts[1:], 1):
-            path = scratch / f"final-{os.getpid()}-{k}.msgpack"
+            path = scratch / f"final-{parent}-{k}.msgpack"
             pid = os.fork()
             if pid == 0:  # the copy: play, write, and leave without running the parent's exit handlers
                 code = 1
@@ -465,8 +467,6 @@ def _evaluate_until_final(cfg: Config, proc, backend, fetcher, evals: Evaluation
             continue
         if final is not None:
             if done != backend.version or final_episodes(cfg) != cfg.trainer.eval_episodes:
-                if final_eval_processes(cfg, cuda=str(getattr(backend, "device", "cpu")).startswith("cuda")) == 1:
-                    idle_core_threads(cfg)  # more processes take one thread each
                 evals.evaluate(final=True)
             return
         if done is None or backend.version >= done + cfg.trainer.eval_every:

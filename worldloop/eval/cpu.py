@@ -8,7 +8,7 @@ Public API::
         .charge(cpu_s)                  # an in-run evaluation took cpu_s CPU seconds
         .run_cpu() -> float, .share() -> float | None, .snapshot() -> dict
     cpu_by_role(last_values) -> dict    # `worldloop up`: CPU seconds per role from the last scrapes
-    usable_cores() -> int               # the cores this process may run on
+    usable_cores() -> int               # the cores this process may run on (worldloop.common.cores)
     idle_cores(sample_s=1.0) -> float | None   # how many of them were idle over the next sample_s seconds
 
 **The rule.** Every process of a run puts its CPU seconds so far (``time.process_time()``, all its
@@ -30,9 +30,10 @@ The clock and the counters are arguments, so the rule is tested with explicit nu
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Callable, Iterable
+
+from worldloop.common.cores import usable_cores  # noqa: F401  (part of this module's API: worldloop up)
 
 
 class CpuBudget:
@@ -97,11 +98,6 @@ def cpu_by_role(last_values: dict[str, dict]) -> dict:
     total = sum(seconds.values())
     return {"seconds": {k: round(v, 1) for k, v in sorted(seconds.items())}, "total_s": round(total, 1),
             "share": {k: round(v / total, 4) for k, v in sorted(seconds.items())} if total > 0 else {}}
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity where the platform has one)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def idle_cores(sample_s: float = 1.0) -> float | None:
